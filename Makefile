@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine (README): `make demo` and `make test`.
+PYTHON ?= python3
+export PYTHON
+
+.PHONY: setup demo test check lint render cluster-up cluster-down clean
+
+setup:
+	@scripts/setup.sh
+
+## Main job: start the built-in two-node Slurm cluster and run the whole GPT chain on it.
+demo: setup
+	scripts/cluster.sh up
+	$(PYTHON) -m workflows.submit gpt --nodes 2 --wait
+
+## Every CPU test tier (unit, dist, slurm) plus the golden sbatch check. CI runs exactly this.
+test: setup
+	$(PYTHON) -m workflows.render --check
+	$(PYTHON) -m pytest -m "not gpu" tests
+
+lint:
+	$(PYTHON) -m ruff check trainer workflows tests
+
+check: lint test
+
+render:
+	$(PYTHON) -m workflows.render
+
+cluster-up:
+	scripts/cluster.sh up
+
+cluster-down:
+	scripts/cluster.sh down
+
+clean:
+	rm -rf build *.egg-info .pytest_cache benchmark runs

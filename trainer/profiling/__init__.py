@@ -1,0 +1,1 @@
+"""Per-rank Chrome trace events and the aggregation of all ranks into one timeline."""

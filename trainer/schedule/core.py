@@ -1,0 +1,177 @@
+"""Vocabulary shared by every schedule, the simulator and the real runtime (pure Python, no torch).
+
+Stage ``s`` of ``p`` holds model chunks ``c`` of ``v``; chunk ``c`` of stage ``s`` is *virtual stage*
+``c * p + s`` (Megatron-Core's interleaved layout), so a microbatch flows 0 -> 1 -> ... -> v*p - 1 and
+activations wrap from stage p-1 back to stage 0 between chunks.
+
+Actions: ``F(m, c)`` forward, ``B(m, c)`` full backward, or (split backward, zero-bubble style)
+``I(m, c)`` input-gradient then ``W(m, c)`` weight-gradient.
+
+A :class:`StageState` is what one stage knows: which actions ran, which inputs (activations from
+upstream, gradients from downstream) have arrived. A :class:`Policy` maps that state to the next
+action, or ``None`` (WAIT: nothing it is willing to run is ready). The same policy objects drive the
+discrete-event simulator and the runtime, so what we simulate is what we run.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class Op(str, enum.Enum):
+    F = "F"  # forward
+    B = "B"  # full backward (input grad + weight grad)
+    I = "I"  # input-gradient half of a split backward  # noqa: E741
+    W = "W"  # weight-gradient half of a split backward
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    op: Op
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:  # "F3.c1" - also the trace event name
+        return f"{self.op.value}{self.microbatch}.c{self.chunk}"
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """Sizes of one pipeline-parallel step."""
+
+    num_stages: int
+    """p: pipeline stages (ranks along the pipeline)."""
+    num_microbatches: int
+    """M: microbatches per step (per data-parallel replica)."""
+    num_chunks: int = 1
+    """v: model chunks per stage (virtual pipeline size)."""
+
+    def __post_init__(self) -> None:
+        bad = [
+            f"{n}={getattr(self, n)}"
+            for n in ("num_stages", "num_microbatches", "num_chunks")
+            if getattr(self, n) < 1
+        ]
+        if bad:
+            raise ValueError("pipeline sizes must be >= 1: " + ", ".join(bad))
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.num_stages * self.num_chunks
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        return chunk * self.num_stages + stage
+
+    def is_first_virtual(self, stage: int, chunk: int) -> bool:
+        return self.virtual_stage(stage, chunk) == 0
+
+    def is_last_virtual(self, stage: int, chunk: int) -> bool:
+        return self.virtual_stage(stage, chunk) == self.num_virtual_stages - 1
+
+    def downstream(self, stage: int, chunk: int) -> tuple[int, int] | None:
+        """(stage, chunk) that consumes F(m, chunk)'s output, or None after the last virtual stage."""
+        vs = self.virtual_stage(stage, chunk) + 1
+        if vs >= self.num_virtual_stages:
+            return None
+        return vs % self.num_stages, vs // self.num_stages
+
+    def upstream(self, stage: int, chunk: int) -> tuple[int, int] | None:
+        """(stage, chunk) whose F feeds F(m, chunk) here, or None at virtual stage 0."""
+        vs = self.virtual_stage(stage, chunk) - 1
+        if vs < 0:
+            return None
+        return vs % self.num_stages, vs // self.num_stages
+
+
+@dataclass
+class StageState:
+    """Everything one stage knows while running a step. Mutated only through its methods."""
+
+    shape: PipelineShape
+    stage: int
+    split_backward: bool = False
+    """True when backwards run as I then W (zero-bubble policies), False for a single B."""
+    done: set[Action] = field(default_factory=set)
+    activations_arrived: set[tuple[int, int]] = field(default_factory=set)
+    """(microbatch, chunk) whose input activation has arrived from upstream."""
+    grads_arrived: set[tuple[int, int]] = field(default_factory=set)
+    """(microbatch, chunk) whose output gradient has arrived from downstream."""
+    inflight: int = 0
+    """Forwards whose activations are still held (F done, backward not finished)."""
+    peak_inflight: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage < self.shape.num_stages:
+            raise ValueError(f"stage={self.stage} outside [0, {self.shape.num_stages})")
+
+    # ---- events ------------------------------------------------------------------------------
+    def mark_activation_arrived(self, microbatch: int, chunk: int) -> None:
+        self.activations_arrived.add((microbatch, chunk))
+
+    def mark_grad_arrived(self, microbatch: int, chunk: int) -> None:
+        self.grads_arrived.add((microbatch, chunk))
+
+    def mark_done(self, action: Action) -> None:
+        assert action not in self.done, f"stage {self.stage}: {action} ran twice"
+        assert self.is_ready(action), f"stage {self.stage}: {action} ran before its inputs"
+        self.done.add(action)
+        if action.op is Op.F:
+            self.inflight += 1
+            self.peak_inflight = max(self.peak_inflight, self.inflight)
+        elif action.op in (Op.B, Op.W):
+            # Activations are released when the whole backward of (m, c) has run: for a split
+            # backward W still reads the saved inputs, so they are held until W.
+            self.inflight -= 1
+
+    # ---- queries -----------------------------------------------------------------------------
+    def is_ready(self, action: Action) -> bool:
+        """True when ``action``'s inputs are present and it has not run yet."""
+        if action in self.done:
+            return False
+        m, c, s, shape = action.microbatch, action.chunk, self.stage, self.shape
+        if action.op is Op.F:
+            return shape.is_first_virtual(s, c) or (m, c) in self.activations_arrived
+        if action.op is Op.W:
+            return Action(Op.I, m, c) in self.done
+        if (action.op is Op.B) == self.split_backward:
+            return False  # B only without split, I only with split
+        if Action(Op.F, m, c) not in self.done:
+            return False
+        return shape.is_last_virtual(s, c) or (m, c) in self.grads_arrived
+
+    def all_actions(self) -> list[Action]:
+        ops = (Op.F, Op.I, Op.W) if self.split_backward else (Op.F, Op.B)
+        return [
+            Action(op, m, c)
+            for op in ops
+            for c in range(self.shape.num_chunks)
+            for m in range(self.shape.num_microbatches)
+        ]
+
+    def ready_actions(self) -> list[Action]:
+        """Ready actions, oldest microbatch first within each kind."""
+        return sorted((a for a in self.all_actions() if self.is_ready(a)),
+                      key=lambda a: (a.op.value, a.microbatch, a.chunk))
+
+    @property
+    def total_actions(self) -> int:
+        per = 3 if self.split_backward else 2
+        return per * self.shape.num_microbatches * self.shape.num_chunks
+
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == self.total_actions
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Chooses a stage's next action. Pure: reads ``state``, never mutates it, does no I/O."""
+
+    name: str
+    split_backward: bool
+
+    def choose(self, state: StageState) -> Action | None:
+        """The next action to run, or None to wait for an arrival."""
+        ...
