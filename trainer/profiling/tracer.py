@@ -1,0 +1,228 @@
+"""Per-rank Chrome trace recorder: one ``trace_rank<RANK:05d>.json`` per rank, written at close.
+
+The trace format is a contract shared with the simulator and the aggregator (docs/profiling.md):
+every event is a Chrome "complete" event (``ph: "X"``) with a µs ``ts`` on this rank's wall clock
+(``time.time_ns() / 1000``, the same clock :func:`trainer.profiling.clock.measure_clock_offset`
+reads), a ``dur`` >= 0, ``pid`` = this rank, ``tid`` in ``compute | comm | wait``, ``cat`` the
+operation kind and ``args`` holding iteration, microbatch, chunk, stage and in-flight activations.
+
+Why events are tuples in a list until :meth:`Tracer.close`: a span sits around every F/B/I/W and
+every send/recv of the pipeline loop, so recording must cost about a microsecond. Appending one
+tuple does; building dicts and serialising JSON happen once, off the critical path, at close.
+With profiling off, :class:`NullTracer` hands out one shared no-op context manager, so the
+runtime pays an attribute lookup and a call, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TRACE_FILE_FORMAT = "trace_rank{rank:05d}.json"
+"""Name of one rank's trace file inside the profile directory."""
+
+THREADS = ("compute", "comm", "wait")
+"""Allowed ``tid`` values of per-rank events: the aggregator maps them to numbered threads."""
+
+CATEGORIES = ("F", "B", "I", "W", "send", "recv", "wait")
+"""Allowed ``cat`` values: the four compute operations, the two transfer directions, waiting."""
+
+REQUIRED_METADATA = ("stage", "world_size", "pipeline_parallel", "num_chunks", "num_microbatches", "schedule")
+"""Metadata keys the runtime must give :func:`make_tracer`; the aggregator relies on each one."""
+
+
+def trace_file_name(rank: int) -> str:
+    """``trace_rank00007.json`` for rank 7."""
+    return TRACE_FILE_FORMAT.format(rank=rank)
+
+
+def now_us() -> float:
+    """This rank's wall clock in µs: the time base of every runtime trace event."""
+    return time.time_ns() / 1000.0
+
+
+class _NullSpan:
+    """The context manager :class:`NullTracer` returns for every span: does nothing at all."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NullSpan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def set(self, **args: Any) -> None:
+        """Accepts late arguments (e.g. ``inflight`` known only after the op) and drops them."""
+
+
+_NULL_SPAN = _NullSpan()  # immutable and stateless: safe to share between every caller
+
+
+class NullTracer:
+    """Profiling off: same methods as :class:`Tracer`, all no-ops, no allocation per span."""
+
+    enabled = False
+
+    def span(self, name: str, cat: str, tid: str = "compute", **args: Any) -> _NullSpan:
+        return _NULL_SPAN
+
+    def record(self, name: str, cat: str, start_us: float, end_us: float, tid: str = "compute",
+               **args: Any) -> None:
+        return None
+
+    def set_iteration(self, iteration: int) -> None:
+        return None
+
+    def set_clock_offset(self, offset_us: float) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class _Span:
+    """Times one block and appends it to its tracer on exit (also when the block raises)."""
+
+    __slots__ = ("_tracer", "_name", "_cat", "_tid", "_args", "_start_us")
+
+    def __init__(self, tracer: Tracer, name: str, cat: str, tid: str, args: dict[str, Any]) -> None:
+        self._tracer = tracer
+        self._name = name
+        self._cat = cat
+        self._tid = tid
+        self._args = args
+        self._start_us = 0.0
+
+    def __enter__(self) -> _Span:
+        self._start_us = time.time_ns() / 1000.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end_us = time.time_ns() / 1000.0
+        tracer = self._tracer
+        tracer._events.append(
+            (self._name, self._cat, self._tid, self._start_us, end_us, tracer._iteration, self._args)
+        )
+
+    def set(self, **args: Any) -> None:
+        """Adds arguments known only inside the block, e.g. ``inflight`` after a forward ran."""
+        self._args.update(args)
+
+
+class Tracer:
+    """Records this rank's events in memory and writes them as one Chrome trace file.
+
+    Use :func:`make_tracer` rather than constructing one directly.
+    """
+
+    enabled = True
+
+    def __init__(self, path: Path, rank: int, metadata: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self._metadata = dict(metadata, rank=rank, source="runtime")
+        self._metadata.setdefault("tp_rank", 0)
+        self._metadata.setdefault("dp_rank", 0)
+        self._metadata.setdefault("clock_offset_us", 0.0)
+        self._stage = int(self._metadata["stage"])
+        self._iteration = 0
+        # (name, cat, tid, start_us, end_us, iteration, args): converted to dicts only at flush.
+        self._events: list[tuple[str, str, str, float, float, int, dict[str, Any]]] = []
+        self._closed = False
+
+    # ---- recording (hot path) ------------------------------------------------------------------
+    def span(self, name: str, cat: str, tid: str = "compute", **args: Any) -> _Span:
+        """Context manager timing its block as one event; ``args`` go to the event's ``args``."""
+        return _Span(self, name, cat, tid, args)
+
+    def record(self, name: str, cat: str, start_us: float, end_us: float, tid: str = "compute",
+               **args: Any) -> None:
+        """Adds an event timed by the caller (µs on :func:`now_us`'s clock), e.g. an async send."""
+        self._events.append((name, cat, tid, start_us, end_us, self._iteration, args))
+
+    def set_iteration(self, iteration: int) -> None:
+        """Tags every later event with ``iteration`` (the training step number)."""
+        self._iteration = int(iteration)
+
+    def set_clock_offset(self, offset_us: float) -> None:
+        """µs to add to this rank's timestamps to read rank 0's clock (see clock.py)."""
+        self._metadata["clock_offset_us"] = float(offset_us)
+
+    @property
+    def num_events(self) -> int:
+        return len(self._events)
+
+    # ---- output --------------------------------------------------------------------------------
+    def to_chrome(self) -> dict[str, Any]:
+        """The trace as the contract's JSON document (events in recording order)."""
+        stage, rank = self._stage, self.rank
+        events = []
+        for name, cat, tid, start_us, end_us, iteration, args in self._events:
+            event_args = {"iteration": iteration, "stage": stage}
+            event_args.update(args)
+            events.append({
+                "name": name, "ph": "X", "ts": start_us, "dur": max(end_us - start_us, 0.0),
+                "pid": rank, "tid": tid, "cat": cat, "args": event_args,
+            })
+        return {"traceEvents": events, "metadata": dict(self._metadata)}
+
+    def flush(self) -> None:
+        """Writes everything recorded so far, atomically: readers see the old or the new file."""
+        write_json_atomic(self.path, self.to_chrome())
+
+    def close(self) -> None:
+        """Writes the file; later calls do nothing (safe from ``finally`` and ``atexit`` alike)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        logger.info("rank %d: wrote %d trace events to %s", self.rank, len(self._events), self.path)
+
+
+def write_json_atomic(path: Path, document: Any) -> None:
+    """Writes ``document`` as JSON through a temporary file in the same folder and os.replace.
+
+    A rank killed mid-write leaves the previous file (or none), never half a JSON document.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(document, out, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def make_tracer(profile_dir: str | os.PathLike[str] | None, rank: int,
+                metadata: dict[str, Any]) -> Tracer | NullTracer:
+    """A :class:`Tracer` writing ``<profile_dir>/trace_rank<RANK>.json``, or a :class:`NullTracer`
+    when ``profile_dir`` is None (profiling off).
+
+    ``metadata`` must hold the keys of :data:`REQUIRED_METADATA`; ``tp_rank``/``dp_rank`` default
+    to 0; ``rank``, ``source`` and ``clock_offset_us`` are filled in here.
+    """
+    if profile_dir is None:
+        return NullTracer()
+    problems = [f"missing metadata key {key!r}" for key in REQUIRED_METADATA if key not in metadata]
+    if not isinstance(rank, int) or rank < 0:
+        problems.append(f"rank={rank!r} must be an int >= 0")
+    if problems:
+        raise ValueError("make_tracer: " + "; ".join(problems))
+    # Created now rather than at close so that an unwritable folder fails at start-up, not
+    # after hours of training.
+    Path(profile_dir).mkdir(parents=True, exist_ok=True)
+    return Tracer(Path(profile_dir) / trace_file_name(rank), rank, metadata)
