@@ -1,0 +1,76 @@
+"""measure_clock_offset across real processes (gloo) whose clocks are skewed by known amounts."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+
+import pytest
+
+from trainer.profiling.clock import RoundTrip, best_offset
+
+# Seconds-scale skews, far beyond the loopback round trip, in both directions.
+SKEW_US = (0.0, 5_000_000.0, -3_250_000.0)
+# A loopback gloo round trip takes ~0.1 ms; on a loaded 2-core machine the best of 8 trips can
+# still be a few ms (the error bound is RTT/2). 20 ms is far below the skews, so a sign or
+# bookkeeping error cannot pass.
+TOLERANCE_US = 20_000.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, skews: tuple[float, ...], results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainer.profiling.clock import measure_clock_offset
+    from trainer.profiling.tracer import now_us
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        skew = skews[rank]
+        offset = measure_clock_offset(rounds=8, timeout_s=60, clock_us=lambda: now_us() + skew)
+        results.put((rank, offset))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_offsets_undo_injected_skew():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, len(SKEW_US), port, SKEW_US, results))
+             for r in range(len(SKEW_US))]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 75
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 1))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} did not finish the clock sync in 75 s"
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    offsets = dict(results.get(timeout=5) for _ in procs)
+    assert offsets[0] == 0.0
+    for rank in (1, 2):
+        expected = SKEW_US[0] - SKEW_US[rank]  # add to rank r's (skewed) clock to read rank 0's
+        assert abs(offsets[rank] - expected) < TOLERANCE_US, (rank, offsets[rank], expected)
+
+
+def test_best_offset_keeps_the_shortest_round_trip():
+    noisy = RoundTrip(sent_us=0.0, root_us=900.0, received_us=1000.0)  # RTT 1000, offset 400
+    clean = RoundTrip(sent_us=2000.0, root_us=2110.0, received_us=2020.0)  # RTT 20, offset 100
+    assert best_offset([noisy, clean, noisy]) is clean
+    assert clean.offset_us == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="at least one"):
+        best_offset([])
