@@ -1,0 +1,117 @@
+"""The trace-aggregation job: merge a run's per-rank traces, summarise them, draw the timeline.
+
+    python -m trainer.profiling.aggregate --benchmark_dir DIR [--out merged.json] \
+        [--compare sim.json] [--png timeline.png] [--iteration N]
+
+Writes ``merged.json`` (Chrome trace format: open it in https://ui.perfetto.dev or
+chrome://tracing), ``summary.json`` beside it and the PNG, and prints the per-stage table.
+Missing or unreadable rank files are reported by name and the other ranks still merge.
+Exit status: 0 when at least one rank merged, 1 when none could be read, 2 for bad arguments
+(then nothing is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.profiling.loading import load_rank_traces, read_trace_file
+from trainer.profiling.merge import merge_traces
+from trainer.profiling.plot import plot_timeline
+from trainer.profiling.summary import TraceSummary, format_table, iterations_of, summarize
+from trainer.profiling.tracer import write_json_atomic
+from trainer.profiling.validate import validate_trace
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer.profiling.aggregate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--benchmark_dir", "--benchmark-dir", required=True, type=Path,
+                        help="folder holding the run's trace_rank*.json files (the run's --profile-dir)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="merged trace to write (default: BENCHMARK_DIR/merged.json); "
+                             "summary.json goes beside it")
+    parser.add_argument("--compare", type=Path, default=None,
+                        help="simulator trace drawn as a second panel under the measured one")
+    parser.add_argument("--png", type=Path, default=None,
+                        help="timeline picture to write (default: BENCHMARK_DIR/timeline.png)")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="summarise and draw only this iteration (default: summarise all, "
+                             "draw the last one, which is past start-up effects)")
+    return parser
+
+
+def _load_compare(path: Path) -> dict[str, Any]:
+    """The simulator's file, merged into the same shape as the measured trace."""
+    trace = read_trace_file(path)
+    return merge_traces([trace])
+
+
+def _pick_compare_iteration(compare: dict[str, Any], wanted: int) -> int:
+    """``wanted`` when the simulated trace has it, else its first iteration."""
+    traced = iterations_of(compare)
+    if not traced:
+        raise ValueError("--compare trace has no compute events to draw")
+    return wanted if wanted in traced else traced[0]
+
+
+def _summary_document(summary: TraceSummary, problems: list[str], warnings: list[str],
+                      compare: TraceSummary | None) -> dict[str, Any]:
+    document = summary.to_dict()
+    document.update(problems=problems, validation_warnings=warnings)
+    if compare is not None:
+        document["compare"] = compare.to_dict()
+    return document
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = args.out or args.benchmark_dir / "merged.json"
+    png = args.png or args.benchmark_dir / "timeline.png"
+    try:
+        run = load_rank_traces(args.benchmark_dir)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for problem in run.problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    if not run.traces:
+        print(f"error: no readable trace_rank*.json in {args.benchmark_dir}", file=sys.stderr)
+        return 1
+
+    merged = merge_traces(run.traces, run.missing_ranks, run.problems)
+    warnings = validate_trace(merged)
+    for warning in warnings:
+        print(f"warning: trace: {warning}", file=sys.stderr)
+    # Everything that can reject the arguments runs before the first file is written.
+    try:
+        summary = summarize(merged, args.iteration)
+        draw = args.iteration if args.iteration is not None else summary.iterations[-1]
+        compare = compare_summary = compare_iteration = None
+        if args.compare is not None:
+            compare = _load_compare(args.compare)
+            compare_iteration = _pick_compare_iteration(compare, draw)
+            compare_summary = summarize(compare, compare_iteration)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    write_json_atomic(out, merged)
+    write_json_atomic(out.parent / "summary.json",
+                      _summary_document(summary, run.problems, warnings, compare_summary))
+    plot_timeline(merged, png, draw, compare=compare, compare_iteration=compare_iteration)
+    print(format_table(summary))
+    if compare_summary is not None:
+        print(f"simulated ({compare_summary.schedule}): iteration {compare_iteration} "
+              f"{compare_summary.mean_iteration_time_ms:.2f} ms, bubble {compare_summary.bubble_fraction:.4f}")
+    merged_ranks = len(run.traces)
+    print(f"merged {merged_ranks} of {run.world_size} ranks"
+          + (f"; missing or unreadable: {', '.join(map(str, run.missing_ranks))}" if run.missing_ranks else ""))
+    print(f"wrote {out}, {out.parent / 'summary.json'}, {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
