@@ -16,11 +16,12 @@ discrete-event simulator and the runtime, so what we simulate is what we run.
 from __future__ import annotations
 
 import enum
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
-class Op(str, enum.Enum):
+class Op(str, enum.Enum):  # noqa: UP042 - keep str(Op.F) == "Op.F" as the contract had it
     F = "F"  # forward
     B = "B"  # full backward (input grad + weight grad)
     I = "I"  # input-gradient half of a split backward  # noqa: E741
@@ -87,7 +88,12 @@ class PipelineShape:
 
 @dataclass
 class StageState:
-    """Everything one stage knows while running a step. Mutated only through its methods."""
+    """Everything one stage knows while running a step. Mutated only through its methods.
+
+    Besides the public sets it keeps the *ready set* per op kind up to date on every event, so a
+    policy's ``choose`` costs O(ready actions) rather than O(all actions): it runs once per op on
+    the runtime's hot path.
+    """
 
     shape: PipelineShape
     stage: int
@@ -101,29 +107,58 @@ class StageState:
     inflight: int = 0
     """Forwards whose activations are still held (F done, backward not finished)."""
     peak_inflight: int = 0
+    reserved_forwards: int = 0
+    """Forwards of later chunks still owed by microbatches whose chunk-0 forward ran here. A
+    memory cap must keep room for them, or interleaved microbatches could starve each other."""
+    _ready: dict[Op, set[Action]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.shape.num_stages:
             raise ValueError(f"stage={self.stage} outside [0, {self.shape.num_stages})")
+        # Built from scratch once (the public sets may be pre-filled); kept incremental afterwards.
+        self._ready = {op: set() for op in Op}
+        for action in self.all_actions():
+            if self.is_ready(action):
+                self._ready[action.op].add(action)
+
+    @property
+    def backward_op(self) -> Op:
+        """The op that consumes a downstream gradient: I for a split backward, else B."""
+        return Op.I if self.split_backward else Op.B
 
     # ---- events ------------------------------------------------------------------------------
     def mark_activation_arrived(self, microbatch: int, chunk: int) -> None:
         self.activations_arrived.add((microbatch, chunk))
+        forward = Action(Op.F, microbatch, chunk)
+        if forward not in self.done:
+            self._ready[Op.F].add(forward)
 
     def mark_grad_arrived(self, microbatch: int, chunk: int) -> None:
         self.grads_arrived.add((microbatch, chunk))
+        self._refresh_backward(microbatch, chunk)
 
     def mark_done(self, action: Action) -> None:
         assert action not in self.done, f"stage {self.stage}: {action} ran twice"
         assert self.is_ready(action), f"stage {self.stage}: {action} ran before its inputs"
         self.done.add(action)
+        self._ready[action.op].discard(action)
+        m, c = action.microbatch, action.chunk
         if action.op is Op.F:
             self.inflight += 1
             self.peak_inflight = max(self.peak_inflight, self.inflight)
-        elif action.op in (Op.B, Op.W):
+            self.reserved_forwards += self.shape.num_chunks - 1 if c == 0 else -1
+            self._refresh_backward(m, c)
+        elif action.op is Op.I:
+            self._ready[Op.W].add(Action(Op.W, m, c))
+        else:
             # Activations are released when the whole backward of (m, c) has run: for a split
             # backward W still reads the saved inputs, so they are held until W.
             self.inflight -= 1
+
+    def _refresh_backward(self, microbatch: int, chunk: int) -> None:
+        backward = Action(self.backward_op, microbatch, chunk)
+        if self.is_ready(backward):
+            self._ready[backward.op].add(backward)
 
     # ---- queries -----------------------------------------------------------------------------
     def is_ready(self, action: Action) -> bool:
@@ -141,6 +176,11 @@ class StageState:
             return False
         return shape.is_last_virtual(s, c) or (m, c) in self.grads_arrived
 
+    def ready_of(self, op: Op) -> AbstractSet[Action]:
+        """The ready actions of one kind (a live view: do not mutate, copy before iterating
+        across events)."""
+        return self._ready[op]
+
     def all_actions(self) -> list[Action]:
         ops = (Op.F, Op.I, Op.W) if self.split_backward else (Op.F, Op.B)
         return [
@@ -152,8 +192,8 @@ class StageState:
 
     def ready_actions(self) -> list[Action]:
         """Ready actions, oldest microbatch first within each kind."""
-        return sorted((a for a in self.all_actions() if self.is_ready(a)),
-                      key=lambda a: (a.op.value, a.microbatch, a.chunk))
+        ready = [a for actions in self._ready.values() for a in actions]
+        return sorted(ready, key=lambda a: (a.op.value, a.microbatch, a.chunk))
 
     @property
     def total_actions(self) -> int:
