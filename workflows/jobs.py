@@ -1,0 +1,183 @@
+"""The three jobs of a chain and the environment variables ("knobs") each one takes.
+
+A knob is a shell variable of an sbatch file with a per-recipe default (``NUM_LAYERS=${NUM_LAYERS:-4}``)
+and, usually, the trainer flag it feeds. :func:`defaults` reads a recipe into knob values and
+:func:`command` builds the exact argv a job runs, which is what the rendered bash must reproduce
+(tests/unit/test_render_sbatch.py runs the sbatch files against this function).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from workflows.recipes import Recipe
+from workflows.shell import Ref, as_text
+
+CONTAINER_WORKDIR = "/workspace/megatron-dpp"  # where containers/Dockerfile installs the package
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment-overridable setting of an sbatch file."""
+
+    env: str
+    """Shell variable name, e.g. NUM_LAYERS."""
+    doc: str
+    """One line shown as a comment above the default in the sbatch file."""
+    flags: tuple[str, ...] = ()
+    """Trainer flags fed with the value (empty: used by the script itself)."""
+    switch: bool = False
+    """A value-less flag, passed when the variable is 1."""
+
+    def __post_init__(self) -> None:
+        if self.switch and len(self.flags) != 1:
+            raise ValueError(f"switch knob {self.env} needs exactly one flag, got {self.flags}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One sbatch file of the chain."""
+
+    key: str
+    """Short name: preprocess, train, aggregate (also the job-name suffix)."""
+    filename: str
+    """File under sbatch/ (numbered in chain order, like the AWS test case's)."""
+    module: str
+    """``python -m`` entry point the job runs."""
+    time_limit: str
+    """#SBATCH --time of the committed file (sbatch --time=... overrides it)."""
+    knobs: tuple[Knob, ...]
+    """Settings in definition order (a Ref may only point at an earlier knob)."""
+    model_flag: str | None = None
+    """Flag that receives MODEL (the recipe selector) ahead of the knobs' flags."""
+
+
+SHARED = (
+    Knob("DATA_PATH", "preprocessed datasets live here (a shared file system on a real cluster)"),
+    Knob("OUTPUT_DIR", "checkpoints and traces of this run"),
+    Knob("IMAGE", "enroot .sqsh or registry image: set it to run every step under Pyxis"),
+    Knob("CONTAINER_WORKDIR", "the package's directory inside IMAGE"),
+    Knob("PYTHON", "interpreter on the nodes (or in IMAGE)"),
+)
+TOKENIZER = (
+    Knob("TOKENIZER_TYPE", "tokenizer class", ("--tokenizer-type",)),
+    Knob("VOCAB_FILE", "vocabulary, relative to the repository", ("--vocab-file",)),
+    Knob("MERGE_FILE", "BPE merges (GPT only)", ("--merge-file",)),
+)
+DATA_PREFIX_DOC = "dataset path prefix, without the _text_document/_text_sentence suffix"
+
+PREPROCESS = Job("preprocess", "1.data-preprocessing.sbatch", "trainer.preprocess", "00:30:00", SHARED + (
+    Knob("INPUT", "jsonl(.xz) corpus, one {\"text\": ...} document a line", ("--input",)),
+    Knob("DATA_PREFIX", DATA_PREFIX_DOC, ("--output-prefix",)),
+) + TOKENIZER + (
+    Knob("APPEND_EOD", "1: end each document with the EOD token", ("--append-eod",), switch=True),
+    Knob("SPLIT_SENTENCES", "1: one sentence per dataset item (BERT)", ("--split-sentences",), switch=True),
+    Knob("WORKERS", "tokenizer processes", ("--workers",)),
+))
+
+TRAIN = Job("train", "2.distributed-training.sbatch", "trainer.train", "02:00:00", SHARED + (
+    Knob("DEVICE", "cpu or cuda", ("--device",)),
+    Knob("GPUS_PER_NODE", "GPUs per node; 0 starts PP*TP CPU ranks"),
+    Knob("USE_DPP", "1: dynamic pipeline schedule; 0: Megatron's 1F1B", ("--use-dpp",), switch=True),
+    Knob("PP", "pipeline-parallel size", ("--pipeline-model-parallel-size",)),
+    Knob("TP", "tensor-parallel size", ("--tensor-model-parallel-size",)),
+    Knob("NUM_LAYERS", "transformer layers", ("--num-layers",)),
+    Knob("HIDDEN_SIZE", "model width", ("--hidden-size",)),
+    Knob("NUM_ATTENTION_HEADS", "attention heads", ("--num-attention-heads",)),
+    Knob("SEQ_LENGTH", "tokens per sample", ("--seq-length",)),
+    Knob("MAX_POSITION_EMBEDDINGS", "position table size", ("--max-position-embeddings",)),
+    Knob("MICRO_BATCH_SIZE", "samples per microbatch", ("--micro-batch-size",)),
+    Knob("GLOBAL_BATCH_SIZE", "samples per iteration", ("--global-batch-size",)),
+    Knob("TRAIN_ITERS", "optimiser steps", ("--train-iters",)),
+    Knob("LR", "learning rate", ("--lr",)),
+    Knob("BF16", "1: bf16 parameters and activations (GPU)", ("--bf16",), switch=True),
+    Knob("DATA_PREFIX", DATA_PREFIX_DOC),
+    Knob("DATASET", "indexed dataset written by 1.data-preprocessing.sbatch", ("--data-path",)),
+) + TOKENIZER + (
+    Knob("CHECKPOINT_DIR", "saved to and resumed from (requeue resumes here)", ("--save", "--load")),
+    Knob("SAVE_INTERVAL", "checkpoint every N iterations", ("--save-interval",)),
+    Knob("PROFILE_DIR", "per-rank Chrome traces", ("--profile-dir",)),
+    Knob("TRANSPORT", "auto, shm, gloo, nccl or rdma", ("--transport",)),
+    Knob("LOG_INTERVAL", "log the loss every N iterations", ("--log-interval",)),
+    Knob("SEED", "random seed", ("--seed",)),
+    Knob("EXTRA_TRAIN_ARGS", "more trainer flags, split on spaces"),
+), model_flag="--model")
+
+AGGREGATE = Job("aggregate", "3.trace-aggregation.sbatch", "trainer.profiling.aggregate", "00:15:00", SHARED + (
+    Knob("PROFILE_DIR", "per-rank traces to merge (merged.json, summary.json, PNG land here)",
+         ("--benchmark_dir",)),
+))
+
+JOBS = (PREPROCESS, TRAIN, AGGREGATE)
+KNOB_NAMES = frozenset(k.env for job in JOBS for k in job.knobs)
+
+
+def defaults(recipe: Recipe) -> dict[str, object]:
+    """Every knob's default for ``recipe`` (None: empty, the flag is left out)."""
+    tok, shape, training = recipe.tokenization, recipe.shape, recipe.training
+    return {
+        "DATA_PATH": Ref("REPO_DIR", "/runs/data"),
+        "OUTPUT_DIR": Ref("REPO_DIR", f"/runs/{recipe.model}"),
+        "IMAGE": None,
+        "CONTAINER_WORKDIR": CONTAINER_WORKDIR,
+        "PYTHON": "python3",
+        "INPUT": recipe.corpus,
+        "DATA_PREFIX": Ref("DATA_PATH", f"/{tok.dataset_dir}/sample"),
+        "TOKENIZER_TYPE": tok.tokenizer_type,
+        "VOCAB_FILE": tok.vocab_file,
+        "MERGE_FILE": tok.merge_file,
+        "APPEND_EOD": tok.append_eod,
+        "SPLIT_SENTENCES": tok.split_sentences,
+        "WORKERS": recipe.preprocess_workers,
+        "DEVICE": recipe.device,
+        "GPUS_PER_NODE": recipe.gpus_per_node,
+        "USE_DPP": recipe.use_dpp,
+        "PP": recipe.parallel.pipeline,
+        "TP": recipe.parallel.tensor,
+        "NUM_LAYERS": shape.num_layers,
+        "HIDDEN_SIZE": shape.hidden_size,
+        "NUM_ATTENTION_HEADS": shape.num_attention_heads,
+        "SEQ_LENGTH": shape.seq_length,
+        "MAX_POSITION_EMBEDDINGS": shape.max_position_embeddings,
+        "MICRO_BATCH_SIZE": training.micro_batch_size,
+        "GLOBAL_BATCH_SIZE": training.global_batch_size,
+        "TRAIN_ITERS": training.train_iters,
+        "LR": training.lr,
+        "BF16": recipe.bf16,
+        "DATASET": Ref("DATA_PREFIX", tok.dataset_suffix),
+        "CHECKPOINT_DIR": Ref("OUTPUT_DIR", "/checkpoints"),
+        "SAVE_INTERVAL": training.save_interval,
+        "PROFILE_DIR": Ref("OUTPUT_DIR", "/traces"),
+        "TRANSPORT": recipe.transport,
+        "LOG_INTERVAL": training.log_interval,
+        "SEED": training.seed,
+        "EXTRA_TRAIN_ARGS": None,
+    }
+
+
+def resolve(job: Job, recipe: Recipe, env: Mapping[str, str]) -> dict[str, str]:
+    """Knob values as the job's bash computes them: a non-empty ``env`` entry wins over the default.
+
+    ``env`` must hold REPO_DIR (the only variable the knobs refer to that is not a knob).
+    """
+    values = {"REPO_DIR": env["REPO_DIR"], "MODEL": recipe.model, "SIZE": recipe.size}
+    recipe_defaults = defaults(recipe)
+    for knob in job.knobs:
+        default = recipe_defaults[knob.env]
+        fallback = default.resolve(values) if isinstance(default, Ref) else as_text(default)
+        values[knob.env] = env.get(knob.env) or fallback
+    return values
+
+
+def knob_arguments(job: Job, values: Mapping[str, str]) -> list[str]:
+    """The recipe-driven part of a job's argv (what the sbatch file collects in ``ARGS``)."""
+    args = [job.model_flag, values["MODEL"]] if job.model_flag else []
+    for knob in job.knobs:
+        value = values[knob.env]
+        if knob.switch:
+            args += list(knob.flags) if value == "1" else []
+        elif value:
+            for flag in knob.flags:
+                args += [flag, value]
+    return args
