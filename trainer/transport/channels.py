@@ -1,0 +1,177 @@
+"""One rank's channels bundled into a :class:`StageLinks`: sends by direction, one shared inbox.
+
+Every incoming channel has a receiver thread that blocks (in a futex wait or a process-group
+receive, with the GIL released) and puts each arrival into the rank's :class:`Inbox`. ``poll`` is
+then a non-blocking queue read and ``wait_any`` a condition-variable wait: no core spins, and
+channels of different transports (shm to a same-node neighbour, gloo/NCCL to a remote one) are
+waited on together.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from trainer.transport.base import Direction, Message, StageLinks, TransportError, TransportTimeout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChannelFailure:
+    """Put in the inbox by a receiver thread that stopped on an error (peer died, corrupt data)."""
+
+    error: TransportError
+
+
+class Inbox:
+    """Arrivals of all incoming channels of one rank, oldest first (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Message | ChannelFailure] = queue.Queue()
+
+    def put(self, item: Message | ChannelFailure) -> None:
+        self._queue.put(item)
+
+    def get(self, timeout: float | None) -> Message | ChannelFailure | None:
+        """Next arrival; None if none came within ``timeout`` (0 = do not wait)."""
+        try:
+            if timeout == 0:
+                return self._queue.get_nowait()
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def drain(self) -> list[Message | ChannelFailure]:
+        items = []
+        while (item := self.get(0)) is not None:
+            items.append(item)
+        return items
+
+
+class SendChannel(Protocol):
+    """Outgoing half of one directed edge."""
+
+    peer: int
+
+    def send(self, tensor: Any, header: Any, timeout_s: float) -> None: ...
+
+    def close(self, timeout_s: float) -> None:
+        """Flush pending sends, then tell the peer no more messages come (end of stream)."""
+
+
+class RecvChannel(Protocol):
+    """Incoming half of one directed edge; its receiver thread feeds the rank's inbox."""
+
+    peer: int
+
+    def on_delivered(self, message: Message) -> None:
+        """Called in the consumer's thread when ``poll`` hands ``message`` out."""
+
+    def release(self, message: Message) -> None: ...
+
+    def close(self, timeout_s: float) -> None:
+        """Wait for the peer's end of stream (or its death), then free resources."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """``Message.token`` of every channel transport: which channel to release into, and its handle."""
+
+    channel: RecvChannel
+    handle: Any = None
+
+
+class ChannelStageLinks(StageLinks):
+    """StageLinks over per-edge channels of any transport (see module docstring)."""
+
+    def __init__(
+        self,
+        rank: int,
+        senders: dict[Direction, SendChannel],
+        receivers: list[RecvChannel],
+        inbox: Inbox,
+        timeout_s: float,
+        description: str = "",
+    ) -> None:
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.description = description
+        """Human-readable channel map, logged at start-up (e.g. 'next->1:shm prev->3:gloo')."""
+        self._senders = senders
+        self._receivers = receivers
+        self._inbox = inbox
+        self._failure: TransportError | None = None
+        self._closed = False
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def send(self, direction: Direction, tensor: Any, header: Any) -> None:
+        self._check_usable()
+        channel = self._senders.get(direction)
+        if channel is None:
+            raise ValueError(
+                f"rank {self.rank} has no {direction!r} channel (directions: {sorted(self._senders)})"
+            )
+        channel.send(tensor, header, self.timeout_s)
+
+    # ---- receiving -------------------------------------------------------------------------------
+    def poll(self) -> Message | None:
+        self._check_usable()
+        return self._deliver(self._inbox.get(0))
+
+    def wait_any(self, timeout: float) -> Message:
+        self._check_usable()
+        if not self._receivers:
+            raise TransportError(f"rank {self.rank} has no incoming channels to wait on")
+        deadline = time.monotonic() + timeout
+        while True:  # loops only when an item was consumed without a message (never in practice)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                peers = sorted({r.peer for r in self._receivers})
+                raise TransportTimeout(
+                    f"rank {self.rank} waited {timeout:.1f}s for a message from ranks {peers}; none came"
+                )
+            message = self._deliver(self._inbox.get(remaining))
+            if message is not None:
+                return message
+
+    def release(self, message: Message) -> None:
+        token = message.token
+        if isinstance(token, Delivery):
+            token.channel.release(message)
+
+    def _deliver(self, item: Message | ChannelFailure | None) -> Message | None:
+        if isinstance(item, ChannelFailure):
+            self._failure = item.error
+            raise item.error
+        if item is not None:
+            item.token.channel.on_delivered(item)
+        return item
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise TransportError(f"rank {self.rank}: stage links are closed")
+        if self._failure is not None:
+            raise self._failure
+
+    # ---- shutdown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Send end-of-stream on every outgoing channel, then wait for the peers' (each bounded by
+        the timeout). Every rank of the pipeline should close; a dead peer does not block it."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for channel in [*self._senders.values(), *self._receivers]:
+            try:
+                channel.close(self.timeout_s)
+            except TransportError as exc:  # keep closing the others: free every resource we can
+                errors.append(str(exc))
+        for item in self._inbox.drain():  # undelivered slots go back before the memory goes away
+            if isinstance(item, Message):
+                item.token.channel.release(item)
+        if errors:
+            logger.warning("rank %d: stage links closed with errors: %s", self.rank, "; ".join(errors))

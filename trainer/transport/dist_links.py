@@ -1,0 +1,173 @@
+"""Channels over torch.distributed point-to-point: gloo (CPU tensors) or NCCL (CUDA tensors).
+
+Each directed edge gets its own two-rank process group, so the sends of one edge are never queued
+behind another edge's (NCCL/gloo match P2P operations in order per communicator, which is what
+deadlocks a greedy schedule on a shared communicator). A message is a fixed 16-word header
+(:mod:`trainer.transport.wire`) followed by the payload bytes; the receiver thread always has the
+next header receive posted, so arrivals never wait for the consumer to ask.
+
+Flow control: at most ``max_in_flight`` uncompleted sends per channel on the sender, and at most
+``max_in_flight`` arrived-but-undelivered messages per channel on the receiver (its receiver thread
+stops receiving until ``poll`` hands one out), so neither side's memory grows without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
+from trainer.transport.channels import ChannelFailure, Delivery, Inbox
+from trainer.transport.tensors import as_bytes, check_matches, empty_bytes, from_bytes
+from trainer.transport.wire import HEADER_WORDS, decode, encode, payload_nbytes
+
+logger = logging.getLogger(__name__)
+
+# A pre-posted header receive may legitimately wait for as long as the peer has nothing to send
+# (evaluation, checkpointing). The process-group timeout would abort it (gloo raises, NCCL's
+# watchdog kills the job), so edge groups get a long one; our own waits enforce ``timeout_s``.
+EDGE_GROUP_TIMEOUT = datetime.timedelta(days=7)
+_CREDIT_POLL_S = 0.2  # how often a receiver thread blocked on credits re-checks for close()
+
+
+def new_edge_group(src: int, dst: int, backend: str) -> dist.ProcessGroup:
+    """Collective: every rank of the job must call this in the same order for every edge."""
+    return dist.new_group([src, dst], timeout=EDGE_GROUP_TIMEOUT, backend=backend)
+
+
+class ProcessGroupSender:
+    """Outgoing half of one edge over its dedicated process group."""
+
+    def __init__(
+        self, rank: int, peer: int, direction: Direction, group: dist.ProcessGroup,
+        device: torch.device, max_in_flight: int,
+    ) -> None:  # fmt: skip
+        self.rank, self.peer, self.direction = rank, peer, direction
+        self._group, self._device, self._max_in_flight = group, device, max_in_flight
+        self._pending: collections.deque[tuple[list[dist.Work], list[torch.Tensor]]] = collections.deque()
+        self._sequence = 0
+        self._closed = False
+
+    def send(self, tensor: torch.Tensor, header: Header, timeout_s: float) -> None:
+        check_matches(tensor, header)
+        if tensor.device.type != self._device.type:
+            raise ValueError(
+                f"rank {self.rank}: {self.direction} channel to rank {self.peer} carries "
+                f"{self._device.type} tensors, got one on {tensor.device}"
+            )
+        self._post(encode(header, self._sequence), as_bytes(tensor.detach()))
+        self._sequence += 1
+        self._bound_in_flight(self._max_in_flight, timeout_s)
+
+    def _post(self, words: list[int], payload: torch.Tensor | None) -> None:
+        wire = torch.tensor(words, dtype=torch.int64, device=self._device)
+        keep = [wire]
+        try:
+            works = [dist.isend(wire, dst=self.peer, group=self._group)]
+            if payload is not None and payload.numel():
+                works.append(dist.isend(payload, dst=self.peer, group=self._group))
+                keep.append(payload)  # isend reads it asynchronously: keep it alive until completed
+        except RuntimeError as exc:  # gloo refuses to post on a connection the peer closed
+            raise self._error(exc, 0.0) from exc
+        self._pending.append((works, keep))
+
+    def _bound_in_flight(self, limit: int, timeout_s: float) -> None:
+        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
+            self._pending.popleft()
+        deadline = time.monotonic() + timeout_s
+        while len(self._pending) > limit:
+            works, _ = self._pending[0]
+            for work in works:
+                remaining = max(deadline - time.monotonic(), 0.001)
+                try:
+                    work.wait(datetime.timedelta(seconds=remaining))
+                except Exception as exc:  # gloo raises RuntimeError for both timeouts and dead peers
+                    raise self._error(exc, timeout_s) from exc
+            self._pending.popleft()
+
+    def _error(self, exc: Exception, timeout_s: float) -> TransportError:
+        text = str(exc)
+        if "imeout" in text or "imed out" in text:
+            return TransportTimeout(
+                f"rank {self.rank}: send to rank {self.peer} ({self.direction}) did not complete "
+                f"within {timeout_s:.1f}s: peer not receiving ({text.splitlines()[0]})"
+            )
+        return TransportError(
+            f"rank {self.rank}: send to rank {self.peer} ({self.direction}) failed, peer rank "
+            f"{self.peer} is probably dead: {text.splitlines()[0] if text else exc!r}"
+        )
+
+    def close(self, timeout_s: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._post(encode(None, self._sequence), None)
+        self._bound_in_flight(0, timeout_s)
+
+
+class ProcessGroupReceiver:
+    """Incoming half of one edge: a thread receives header then payload and fills the inbox."""
+
+    def __init__(
+        self, rank: int, peer: int, direction: Direction, group: dist.ProcessGroup,
+        device: torch.device, max_in_flight: int, inbox: Inbox,
+    ) -> None:  # fmt: skip
+        self.rank, self.peer, self.direction = rank, peer, direction
+        self._group, self._device, self._inbox = group, device, inbox
+        self._credits = threading.Semaphore(max_in_flight)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(
+            target=self._receive_loop, name=f"mdpp-recv-{peer}-{rank}-{direction}", daemon=True
+        )
+        self._thread.start()
+
+    def _receive_loop(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        expected = 0
+        try:
+            while True:
+                # Past close() undelivered messages are dropped, so drain to end-of-stream freely.
+                while not self._closing.is_set() and not self._credits.acquire(timeout=_CREDIT_POLL_S):
+                    pass
+                frame = decode(self._recv(torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._device)).tolist())
+                if frame.sequence != expected:
+                    raise TransportError(f"message {frame.sequence} arrived when {expected} was due")
+                expected += 1
+                if frame.end_of_stream:
+                    return
+                assert frame.header is not None and frame.nbytes == payload_nbytes(frame.header)
+                raw = self._recv(empty_bytes(frame.nbytes, self._device)) if frame.nbytes else empty_bytes(0, self._device)
+                tensor = from_bytes(raw, frame.header)
+                self._inbox.put(Message(frame.header, tensor, self.peer, Delivery(self)))
+        except Exception as exc:  # report, never die silently: the consumer's next poll raises it
+            detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            self._inbox.put(ChannelFailure(TransportError(
+                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
+                f"peer rank {self.peer} is probably dead: {detail}"
+            )))  # fmt: skip
+
+    def _recv(self, buffer: torch.Tensor) -> torch.Tensor:
+        dist.irecv(buffer, src=self.peer, group=self._group).wait()
+        return buffer
+
+    def on_delivered(self, message: Message) -> None:
+        self._credits.release()  # the tensor now belongs to the consumer: receive the next one
+
+    def release(self, message: Message) -> None:
+        """Nothing to do: the received tensor is the consumer's own copy."""
+
+    def close(self, timeout_s: float) -> None:
+        self._closing.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TransportTimeout(
+                f"rank {self.rank}: rank {self.peer} did not close its {self.direction} channel "
+                f"within {timeout_s:.1f}s"
+            )

@@ -1,0 +1,169 @@
+"""``make_stage_links``: pick a transport per pipeline edge and build this rank's channels.
+
+COLLECTIVE: every rank of the job must call :func:`make_stage_links` (same topology, transport and
+options), including ranks whose own edges need no process group, because ``torch.distributed``
+creates groups collectively and in the same order on every rank. ``torch.distributed`` must already
+be initialised (any backend).
+
+Edges: for every rank r with pipeline_parallel > 1, a "next" channel r -> next_stage_rank(r)
+(activations, including interleaving's wrap-around p-1 -> 0) and a "prev" channel
+r -> prev_stage_rank(r) (gradients). For pp == 2 both go to the same peer but stay distinct channels,
+so gradients never wait behind activations. Peers always share tp and dp coordinates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.topology import Topology
+from trainer.transport.base import Direction, StageLinks
+from trainer.transport.channels import ChannelStageLinks, Inbox, RecvChannel, SendChannel
+from trainer.transport.dist_links import ProcessGroupReceiver, ProcessGroupSender, new_edge_group
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "shm", "nccl", "gloo")
+DIRECTIONS: tuple[Direction, Direction] = ("next", "prev")
+
+
+@dataclass(frozen=True)
+class LinkOptions:
+    """Tuning knobs of the stage links (the defaults suit an 8 MiB activation)."""
+
+    credits: int = 4
+    """Receive slots per channel (K): how many messages may be in flight before send() waits."""
+    shm_slot_bytes: int = 16 << 20
+    """Bytes per shared-memory slot; a larger payload is split over several slots (and copied once
+    more on the receiver, so size slots to the usual activation)."""
+    poll_interval_s: float = 0.05
+    """How often a blocked shm wait wakes to check that its peer process is still alive."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.credits < 1:
+            problems.append(f"credits={self.credits} must be >= 1")
+        if self.shm_slot_bytes < 4096 or self.shm_slot_bytes % 64:
+            problems.append(f"shm_slot_bytes={self.shm_slot_bytes} must be >= 4096 and a multiple of 64")
+        if not 0 < self.poll_interval_s <= 5:
+            problems.append(f"poll_interval_s={self.poll_interval_s} must be in (0, 5]")
+        if problems:
+            raise ValueError("invalid LinkOptions: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One directed channel of the job: ``src`` sends ``direction`` messages to ``dst`` over ``transport``."""
+
+    src: int
+    dst: int
+    direction: Direction
+    transport: str
+    """"shm", "gloo" or "nccl" (never "auto": resolved per edge)."""
+
+
+def plan_channels(topology: Topology, transport: str, device: torch.device) -> list[ChannelSpec]:
+    """Every channel of the job, in the order all ranks create them (pure; same on every rank)."""
+    _validate(transport, device)
+    if topology.pipeline_parallel == 1:
+        return []
+    remote = "nccl" if device.type == "cuda" else "gloo"
+    plan = []
+    for src in range(topology.world_size):
+        view = Topology(**{**topology.__dict__, "rank": src})
+        for direction in DIRECTIONS:
+            dst = view.next_stage_rank if direction == "next" else view.prev_stage_rank
+            same_node = topology.same_node(src, dst)
+            chosen = transport
+            if transport == "auto":
+                chosen = "shm" if same_node else remote
+            elif transport == "shm" and not same_node:
+                raise ValueError(
+                    f"transport='shm' but ranks {src} (node {topology.node(src)}) and {dst} "
+                    f"(node {topology.node(dst)}) are on different nodes; use 'auto'"
+                )
+            plan.append(ChannelSpec(src, dst, direction, chosen))
+    return plan
+
+
+def _validate(transport: str, device: torch.device) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not one of {', '.join(TRANSPORTS)}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device} must be a cpu or cuda device")
+    if transport == "gloo" and device.type != "cpu":
+        raise ValueError(f"transport='gloo' moves CPU tensors, but device={device}")
+    if transport == "nccl" and device.type != "cuda":
+        raise ValueError(f"transport='nccl' moves CUDA tensors, but device={device}")
+
+
+def make_stage_links(
+    topology: Topology,
+    transport: str = "auto",
+    device: torch.device | str | None = None,
+    timeout_s: float = 300.0,
+    job_id: str | None = None,
+    options: LinkOptions | None = None,
+) -> StageLinks:
+    """Build this rank's stage links. COLLECTIVE over all ranks (see module docstring).
+
+    ``device``: where tensors live ("cpu" when None). ``timeout_s`` bounds every wait (send on
+    exhausted credits, set-up, close). ``job_id`` makes shared-memory names unique per job (default:
+    SLURM_JOB_ID, TORCHELASTIC_RUN_ID, else a random token agreed between ranks).
+    """
+    device = torch.device(device if device is not None else "cpu")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0")
+    options = options or LinkOptions()
+    plan = plan_channels(topology, transport, device)
+    if plan and not dist.is_initialized():
+        raise RuntimeError("make_stage_links needs torch.distributed initialised (init_process_group)")
+    if plan and topology.world_size != dist.get_world_size():
+        raise ValueError(
+            f"topology.world_size={topology.world_size} but torch.distributed has {dist.get_world_size()} ranks"
+        )
+    rank, inbox = topology.rank, Inbox()
+    senders: dict[Direction, SendChannel] = {}
+    receivers: list[RecvChannel] = []
+    shm_specs = [s for s in plan if s.transport == "shm"]
+    for spec in plan:
+        if spec.transport == "shm":
+            continue
+        group = new_edge_group(spec.src, spec.dst, spec.transport)  # every rank, same order
+        if rank == spec.src:
+            senders[spec.direction] = ProcessGroupSender(
+                rank, spec.dst, spec.direction, group, device, options.credits
+            )
+        elif rank == spec.dst:
+            receivers.append(
+                ProcessGroupReceiver(rank, spec.src, spec.direction, group, device, options.credits, inbox)
+            )
+    if shm_specs:
+        from trainer.transport.shm_links import build_shm_channels  # C++ extension: only when used
+
+        shm_senders, shm_receivers = build_shm_channels(
+            shm_specs, rank, device, _agreed_job_id(job_id), timeout_s, options, inbox
+        )
+        senders.update(shm_senders)
+        receivers.extend(shm_receivers)
+    description = " ".join(f"{s.direction}:{s.src}->{s.dst}:{s.transport}" for s in plan if rank in (s.src, s.dst))
+    logger.info("rank %d: stage links %s", rank, description or "(none: pipeline_parallel == 1)")
+    return ChannelStageLinks(rank, senders, receivers, inbox, timeout_s, description)
+
+
+def _agreed_job_id(job_id: str | None) -> str:
+    """A short token, identical on all ranks, that makes shared-memory names unique to this job."""
+    raw = job_id or os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if not raw:
+        token = [secrets.token_hex(4)]
+        dist.broadcast_object_list(token, src=0)  # collective, on the default group
+        raw = token[0]
+    if "SLURM_STEP_ID" in os.environ and not job_id:  # two steps of one allocation may overlap
+        raw = f"{raw}.{os.environ['SLURM_STEP_ID']}"
+    return re.sub(r"[^A-Za-z0-9_.]", "_", raw)[:40]

@@ -1,0 +1,59 @@
+"""Torch-side helpers: a tensor as raw bytes and back, driven by a self-describing header.
+
+Every transport moves bytes, never typed elements, so any dtype (bfloat16 and float8 included, which
+gloo and numpy do not all support) crosses unchanged, and the header alone rebuilds the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.transport.base import Header
+from trainer.transport.wire import payload_nbytes, validate_header
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the form a Header carries)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def header_for(tensor: torch.Tensor, kind: str, microbatch: int, chunk: int) -> Header:
+    """The header that describes ``tensor`` (convenience for callers and tests)."""
+    return Header(kind, microbatch, chunk, dtype_name(tensor.dtype), tuple(tensor.shape))  # type: ignore[arg-type]
+
+
+def check_matches(tensor: torch.Tensor, header: Header) -> None:
+    """ValueError unless ``header`` describes ``tensor`` exactly (a mismatch would corrupt the peer)."""
+    validate_header(header)
+    actual_dtype, actual_shape = dtype_name(tensor.dtype), tuple(tensor.shape)
+    if header.dtype != actual_dtype or tuple(header.shape) != actual_shape:
+        raise ValueError(
+            f"header says dtype={header.dtype} shape={tuple(header.shape)} but the tensor has "
+            f"dtype={actual_dtype} shape={actual_shape}"
+        )
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``tensor``'s elements (copied first only if it is not contiguous)."""
+    flat = tensor.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
+
+
+def from_bytes(raw: torch.Tensor, header: Header) -> torch.Tensor:
+    """Typed view of the uint8 tensor ``raw`` (no copy) shaped as ``header`` says."""
+    nbytes = payload_nbytes(header)
+    dtype = torch_dtype(header.dtype)
+    if nbytes == 0:
+        return torch.empty(header.shape, dtype=dtype, device=raw.device)
+    return raw[:nbytes].view(dtype).view(header.shape)
+
+
+def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
