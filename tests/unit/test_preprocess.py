@@ -1,0 +1,155 @@
+"""python -m trainer.preprocess: JSONL -> megatron-core indexed datasets, and its failure modes."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.data.preprocess import PreprocessConfig, PreprocessError, main, preprocess
+from trainer.data.tokenizer import build_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+GPT2_VOCAB = REPO / "datasets" / "gpt2" / "vocab.json"
+GPT2_MERGES = REPO / "datasets" / "gpt2" / "merges.txt"
+BERT_VOCAB = REPO / "datasets" / "bert" / "vocab.txt"
+
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.  Unicode survives: café, naïve, 東京.\n\nA new paragraph.",
+    "Python is a programming language. It lets you work quickly. Integrate systems more effectively!",
+    "Short one",
+]
+
+
+def _indexed_dataset(prefix: str):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    return IndexedDataset(prefix)
+
+
+def _write_jsonl(path: Path, docs: list[str], compress: bool = False) -> Path:
+    text = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs))
+    if compress:
+        path = path.with_suffix(path.suffix + ".xz")
+        path.write_bytes(lzma.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+def _gpt_args(src: Path, prefix: Path, *extra: str) -> list[str]:
+    return ["--input", str(src), "--output-prefix", str(prefix), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(GPT2_VOCAB), "--merge-file", str(GPT2_MERGES), *extra]
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["jsonl", "jsonl.xz"])
+def test_gpt_round_trip_text_to_indexed_dataset_and_back(tmp_path, compress):
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS, compress)
+    assert main(_gpt_args(src, tmp_path / "out" / "gpt", "--append-eod")) == 0
+
+    tokenizer = build_tokenizer("GPT2BPETokenizer", GPT2_VOCAB, GPT2_MERGES)
+    dataset = _indexed_dataset(str(tmp_path / "out" / "gpt_text_document"))
+    assert len(dataset) == len(DOCS)
+    assert list(dataset.document_indices) == [0, 1, 2, 3]  # one sequence per document
+    for doc, text in zip(dataset, DOCS, strict=True):
+        assert doc[-1] == tokenizer.eod  # --append-eod
+        assert tokenizer.detokenize(doc[:-1]) == text  # byte-level BPE is lossless
+    assert str(dataset.index.dtype.__name__) == "uint16"  # Megatron's optimal dtype for an 8k vocab
+
+
+def test_split_sentences_gives_one_sequence_per_sentence(tmp_path):
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    prefix = tmp_path / "bert"
+    assert main(["--input", str(src), "--output-prefix", str(prefix), "--tokenizer-type",
+                 "BertWordPieceLowerCase", "--vocab-file", str(BERT_VOCAB), "--split-sentences"]) == 0
+
+    assert not (tmp_path / "bert_text_document.bin").exists()
+    dataset = _indexed_dataset(str(tmp_path / "bert_text_sentence"))
+    tokenizer = build_tokenizer("BertWordPieceLowerCase", BERT_VOCAB)
+    bounds = list(dataset.document_indices)
+    sentences_per_doc = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert sentences_per_doc == [3, 3, 1]
+    second_doc = [tokenizer.detokenize(dataset[i]) for i in range(bounds[1], bounds[2])]
+    assert second_doc == ["python is a programming language.", "it lets you work quickly.",
+                          "integrate systems more effectively!"]
+
+
+@pytest.mark.timeout(120)
+def test_workers_keep_input_order(tmp_path):
+    docs = [f"Document number {i} says {'word ' * (i % 17)}and ends." for i in range(300)]
+    src = _write_jsonl(tmp_path / "docs.jsonl", docs)
+    for workers in (1, 2):
+        assert main(_gpt_args(src, tmp_path / f"w{workers}", "--workers", str(workers))) == 0
+    for suffix in (".bin", ".idx"):
+        one = (tmp_path / f"w1_text_document{suffix}").read_bytes()
+        two = (tmp_path / f"w2_text_document{suffix}").read_bytes()
+        assert one == two, f"{suffix} differs between 1 and 2 workers"
+
+
+def _leftovers(directory: Path, prefix: str) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(prefix))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_malformed_line_names_file_and_line_and_leaves_nothing(tmp_path, workers):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": "broken\n{"text": "never read"}\n')
+    config = PreprocessConfig(input=src, output_prefix=str(tmp_path / "out"), tokenizer_type="GPT2BPETokenizer",
+                              vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES, workers=workers)
+    with pytest.raises(PreprocessError, match=rf"{src}:4: malformed JSON line"):
+        preprocess(config)
+    assert _leftovers(tmp_path, "out") == []
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [('{"body": "x"}', "no 'text' field"), ('{"text": 3}', "must be a string"), ("[1, 2]", "expected a JSON object")],
+)
+def test_wrong_record_shapes_are_named(tmp_path, line, message):
+    src = tmp_path / "odd.jsonl"
+    src.write_text('{"text": "ok"}\n' + line + "\n")
+    config = PreprocessConfig(input=src, output_prefix=str(tmp_path / "out"), tokenizer_type="GPT2BPETokenizer",
+                              vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES)
+    with pytest.raises(PreprocessError, match=f"{src}:2: .*{message}"):
+        preprocess(config)
+    assert _leftovers(tmp_path, "out") == []
+
+
+@pytest.mark.timeout(60)
+def test_cli_malformed_line_is_one_line_exit_1(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"text": "fine"}\n{not json}\n')
+    result = subprocess.run([sys.executable, "-m", "trainer.preprocess", *_gpt_args(src, tmp_path / "out")],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith(f"error: {src}:2: malformed JSON line"), result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert _leftovers(tmp_path, "out") == []
+
+
+@pytest.mark.parametrize("missing", ["vocab", "merge", "input"])
+def test_missing_file_is_named(tmp_path, capsys, missing):
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    paths = {"vocab": GPT2_VOCAB, "merge": GPT2_MERGES, "input": src}
+    paths[missing] = tmp_path / f"no-such-{missing}-file"
+    args = ["--input", str(paths["input"]), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+            "GPT2BPETokenizer", "--vocab-file", str(paths["vocab"]), "--merge-file", str(paths["merge"])]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and str(paths[missing]) in err and len(err.splitlines()) == 1
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_config_names_every_bad_value(tmp_path):
+    with pytest.raises(ValueError) as info:
+        PreprocessConfig(input=tmp_path, output_prefix="", tokenizer_type="GPT2BPETokenizer",
+                         vocab_file=GPT2_VOCAB, merge_file=None, workers=0, json_keys=("text", "text"))
+    message = str(info.value)
+    for expected in ("needs merge_file", "workers=0", "duplicates", "output_prefix"):
+        assert expected in message, message

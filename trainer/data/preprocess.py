@@ -1,0 +1,330 @@
+"""JSONL text -> Megatron-Core indexed dataset (.bin/.idx), like Megatron-LM's tools/preprocess_data.py.
+
+Output names follow Megatron-LM exactly: ``{prefix}_{json_key}_document.{bin,idx}``, or
+``..._sentence.{bin,idx}`` with ``--split-sentences`` (one indexed sequence per sentence, sentences
+grouped into documents). The files are written by megatron-core's own ``IndexedDatasetBuilder`` and so
+are readable by its ``IndexedDataset``.
+
+Unlike Megatron-LM's tool, a bad input never leaves half-written outputs: everything goes to temporary
+names that are renamed only after the last document, and removed on any error. Documents that
+tokenize to nothing are skipped (Megatron-LM writes them as empty documents, which samplers must
+then step around).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import lzma
+import multiprocessing
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+from trainer.data.sentence_splitter import DEFAULT_PUNKT_PARAMS, load_sentence_splitter
+from trainer.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class PreprocessError(ValueError):
+    """Bad input data; the message names the file and line (``path:line: what``)."""
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """One preprocessing run (the flags of ``python -m trainer.preprocess``)."""
+
+    input: Path
+    """JSONL file, one document per line (``.jsonl``, ``.jsonl.xz`` or ``.jsonl.gz``)."""
+    output_prefix: str
+    """Outputs are ``{output_prefix}_{key}_{document|sentence}.{bin,idx}``."""
+    tokenizer_type: str
+    """``GPT2BPETokenizer`` or ``BertWordPieceLowerCase`` (Megatron-LM's names)."""
+    vocab_file: Path
+    """vocab.json (GPT-2 BPE) or vocab.txt (WordPiece)."""
+    merge_file: Path | None = None
+    """merges.txt; required by GPT2BPETokenizer."""
+    json_keys: tuple[str, ...] = ("text",)
+    """JSON fields to tokenize; each key gets its own output pair."""
+    append_eod: bool = False
+    """Append the end-of-document token to every document (GPT pretraining)."""
+    split_sentences: bool = False
+    """Split documents into sentences with the shipped Punkt model (BERT pretraining)."""
+    punkt_model: Path = DEFAULT_PUNKT_PARAMS
+    """Punkt parameter file used by ``split_sentences``."""
+    workers: int = 1
+    """Tokenizer processes; results are written in input order whatever the worker count."""
+    log_interval: int = 10000
+    """Log progress every this many documents."""
+    output_paths: dict[str, tuple[str, str]] = field(init=False, repr=False)
+    """Per JSON key: the final (.bin, .idx) paths (derived)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            problems.append(f"tokenizer_type={self.tokenizer_type!r} is not one of {list(TOKENIZER_TYPES)}")
+        if self.tokenizer_type == "GPT2BPETokenizer" and self.merge_file is None:
+            problems.append("tokenizer_type='GPT2BPETokenizer' needs merge_file (--merge-file)")
+        if not self.json_keys or any(not k for k in self.json_keys):
+            problems.append(f"json_keys={list(self.json_keys)} must be non-empty names")
+        if len(set(self.json_keys)) != len(self.json_keys):
+            problems.append(f"json_keys={list(self.json_keys)} has duplicates")
+        if self.workers < 1:
+            problems.append(f"workers={self.workers} must be >= 1")
+        if self.log_interval < 1:
+            problems.append(f"log_interval={self.log_interval} must be >= 1")
+        if not self.output_prefix:
+            problems.append("output_prefix must not be empty")
+        if problems:
+            raise ValueError("invalid preprocessing config: " + "; ".join(problems))
+        level = "sentence" if self.split_sentences else "document"
+        paths = {k: (f"{self.output_prefix}_{k}_{level}.bin", f"{self.output_prefix}_{k}_{level}.idx")
+                 for k in self.json_keys}
+        object.__setattr__(self, "output_paths", paths)
+
+    def check_files(self) -> None:
+        """FileNotFoundError naming the first missing input file (before any output is created)."""
+        needed = [("input file", self.input), ("vocab file", self.vocab_file)]
+        if self.merge_file is not None:
+            needed.append(("merge file", self.merge_file))
+        if self.split_sentences:
+            needed.append(("Punkt sentence model", self.punkt_model))
+        for what, path in needed:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{what} not found: {path}")
+
+
+@dataclass
+class EncodedDocument:
+    """Token ids of one input line, per JSON key: (ids, lengths of its sentences)."""
+
+    line_number: int
+    sequences: dict[str, tuple[np.ndarray, list[int]]]
+    input_bytes: int
+
+
+class DocumentEncoder:
+    """Tokenizes one JSONL line; built once per worker process (tokenizers do not pickle cheaply)."""
+
+    def __init__(self, config: PreprocessConfig) -> None:
+        self.config = config
+        self.tokenizer = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file)
+        self.splitter = load_sentence_splitter(config.punkt_model) if config.split_sentences else None
+
+    def encode(self, numbered_line: tuple[int, bytes]) -> EncodedDocument | None:
+        line_number, raw = numbered_line
+        where = f"{self.config.input}:{line_number}"
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PreprocessError(f"{where}: malformed JSON line: {exc}") from None
+        if not isinstance(record, dict):
+            raise PreprocessError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        return EncodedDocument(
+            line_number, {key: self._encode_field(record, key, where) for key in self.config.json_keys},
+            len(raw),
+        )
+
+    def _encode_field(self, record: dict, key: str, where: str) -> tuple[np.ndarray, list[int]]:
+        if key not in record:
+            raise PreprocessError(f"{where}: no {key!r} field (fields: {sorted(record)})")
+        text = record[key]
+        if isinstance(text, list) and all(isinstance(t, str) for t in text):
+            sentences = text  # already split, as Megatron-LM accepts
+        elif isinstance(text, str):
+            sentences = self.splitter.tokenize(text) if self.splitter else [text]
+        else:
+            raise PreprocessError(f"{where}: field {key!r} must be a string or a list of strings")
+        ids: list[int] = []
+        lengths: list[int] = []
+        for sentence in sentences:
+            sentence_ids = self.tokenizer.tokenize(sentence)
+            if sentence_ids:
+                ids.extend(sentence_ids)
+                lengths.append(len(sentence_ids))
+        if ids and self.config.append_eod:
+            ids.append(self.tokenizer.eod)
+            lengths[-1] += 1
+        return np.asarray(ids, dtype=np.int64), lengths
+
+
+class _WorkerEncoder:
+    """The worker process's encoder. The Pool initializer builds it once per process; it lives in a
+    class attribute of the worker's copy of this class, never set in the parent process."""
+
+    encoder: DocumentEncoder | None = None
+
+    @classmethod
+    def init(cls, config: PreprocessConfig) -> None:
+        cls.encoder = DocumentEncoder(config)
+
+    @classmethod
+    def encode(cls, numbered_line: tuple[int, bytes]) -> EncodedDocument | None:
+        assert cls.encoder is not None, "worker used before its initializer ran"
+        return cls.encoder.encode(numbered_line)
+
+
+def _open_input(path: Path) -> IO[bytes]:
+    if path.suffix == ".xz":
+        return lzma.open(path, "rb")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _numbered_lines(handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    for number, raw in enumerate(handle, start=1):
+        if raw.strip():  # blank lines (a trailing newline, say) are not documents
+            yield number, raw
+
+
+class _AtomicIndexedDatasetWriter:
+    """megatron-core's IndexedDatasetBuilder writing to temporary names, renamed by ``commit``."""
+
+    def __init__(self, bin_path: str, idx_path: str, vocab_size: int) -> None:
+        with warnings.catch_warnings():  # megatron-core warns about missing TE/Apex on import
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+        suffix = f".tmp-{os.getpid()}"
+        self.final = (bin_path, idx_path)
+        self.temporary = (bin_path + suffix, idx_path + suffix)
+        self.builder = IndexedDatasetBuilder(self.temporary[0], dtype=DType.optimal_dtype(vocab_size))
+
+    def add_document(self, ids: np.ndarray, lengths: list[int]) -> None:
+        self.builder.add_document(ids, lengths)
+
+    def commit(self) -> None:
+        self.builder.finalize(self.temporary[1])
+        # .bin first: IndexedDataset.exists() looks for the .idx, so a reader never sees a lone .idx
+        for temporary, final in zip(self.temporary, self.final, strict=True):
+            os.replace(temporary, final)
+
+    def abort(self) -> None:
+        self.builder.data_file.close()
+        for temporary in self.temporary:
+            Path(temporary).unlink(missing_ok=True)
+
+
+@dataclass
+class PreprocessStats:
+    """What a run wrote (the CLI prints it)."""
+
+    documents: int = 0
+    skipped_empty: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    input_bytes: int = 0
+    seconds: float = 0.0
+
+
+def _encoded_documents(config: PreprocessConfig, lines: Iterable[tuple[int, bytes]]) -> Iterator[EncodedDocument]:
+    if config.workers == 1:
+        encoder = DocumentEncoder(config)
+        yield from map(encoder.encode, lines)
+        return
+    # fork: workers need no re-import of torch/megatron (spawn would pay ~5 s per worker for that).
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    context = multiprocessing.get_context(method)
+    with context.Pool(config.workers, initializer=_WorkerEncoder.init, initargs=(config,)) as pool:
+        # imap keeps input order, so document i of the output is line i of the input.
+        yield from pool.imap(_WorkerEncoder.encode, lines, chunksize=64)
+
+
+def preprocess(config: PreprocessConfig) -> PreprocessStats:
+    """Tokenize ``config.input`` into indexed datasets; nothing is left behind if it fails."""
+    config.check_files()
+    vocab_size = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file).vocab_size
+    Path(config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    stats = PreprocessStats()
+    writers: dict[str, _AtomicIndexedDatasetWriter] = {}
+    try:
+        for key, (bin_path, idx_path) in config.output_paths.items():
+            writers[key] = _AtomicIndexedDatasetWriter(bin_path, idx_path, vocab_size)
+        start = time.perf_counter()  # after the (slow, one-off) megatron-core import in the writer
+        with _open_input(config.input) as handle:
+            for doc in _encoded_documents(config, _numbered_lines(handle)):
+                _write_document(doc, writers, stats)
+                if stats.documents and stats.documents % config.log_interval == 0:
+                    logger.info("processed %d documents (%.1f MB/s)", stats.documents,
+                                stats.input_bytes / 1e6 / (time.perf_counter() - start))
+        for writer in writers.values():
+            writer.commit()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _write_document(doc: EncodedDocument, writers: dict[str, _AtomicIndexedDatasetWriter],
+                    stats: PreprocessStats) -> None:
+    stats.input_bytes += doc.input_bytes
+    if all(not lengths for _, lengths in doc.sequences.values()):
+        stats.skipped_empty += 1
+        return
+    for key, (ids, lengths) in doc.sequences.items():
+        writers[key].add_document(ids, lengths)
+        stats.sequences += len(lengths)
+        stats.tokens += int(ids.size)
+    stats.documents += 1
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.preprocess",
+        description="Tokenize a JSONL corpus into Megatron-Core indexed datasets (.bin/.idx), offline.",
+    )
+    parser.add_argument("--input", type=Path, required=True, help="JSONL file (.jsonl, .jsonl.xz, .jsonl.gz)")
+    parser.add_argument("--output-prefix", required=True, help="output path prefix")
+    parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    parser.add_argument("--vocab-file", type=Path, required=True)
+    parser.add_argument("--merge-file", type=Path, default=None)
+    parser.add_argument("--json-keys", "--json-key", nargs="+", default=["text"], dest="json_keys",
+                        help="JSON fields to tokenize (default: text)")
+    parser.add_argument("--append-eod", action="store_true", help="append end-of-document token")
+    parser.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (Punkt)")
+    parser.add_argument("--punkt-model", type=Path, default=DEFAULT_PUNKT_PARAMS,
+                        help="Punkt parameters JSON (default: the shipped datasets/punkt/english.json)")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--log-interval", type=int, default=10000)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+    return PreprocessConfig(
+        input=args.input, output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file, merge_file=args.merge_file, json_keys=tuple(args.json_keys),
+        append_eod=args.append_eod, split_sentences=args.split_sentences, punkt_model=args.punkt_model,
+        workers=args.workers, log_interval=args.log_interval,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: prints a summary table; bad input -> one ``error:`` line on stderr, exit code 1."""
+    args = build_arg_parser().parse_args(argv)
+    # INFO for our own progress lines only; megatron-core logs chatter about FSDP/TE at import time.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("trainer").setLevel(logging.INFO)
+    try:
+        config = config_from_args(args)
+        stats = preprocess(config)
+    except (PreprocessError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for key, (bin_path, idx_path) in config.output_paths.items():
+        print(f"{key}: wrote {bin_path} and {idx_path}")
+    print(f"documents {stats.documents} (skipped empty: {stats.skipped_empty}) | sequences {stats.sequences}"
+          f" | tokens {stats.tokens} | {stats.input_bytes / 1e6:.1f} MB in {stats.seconds:.1f} s"
+          f" ({stats.input_bytes / 1e6 / max(stats.seconds, 1e-9):.2f} MB/s, {config.workers} workers)")
+    return 0

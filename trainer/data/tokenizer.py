@@ -1,0 +1,123 @@
+"""Tokenizers loaded from local vocabulary files only (no download, ever).
+
+Megatron-Core's own GPT-2 / BERT tokenizer wrappers fetch vocabularies from the internet; HF
+``tokenizers`` (Rust) reads the same vocab.json + merges.txt / vocab.txt files offline and is fast
+enough to tokenize the sample corpus in seconds. The interface follows Megatron's tokenizers
+(``vocab_size``, ``tokenize``, ``detokenize``, ``eod``, ``pad``, ``cls``, ``sep``, ``mask``), so
+the rest of the trainer does not care which library is underneath.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal, Protocol
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+TokenizerType = Literal["GPT2BPETokenizer", "BertWordPieceLowerCase"]
+TOKENIZER_TYPES: tuple[str, ...] = ("GPT2BPETokenizer", "BertWordPieceLowerCase")
+GPT2_EOD = "<|endoftext|>"
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+class TextTokenizer(Protocol):
+    """What preprocessing and the datasets need from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    eod: int
+    pad: int
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+
+def _require_file(path: str | Path | None, what: str, tokenizer_type: str) -> Path:
+    if path is None:
+        raise ValueError(f"{tokenizer_type} needs a {what} (got none)")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    return path
+
+
+class GPT2BPETokenizer:
+    """GPT-2 byte-level BPE from vocab.json + merges.txt; ``<|endoftext|>`` ends every document."""
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str | Path, merge_file: str | Path) -> None:
+        vocab_path = _require_file(vocab_file, "vocab file", self.name)
+        merge_path = _require_file(merge_file, "merge file", self.name)
+        try:
+            model = models.BPE.from_file(str(vocab_path), str(merge_path))
+        except Exception as exc:  # the Rust error does not say which file was bad
+            raise ValueError(f"cannot read GPT-2 BPE files {vocab_path} / {merge_path}: {exc}") from exc
+        self._tokenizer = Tokenizer(model)
+        # GPT-2's own settings: no prefix space, GPT-2's split regex, bytes mapped to printable chars.
+        self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tokenizer.decoder = decoders.ByteLevel()
+        eod = self._tokenizer.token_to_id(GPT2_EOD)
+        if eod is None:
+            raise ValueError(f"vocab file {vocab_path} has no {GPT2_EOD} token")
+        self.eod = eod
+        # GPT-2 has no padding token; Megatron pads GPT batches with EOD too, and masks them out of the loss.
+        self.pad = eod
+        self.vocab_size = self._tokenizer.get_vocab_size()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class BertWordPieceLowerCase:
+    """Uncased BERT WordPiece from vocab.txt; ``tokenize`` adds no [CLS]/[SEP] (the dataset does)."""
+
+    name = "BertWordPieceLowerCase"
+
+    def __init__(self, vocab_file: str | Path) -> None:
+        vocab_path = _require_file(vocab_file, "vocab file", self.name)
+        vocab = _read_wordpiece_vocab(vocab_path)
+        missing = [t for t in BERT_SPECIAL_TOKENS if t not in vocab]
+        if missing:
+            raise ValueError(f"vocab file {vocab_path} lacks the special tokens {missing}")
+        self._tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+        self._tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+        self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        self._tokenizer.decoder = decoders.WordPiece(prefix="##")
+        self.vocab_size = len(vocab)
+        self.pad, self.unk, self.cls, self.sep, self.mask = (vocab[t] for t in BERT_SPECIAL_TOKENS)
+        # BERT has no end-of-document token; Megatron's BERT tokenizer uses [SEP] for it.
+        self.eod = self.sep
+        self.special_ids = frozenset((self.pad, self.unk, self.cls, self.sep, self.mask))
+        self.inv_vocab = {i: t for t, i in vocab.items()}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _read_wordpiece_vocab(path: Path) -> dict[str, int]:
+    tokens = path.read_text(encoding="utf-8").splitlines()
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError(f"vocab file {path} has duplicate tokens")
+    return vocab
+
+
+def build_tokenizer(
+    tokenizer_type: str, vocab_file: str | Path, merge_file: str | Path | None = None
+) -> GPT2BPETokenizer | BertWordPieceLowerCase:
+    """The tokenizer named like Megatron-LM's ``--tokenizer-type``, from local files only."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "BertWordPieceLowerCase":
+        return BertWordPieceLowerCase(vocab_file)
+    raise ValueError(f"tokenizer_type={tokenizer_type!r} is not one of {list(TOKENIZER_TYPES)}")
+
