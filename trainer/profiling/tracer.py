@@ -200,7 +200,8 @@ def write_json_atomic(path: Path, document: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as out:
-            json.dump(document, out, separators=(",", ":"))
+            # One dumps + write is several times faster than json.dump's many small writes.
+            out.write(json.dumps(document, separators=(",", ":")))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
