@@ -111,6 +111,9 @@ class StageState:
     """Forwards of later chunks still owed by microbatches whose chunk-0 forward ran here. A
     memory cap must keep room for them, or interleaved microbatches could starve each other."""
     _ready: dict[Op, set[Action]] = field(init=False, repr=False, compare=False)
+    _open: dict[int, list[int]] = field(init=False, repr=False, compare=False)
+    """microbatch -> [forwards done here, activations held here], for microbatches that still
+    owe a forward or hold an activation on this stage."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.shape.num_stages:
@@ -120,6 +123,15 @@ class StageState:
         for action in self.all_actions():
             if self.is_ready(action):
                 self._ready[action.op].add(action)
+        self._open = {}
+        release = Op.W if self.split_backward else Op.B
+        for action in self.done:
+            if action.op in (Op.F, release):
+                entry = self._open.setdefault(action.microbatch, [0, 0])
+                entry[0] += action.op is Op.F
+                entry[1] += 1 if action.op is Op.F else -1
+        self._open = {m: e for m, e in self._open.items()
+                      if e[0] < self.shape.num_chunks or e[1] > 0}
 
     @property
     def backward_op(self) -> Op:
@@ -147,6 +159,9 @@ class StageState:
             self.inflight += 1
             self.peak_inflight = max(self.peak_inflight, self.inflight)
             self.reserved_forwards += self.shape.num_chunks - 1 if c == 0 else -1
+            entry = self._open.setdefault(m, [0, 0])
+            entry[0] += 1
+            entry[1] += 1
             self._refresh_backward(m, c)
         elif action.op is Op.I:
             self._ready[Op.W].add(Action(Op.W, m, c))
@@ -154,6 +169,10 @@ class StageState:
             # Activations are released when the whole backward of (m, c) has run: for a split
             # backward W still reads the saved inputs, so they are held until W.
             self.inflight -= 1
+            entry = self._open[m]
+            entry[1] -= 1
+            if entry[1] == 0 and entry[0] == self.shape.num_chunks:
+                del self._open[m]
 
     def _refresh_backward(self, microbatch: int, chunk: int) -> None:
         backward = Action(self.backward_op, microbatch, chunk)
@@ -180,6 +199,12 @@ class StageState:
         """The ready actions of one kind (a live view: do not mutate, copy before iterating
         across events)."""
         return self._ready[op]
+
+    def open_microbatches(self) -> dict[int, list[int]]:
+        """microbatch -> [forwards done here, activations held here] for every microbatch that
+        still owes this stage a forward or holds an activation here (a live view: do not mutate).
+        Memory-capped policies use it to check that every started microbatch can still finish."""
+        return self._open
 
     def all_actions(self) -> list[Action]:
         ops = (Op.F, Op.I, Op.W) if self.split_backward else (Op.F, Op.B)

@@ -2,10 +2,9 @@
 
 Each call looks only at what is ready *now* on this stage and picks:
 
-* a **forward**, if the in-flight activation cap allows it (chunk-0 forwards admit a new
-  microbatch and must leave room for the later-chunk forwards it will owe, see
-  :attr:`StageState.reserved_forwards`; without that reservation interleaved microbatches can
-  fill the cap with chunk-0 activations and deadlock waiting for chunk-1 slots);
+* a **forward**, if the in-flight activation cap allows it and every microbatch started on
+  this stage can still get slots for its later chunks (a banker's check, see
+  :meth:`DynamicPolicy._is_safe_after`);
 * a **backward** (B, or its input-gradient half I), which is on the critical path of the stages
   upstream and frees memory;
 * for ``dpp-zb`` a deferred **weight gradient** W: nobody waits for it, so it fills idle time
@@ -27,6 +26,7 @@ from trainer.schedule.static import interleaved_warmup
 
 PRIORITIES = ("forward", "backward")
 CHUNK_ORDERS = ("depth", "breadth")
+CAP_BASES = ("stage", "peak")
 
 
 def one_f_one_b_cap(shape: PipelineShape, stage: int) -> int:
@@ -42,10 +42,19 @@ class DynamicOptions:
     """Knobs of the greedy policy (``make_policy(name, shape, stage, **options)``)."""
 
     max_inflight: int | None = None
-    """Cap on activations held (chunk units, F done and B/W not yet). None: ``cap_factor`` x
-    1F1B's bound for this stage (:func:`one_f_one_b_cap`)."""
+    """Cap on activations held (chunk units: F done, B - or W for a split backward - not yet).
+    None: ``cap_factor`` x the 1F1B bound chosen by ``cap_basis``."""
     cap_factor: float = 1.0
-    """Multiplier on 1F1B's bound when ``max_inflight`` is None (rounded down)."""
+    """Multiplier on 1F1B's bound for the caps left as None (rounded down)."""
+    cap_basis: str | None = None
+    """Which 1F1B bound ``max_inflight`` defaults to: "stage" = this stage's (``p - s``);
+    "peak" = stage 0's, the largest: the activation memory every GPU already needs for 1F1B,
+    so the per-GPU peak does not grow. None: "stage" for dpp, "peak" for dpp-zb (ZB-H1's
+    memory, which keeps the live activations at the stage bound and lets W lag behind)."""
+    max_live: int | None = None
+    """dpp-zb only: cap on *live* activations (F done, I not yet), which bounds how far this
+    stage's forwards run ahead of its input gradients. None: ``cap_factor`` x this stage's 1F1B
+    bound. Activations waiting only for W still count against ``max_inflight``."""
     priority: str = "forward"
     """"forward": a ready forward under the cap beats a ready backward; "backward": the reverse."""
     chunk_order: str = "depth"
@@ -54,11 +63,15 @@ class DynamicOptions:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.max_inflight is not None and self.max_inflight < 1:
-            problems.append(f"max_inflight={self.max_inflight} must be >= 1")
+        for name in ("max_inflight", "max_live"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                problems.append(f"{name}={value!r} must be an integer >= 1")
         if not (isinstance(self.cap_factor, int | float) and math.isfinite(self.cap_factor)
                 and self.cap_factor >= 1.0):
             problems.append(f"cap_factor={self.cap_factor!r} must be a finite number >= 1")
+        if self.cap_basis is not None and self.cap_basis not in CAP_BASES:
+            problems.append(f"cap_basis={self.cap_basis!r} not in {CAP_BASES}")
         if self.priority not in PRIORITIES:
             problems.append(f"priority={self.priority!r} not in {PRIORITIES}")
         if self.chunk_order not in CHUNK_ORDERS:
@@ -66,18 +79,30 @@ class DynamicOptions:
         if problems:
             raise ValueError("invalid dynamic schedule options: " + "; ".join(problems))
 
-    def resolve_cap(self, shape: PipelineShape, stage: int) -> int:
-        """The cap this stage runs with; at least ``v`` so one microbatch can pass every chunk."""
-        if self.max_inflight is not None:
-            cap = self.max_inflight
-        else:
-            cap = math.floor(self.cap_factor * one_f_one_b_cap(shape, stage) + 1e-9)
+    def _scaled_bound(self, shape: PipelineShape, stage: int) -> int:
+        return math.floor(self.cap_factor * one_f_one_b_cap(shape, stage) + 1e-9)
+
+    def resolve_caps(
+        self, shape: PipelineShape, stage: int, split_backward: bool
+    ) -> tuple[int, int | None]:
+        """(held cap, live cap or None) for ``stage``. The held cap is at least ``v``: one
+        microbatch needs a slot per chunk on every stage."""
+        if not split_backward and self.max_live is not None:
+            raise ValueError(f"max_live={self.max_live} applies to dpp-zb only (split backward)")
+        basis = self.cap_basis or ("peak" if split_backward else "stage")
+        cap = self.max_inflight
+        if cap is None:
+            cap = self._scaled_bound(shape, stage if basis == "stage" else 0)
         if cap < shape.num_chunks:
             raise ValueError(
                 f"stage {stage}: max_inflight={cap} < num_chunks={shape.num_chunks}: a microbatch "
                 "needs one activation slot per chunk on every stage"
             )
-        return cap
+        live = None
+        if split_backward:
+            live = self.max_live if self.max_live is not None else self._scaled_bound(shape, stage)
+            live = min(live, cap)
+        return cap, live
 
 
 class DynamicPolicy:
@@ -90,7 +115,7 @@ class DynamicPolicy:
         self.name = name
         self.split_backward = split_backward
         self.options = options
-        self.cap = options.resolve_cap(shape, stage)
+        self.cap, self.live_cap = options.resolve_caps(shape, stage, split_backward)
         self._num_chunks = shape.num_chunks
         # Sort keys: smaller wins. Depth-first forwards favour later chunks, depth-first
         # backwards favour earlier chunks (both move a started microbatch towards completion).
@@ -102,21 +127,47 @@ class DynamicPolicy:
         self._forward_first = options.priority == "forward"
 
     def __repr__(self) -> str:
-        return f"DynamicPolicy({self.name!r}, cap={self.cap}, {self.options})"
+        return f"DynamicPolicy({self.name!r}, cap={self.cap}, live_cap={self.live_cap}, {self.options})"
 
     def _admissible_forward(self, state: StageState) -> Action | None:
-        """Best ready forward the memory cap allows, or None."""
+        """Best ready forward that keeps the stage *safe* under the cap, or None."""
         ready = state.ready_of(Op.F)
-        if not ready:
+        if not ready or state.inflight >= self.cap:
             return None
-        room = self.cap - state.inflight
-        if room <= 0:
-            return None
-        # A chunk-0 forward admits a new microbatch: it needs its own slot plus one for each of
-        # its later chunks, on top of the slots already owed to admitted microbatches.
-        can_admit = room - state.reserved_forwards >= self._num_chunks
-        candidates = ready if can_admit else [a for a in ready if a.chunk > 0]
-        return min(candidates, key=self._forward_key, default=None)
+        if self.live_cap is not None and state.inflight - len(state.ready_of(Op.W)) >= self.live_cap:
+            # Only new microbatches wait for the live cap: a started one must finish its
+            # later chunks (the banker's check below guarantees them room).
+            ready = [a for a in ready if a.chunk > 0]
+            if not ready:
+                return None
+        best = min(ready, key=self._forward_key)  # type: ignore[arg-type]
+        if self._is_safe_after(state, best):
+            return best
+        for action in sorted(ready, key=self._forward_key)[1:]:
+            if self._is_safe_after(state, action):
+                return action
+        return None
+
+    def _is_safe_after(self, state: StageState, forward: Action) -> bool:
+        """Banker's check: after ``forward``, can every started microbatch still get the slots for
+        its remaining chunks here, serving them oldest first (each one then releases all it
+        holds)? Without it, interleaved microbatches can fill the cap with early-chunk activations
+        and deadlock waiting for later-chunk slots. Oldest-first is the order every stage
+        favours, so the microbatch served first here is also served first downstream."""
+        free = self.cap - state.inflight - 1
+        v = self._num_chunks
+        owed = state.reserved_forwards + (v - 1 if forward.chunk == 0 else -1)
+        if free >= owed:  # room for everything owed: the common, O(1) case (always when v == 1)
+            return free >= 0
+        open_microbatches = state.open_microbatches()
+        for m in sorted(open_microbatches.keys() | {forward.microbatch}):
+            forwards_done, held = open_microbatches.get(m, (0, 0))
+            if m == forward.microbatch:
+                forwards_done, held = forwards_done + 1, held + 1
+            if v - forwards_done > free:
+                return False
+            free += held
+        return True
 
     def choose(self, state: StageState) -> Action | None:
         backward_ready = state.ready_of(state.backward_op)
