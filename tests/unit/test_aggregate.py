@@ -207,3 +207,11 @@ def test_validate_flags_seconds_instead_of_microseconds():
     for e in document["traceEvents"]:
         e["ts"], e["dur"] = e["ts"] / 1e6, e["dur"] / 1e6
     assert any("look like seconds" in p for p in validate_trace(_merged_from_document(document)))
+
+
+def test_validate_flags_partially_overlapping_slices():
+    merged = _merged_from_document(simulated_trace(COSTS))
+    f0, f1 = (next(e for e in merged["traceEvents"] if e.get("name") == n and e["pid"] == 0)
+              for n in ("F0.c0", "F1.c0"))
+    f0["dur"] = (f1["ts"] - f0["ts"]) + f1["dur"] / 2  # F0 now ends halfway through F1
+    assert "pid 0 tid 0: F1.c0 partially overlaps F0.c0" in validate_trace(merged)

@@ -3,6 +3,8 @@
 Format: every complete event (``ph: "X"``) has name, ph, ts, dur, pid, tid, cat and args; ``ts``
 and ``dur`` are finite µs numbers, ``ts`` >= 0 (merged traces start at 0), ``dur`` >= 0.
 
+Slices on one thread (pid, tid) nest or follow each other, never partially overlap.
+
 Bookkeeping: on every pipeline rank (merged ``pid``), in every iteration it traced, each forward
 and each backward (``B``, or ``I`` and ``W`` when the backward is split) of every microbatch and
 chunk ran exactly once, and each compute event's name is its action (``F3.c0``).
@@ -23,6 +25,8 @@ REQUIRED_KEYS = ("name", "ph", "ts", "dur", "pid", "tid", "cat", "args")
 COMPUTE_CATEGORIES = ("F", "B", "I", "W")
 MAX_LISTED = 8
 """Problems of one kind listed individually before the rest are counted (keeps reports short)."""
+NEST_SLACK_US = 0.5
+"""Rounding allowance when comparing slice ends: float64 µs since 1970 has 0.25 µs steps."""
 SECONDS_SUSPECT_US = 1.0
 """A median compute duration below 1 µs means timestamps were written in seconds, not µs."""
 
@@ -90,6 +94,27 @@ def _schedule_problems(compute: list[dict[str, Any]], metadata: dict[str, Any]) 
     return problems
 
 
+def _nesting_problems(events: list[dict[str, Any]]) -> list[str]:
+    """Slices on one (pid, tid) must nest or follow each other: viewers mis-draw partial overlaps,
+    and on a compute thread an overlap means two operations claim the same core at once."""
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for event in events:
+        by_thread[(event["pid"], event["tid"])].append(event)
+    problems = []
+    for (pid, tid), thread in sorted(by_thread.items(), key=lambda item: str(item[0])):
+        open_slices: list[dict[str, Any]] = []  # enclosing slices, innermost last
+        for event in sorted(thread, key=lambda e: (e["ts"], -e["dur"])):
+            end = event["ts"] + event["dur"]
+            while open_slices and open_slices[-1]["ts"] + open_slices[-1]["dur"] <= event["ts"] + NEST_SLACK_US:
+                open_slices.pop()
+            if open_slices and end > open_slices[-1]["ts"] + open_slices[-1]["dur"] + NEST_SLACK_US:
+                problems.append(f"pid {pid} tid {tid}: {event['name']} partially overlaps "
+                                f"{open_slices[-1]['name']}")
+                continue
+            open_slices.append(event)
+    return problems[:MAX_LISTED]
+
+
 def validate_trace(merged: dict[str, Any]) -> list[str]:
     """Problems found in a merged trace document (empty list: valid). Never raises on bad input."""
     if not isinstance(merged, dict) or not isinstance(merged.get("traceEvents"), list):
@@ -108,4 +133,5 @@ def validate_trace(merged: dict[str, Any]) -> list[str]:
         problems.append(f"median compute duration {median_us:g} µs < {SECONDS_SUSPECT_US:g} µs: "
                         "timestamps look like seconds, not µs")
     problems.extend(_schedule_problems(compute, merged.get("metadata") or {}))
+    problems.extend(_nesting_problems([e for e in merged["traceEvents"] if e.get("ph") == "X"]))
     return problems
