@@ -1,0 +1,95 @@
+"""Run schedules on the same random cost draws and summarise them against 1F1B (CLI, tests, docs).
+
+Seed ``i`` draws the per-microbatch sequence lengths identically for every schedule (they are drawn
+first), so schedules are compared on the same workload; 1F1B is always run as the baseline, at one
+chunk per stage. Ratios are per-seed ``1F1B step / schedule step`` (> 1: faster than 1F1B), and
+the reported figure is their median over seeds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainer.schedule.core import PipelineShape, Policy
+from trainer.schedule.costs import CostModel
+from trainer.schedule.registry import make_policy
+from trainer.schedule.simulator import SimResult, simulate
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule to simulate: a registry name, its chunks per stage and its options."""
+
+    name: str
+    """Registry name (``make_policy``)."""
+    num_chunks: int = 1
+    """Model chunks per stage (v) this schedule runs with."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Options passed to ``make_policy`` for every stage."""
+
+    def policies(self, num_stages: int, num_microbatches: int) -> tuple[PipelineShape, list[Policy]]:
+        shape = PipelineShape(num_stages, num_microbatches, self.num_chunks)
+        return shape, [make_policy(self.name, shape, s, **self.options) for s in range(num_stages)]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Medians over seeds of one schedule's simulated steps."""
+
+    spec: ScheduleSpec
+    step_time: float
+    """Median step time (cost units)."""
+    speedup: float
+    """Median over seeds of 1F1B's step time / this schedule's (> 1: faster than 1F1B)."""
+    bubble: float
+    """Median bubble fraction."""
+    peak_activations: float
+    """Largest per-stage activation peak over all seeds, in whole-stage microbatch units."""
+    caps: str
+    """Per-stage caps as "held/live" in chunk units ("-" for static schedules)."""
+
+
+def run_once(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
+             seed: int, record: bool = False) -> SimResult:
+    shape, policies = spec.policies(num_stages, num_microbatches)
+    return simulate(shape, policies, costs.draw(shape, np.random.default_rng(seed)), record=record)
+
+
+def describe_caps(policies: list[Policy]) -> str:
+    caps = [getattr(p, "cap", None) for p in policies]
+    if any(c is None for c in caps):
+        return "-"
+    lives = [getattr(p, "live_cap", None) for p in policies]
+    if all(live is None for live in lives):
+        return ",".join(map(str, caps))
+    return ",".join(f"{c}/{live}" for c, live in zip(caps, lives, strict=True))
+
+
+def compare(specs: list[ScheduleSpec], num_stages: int, num_microbatches: int, costs: CostModel,
+            seeds: list[int]) -> tuple[Summary, list[Summary]]:
+    """(1F1B baseline, one summary per spec), all over the same ``seeds``."""
+    if not seeds:
+        raise ValueError("need at least one seed")
+    baseline_spec = ScheduleSpec("1f1b")
+    base_steps = [run_once(baseline_spec, num_stages, num_microbatches, costs, s).step_time for s in seeds]
+    results = [_summarise(baseline_spec, num_stages, num_microbatches, costs, seeds, base_steps)]
+    results += [_summarise(spec, num_stages, num_microbatches, costs, seeds, base_steps) for spec in specs]
+    return results[0], results[1:]
+
+
+def _summarise(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
+               seeds: list[int], base_steps: list[float]) -> Summary:
+    runs = [run_once(spec, num_stages, num_microbatches, costs, s) for s in seeds]
+    _, policies = spec.policies(num_stages, num_microbatches)
+    return Summary(
+        spec=spec,
+        step_time=statistics.median(r.step_time for r in runs),
+        speedup=statistics.median(b / r.step_time for b, r in zip(base_steps, runs, strict=True)),
+        bubble=statistics.median(r.bubble_fraction for r in runs),
+        peak_activations=max(r.peak_activations for r in runs),
+        caps=describe_caps(policies),
+    )

@@ -1,0 +1,193 @@
+"""``python -m trainer.schedule.simulate``: compare pipeline schedules on a simulated step.
+
+Example::
+
+    python -m trainer.schedule.simulate --pp 4 --vp 2 --microbatches 32 --jitter 0.3 \\
+        --schedules gpipe,1f1b,interleaved,zb-h1,dpp,dpp-zb --seeds 20 --trace out.json
+
+prints one row per schedule: median step time, speedup vs 1F1B, bubble %, peak activations and the
+caps used. ``--cap-sweep 1,1.25,1.5,2`` prints throughput against the activation cap instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainer.schedule.compare import ScheduleSpec, Summary, compare, run_once
+from trainer.schedule.costs import CostModel
+from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
+from trainer.schedule.trace import write_trace
+
+ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+"""Run with one chunk per stage whatever --vp says (the classic forms being compared against)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.schedule.simulate",
+        description=__doc__.split("\n\n")[0] + " Times are in cost units (1 unit = one forward "
+        "of one microbatch through one whole stage, written as 1 ms in traces).",
+    )
+    add = parser.add_argument
+    add("--pp", type=int, default=4, help="pipeline stages p (default 4)")
+    add("--vp", type=int, default=2,
+        help="model chunks per stage v for interleaved, dpp and dpp-zb (default 2); gpipe, 1f1b "
+        "and zb-h1 always run with one chunk")
+    add("--microbatches", type=int, default=32, help="microbatches per step M (default 32)")
+    add("--schedules", default="gpipe,1f1b,interleaved,zb-h1,dpp,dpp-zb",
+        help=f"comma-separated schedules from {', '.join(POLICY_NAMES)}")
+    add("--jitter", type=float, default=0.0,
+        help="per-op log-normal noise, as a coefficient of variation (0.3 = 30%%; default 0)")
+    add("--seq-len-dist", default="none",
+        help="per-microbatch sequence lengths: 'none' or 'lognormal:SIGMA' (length ratio with mean 1;"
+        " op cost = (1-a)*r + a*r^2, a = --attention-fraction)")
+    add("--attention-fraction", type=float, default=0.2,
+        help="share of an op's cost quadratic in sequence length (default 0.2)")
+    add("--straggler", default=None, help="'STAGE:FACTOR': that stage runs FACTOR times slower (e.g. 1:1.2)")
+    add("--forward", type=float, default=1.0, help="forward cost of one stage (default 1)")
+    add("--input-grad", type=float, default=1.0, help="input-gradient (I) cost of one stage (default 1)")
+    add("--weight-grad", type=float, default=1.0,
+        help="weight-gradient (W) cost of one stage (default 1); B = I + W")
+    add("--transfer", type=float, default=0.0, help="time to cross one pipeline edge (default 0)")
+    add("--cap-factor", type=float, default=1.0,
+        help="dpp/dpp-zb activation cap as a multiple of 1F1B's bound (default 1)")
+    add("--cap-basis", choices=("stage", "peak"), default=None,
+        help="1F1B bound the cap multiplies: this stage's (p-s) or stage 0's (the per-GPU peak);"
+        " default: stage for dpp, peak for dpp-zb")
+    add("--priority", choices=("forward", "backward"), default="forward",
+        help="dpp/dpp-zb: what wins when a forward and a backward are both ready (default forward)")
+    add("--chunk-order", choices=("depth", "breadth"), default="depth",
+        help="dpp/dpp-zb: later chunks first (depth) or chunk 0 first (breadth) (default depth)")
+    add("--seed", type=int, default=0, help="first random seed (default 0)")
+    add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
+    add("--cap-sweep", default=None,
+        help="comma-separated cap factors (e.g. 1,1.25,1.5,2): print dpp/dpp-zb throughput vs cap instead")
+    add("--sweep-vp", default="1,2", help="chunk counts for --cap-sweep (default 1,2)")
+    add("--trace", default=None,
+        help="write the first seed's Chrome trace here (one file per schedule: NAME.SCHEDULE.json"
+        " when several schedules run)")
+    return parser
+
+
+def _parse_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> CostModel:
+    seq_sigma = 0.0
+    if args.seq_len_dist != "none":
+        kind, _, value = args.seq_len_dist.partition(":")
+        try:
+            seq_sigma = float(value)
+        except ValueError:
+            seq_sigma = -1.0
+        if kind != "lognormal" or seq_sigma < 0:
+            parser.error(f"--seq-len-dist={args.seq_len_dist!r}: expected 'none' or 'lognormal:SIGMA'")
+    straggler_stage, straggler_factor = None, 1.0
+    if args.straggler:
+        stage, _, factor = args.straggler.partition(":")
+        try:
+            straggler_stage, straggler_factor = int(stage), float(factor)
+        except ValueError:
+            parser.error(f"--straggler={args.straggler!r}: expected STAGE:FACTOR, e.g. 1:1.2")
+        if not 0 <= straggler_stage < args.pp:
+            parser.error(f"--straggler={args.straggler!r}: stage outside [0, --pp={args.pp})")
+    try:
+        return CostModel(
+            forward=args.forward, input_grad=args.input_grad, weight_grad=args.weight_grad,
+            transfer=args.transfer, jitter=args.jitter, seq_len_sigma=seq_sigma,
+            attention_fraction=args.attention_fraction, straggler_stage=straggler_stage,
+            straggler_factor=straggler_factor,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # unreachable: parser.error exits
+
+
+def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
+    options = {"cap_factor": cap_factor, "priority": args.priority, "chunk_order": args.chunk_order}
+    if args.cap_basis is not None:
+        options["cap_basis"] = args.cap_basis
+    return options
+
+
+def _specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[ScheduleSpec]:
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown or not names:
+        parser.error(f"--schedules: unknown {unknown or 'empty list'}; choose from {', '.join(POLICY_NAMES)}")
+    if "interleaved" in names and args.vp < 2:
+        parser.error(f"--schedules includes interleaved, which needs --vp >= 2 (got --vp {args.vp})")
+    specs = []
+    for name in names:
+        chunks = 1 if name in ONE_CHUNK_SCHEDULES else args.vp
+        options = _dynamic_options(args, args.cap_factor) if name in DYNAMIC_SCHEDULES else {}
+        specs.append(ScheduleSpec(name, chunks, options))
+    return specs
+
+
+def _format_table(baseline: Summary, rows: list[Summary]) -> str:
+    header = f"{'schedule':<12} {'v':>2} {'step':>9} {'vs 1F1B':>8} {'bubble':>7} {'peak act':>8}  caps (held[/live] per stage)"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row.spec.name:<12} {row.spec.num_chunks:>2} {row.step_time:>9.2f} "
+            f"{row.speedup - 1:>+7.1%} {row.bubble:>7.1%} {row.peak_activations:>8.2f}  {row.caps}"
+        )
+    lines.append(f"(1F1B baseline: median step {baseline.step_time:.2f}; 'vs 1F1B' = median over seeds of"
+                 " 1F1B step / schedule step - 1; peak act in whole-stage microbatch activations)")
+    return "\n".join(lines)
+
+
+def _cap_sweep(args, parser, costs: CostModel, seeds: list[int]) -> str:
+    try:
+        factors = [float(f) for f in args.cap_sweep.split(",")]
+        chunk_counts = [int(v) for v in args.sweep_vp.split(",")]
+    except ValueError:
+        parser.error(f"--cap-sweep={args.cap_sweep!r} / --sweep-vp={args.sweep_vp!r}: expected comma-separated numbers")
+    names = [n for n in args.schedules.split(",") if n in DYNAMIC_SCHEDULES] or list(DYNAMIC_SCHEDULES)
+    lines = [f"{'schedule':<8} {'v':>2} " + " ".join(f"{f'{f:g}x cap':>9}" for f in factors)]
+    for name in names:
+        for v in chunk_counts:
+            specs = [ScheduleSpec(name, v, _dynamic_options(args, f)) for f in factors]
+            _, rows = compare(specs, args.pp, args.microbatches, costs, seeds)
+            lines.append(f"{name:<8} {v:>2} " + " ".join(f"{r.speedup - 1:>+9.1%}" for r in rows))
+    lines.append("(median over seeds of 1F1B step / schedule step - 1; cap = factor x 1F1B's bound,"
+                 " see --cap-basis)")
+    return "\n".join(lines)
+
+
+def _write_traces(args, specs: list[ScheduleSpec], costs: CostModel) -> list[Path]:
+    target = Path(args.trace)
+    written = []
+    for spec in specs:
+        path = target if len(specs) == 1 else target.with_name(f"{target.stem}.{spec.name}{target.suffix}")
+        result = run_once(spec, args.pp, args.microbatches, costs, args.seed, record=True)
+        written.append(write_trace(path, result, costs.transfer))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    bad = [f"--{n}={getattr(args, n)}" for n in ("pp", "vp", "microbatches", "seeds") if getattr(args, n) < 1]
+    if bad:
+        parser.error("must be >= 1: " + ", ".join(bad))
+    costs = _parse_costs(args, parser)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    try:
+        if args.cap_sweep:
+            print(_cap_sweep(args, parser, costs, seeds))
+            return 0
+        specs = _specs(args, parser)
+        baseline, rows = compare(specs, args.pp, args.microbatches, costs, seeds)
+        print(_format_table(baseline, rows))
+        if args.trace:
+            for path in _write_traces(args, specs, costs):
+                print(f"trace written: {path}")
+    except ValueError as error:  # e.g. interleaved with M not a multiple of p
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
