@@ -215,3 +215,21 @@ def test_validate_flags_partially_overlapping_slices():
               for n in ("F0.c0", "F1.c0"))
     f0["dur"] = (f1["ts"] - f0["ts"]) + f1["dur"] / 2  # F0 now ends halfway through F1
     assert "pid 0 tid 0: F1.c0 partially overlaps F0.c0" in validate_trace(merged)
+
+
+def test_data_parallel_replicas_get_their_own_tracks():
+    """PP=4 x DP=2: ranks 2s and 2s+1 hold stage s (Megatron order); each gets a pid, stage-major."""
+    traces = []
+    for rank, document in rank_traces(COSTS).items():
+        for dp in range(2):
+            global_rank = 2 * rank + dp
+            events = [dict(e, pid=global_rank) for e in document["traceEvents"]]
+            meta = dict(document["metadata"], rank=global_rank, dp_rank=dp, world_size=8)
+            traces.append(RankTrace(Path(trace_file_name(global_rank)), events, meta))
+    merged = merge_traces(traces)
+    assert validate_trace(merged) == []
+    labels = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"}
+    assert labels == {2 * s + dp: f"stage {s} (rank {2 * s + dp})" for s in range(4) for dp in range(2)}
+    summary = summarize(merged)
+    assert [s.ranks for s in summary.stages] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert summary.bubble_fraction == pytest.approx(3 / 11, abs=1e-9)
