@@ -65,29 +65,27 @@ def test_uniform_1f1b_bubble_matches_theory(stages, microbatches):
     assert summary.theoretical_1f1b_bubble == pytest.approx(theory, abs=1e-12)
 
 
-def test_simulator_trace_bubble_matches_theory():
-    """The schedule helper's simulator, driven by the real 1F1B policy, through our summary."""
+@pytest.mark.parametrize(("stages", "microbatches"), [(4, 8), (4, 32), (3, 5), (8, 8)])
+def test_simulator_trace_bubble_matches_theory(stages, microbatches):
+    """The schedule engine's own 1F1B policy and trace export (issue 2), through our summary."""
     import numpy as np
 
     from trainer.schedule.core import PipelineShape
     from trainer.schedule.costs import CostModel
     from trainer.schedule.registry import make_policy
     from trainer.schedule.simulator import simulate
+    from trainer.schedule.trace import trace_document
 
-    shape = PipelineShape(num_stages=4, num_microbatches=8)
-    policies = [make_policy("1f1b", shape, s) for s in range(4)]
-    costs = CostModel(forward=1.0, input_grad=1.0, weight_grad=1.0).draw(shape, np.random.default_rng(0))
-    result = simulate(shape, policies, costs, record=True)
-    events = [{"name": str(r.action), "ph": "X", "ts": r.start * 1e6, "dur": (r.end - r.start) * 1e6,
-               "pid": r.stage, "tid": "compute", "cat": r.action.op.value,
-               "args": {"iteration": 0, "microbatch": r.action.microbatch, "chunk": r.action.chunk,
-                        "stage": r.stage, "inflight": r.inflight}} for r in result.timeline]
-    document = {"traceEvents": events, "metadata": {
-        "rank": -1, "stage": -1, "world_size": 4, "pipeline_parallel": 4, "num_chunks": 1,
-        "num_microbatches": 8, "schedule": "1f1b", "source": "simulator", "clock_offset_us": 0.0}}
-    merged = _merged_from_document(document)
+    shape = PipelineShape(num_stages=stages, num_microbatches=microbatches)
+    policies = [make_policy("1f1b", shape, s) for s in range(stages)]
+    costs = CostModel(forward=1.0, input_grad=1.0, weight_grad=1.0)
+    result = simulate(shape, policies, costs.draw(shape, np.random.default_rng(0)), record=True)
+    merged = _merged_from_document(trace_document(result, costs.transfer))
     assert validate_trace(merged) == []
-    assert summarize(merged).bubble_fraction == pytest.approx(3 / 11, abs=1e-9)
+    summary = summarize(merged)
+    assert summary.bubble_fraction == pytest.approx((stages - 1) / (microbatches + stages - 1), abs=1e-9)
+    assert summary.stages[0].wait_ms > 0  # the simulator's waits are counted
+    assert [s.peak_inflight for s in summary.stages] == [min(stages - s, microbatches) for s in range(stages)]
 
 
 def test_skewed_clocks_come_out_aligned(tmp_path):
