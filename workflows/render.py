@@ -96,6 +96,17 @@ def _only_quoted(value: object) -> object:
     return value
 
 
+def _strict(filter_function):
+    """Filters receive Undefined values before StrictUndefined can object: make them object."""
+
+    def checked(value, *args):
+        if isinstance(value, jinja2.Undefined):
+            value._fail_with_undefined_error()
+        return filter_function(value, *args)
+
+    return checked
+
+
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -106,7 +117,8 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,  # shell, not HTML: quoting is the filters' job
     )
-    env.filters.update(q=shell.quote, name=shell.name, assign=_assign, comment=_comment)
+    filters = {"q": shell.quote, "name": shell.name, "assign": _assign, "comment": _comment}
+    env.filters.update({key: _strict(f) for key, f in filters.items()})
     return env
 
 

@@ -1,0 +1,55 @@
+"""Bad input to the submit/status command lines: one clear line, exit 2, nothing submitted or written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(module: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    # An empty PATH for Slurm commands proves validation happens before any submission.
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
+    return subprocess.run([sys.executable, "-m", module, *args, *(["--runs-dir", str(tmp_path)]
+                          if module.endswith("submit") else [])],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["llama"], "unknown recipe 'llama'; choose one of gpt, bert"),
+    (["gpt", "--nodes", "0"], "--nodes 0: must be >= 1"),
+    (["bert", "--nodes", "-3"], "--nodes -3: must be >= 1"),
+    (["gpt", "--nodes", "two"], "argument --nodes: invalid int value: 'two'"),
+    (["gpt", "--env", "INPUT=datasets/missing.jsonl.xz"], "missing data file(s): INPUT=datasets/missing.jsonl.xz"),
+    (["gpt", "--env", "NUM_LAYER=3"], "unknown setting(s) NUM_LAYER"),
+    (["gpt", "--env", "NUM_LAYERS"], "expected KEY=VALUE, got 'NUM_LAYERS'"),
+    (["gpt", "--train-iters", "0"], "--train-iters 0: must be >= 1"),
+])
+def test_submit_bad_input_is_one_line_and_status_2(tmp_path, args, message):
+    result = run_cli("workflows.submit", *args, tmp_path=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m workflows.submit: error: "), result.stderr
+    assert message in lines[0]
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_submit_without_slurm_says_how_to_get_it(tmp_path):
+    result = run_cli("workflows.submit", "gpt", tmp_path=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "python -m workflows.submit: error: sbatch not found on PATH: run on a Slurm login node, or "
+        "`source .cluster/env` after `scripts/cluster.sh up` for the local cluster"
+    ]
+
+
+@pytest.mark.parametrize("job_id", ["abc", "12;rm"])
+def test_status_rejects_a_non_numeric_job_id(tmp_path, job_id):
+    result = run_cli("workflows.status", job_id, tmp_path=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"python -m workflows.status: error: job id {job_id!r}: expected a number"

@@ -1,0 +1,158 @@
+"""The rendered sbatch files: golden copies, enforced quoting, and what they run under bash.
+
+The scripts run for real under bash here; only `srun` is replaced, by a script that records its
+argv (Pyxis does not exist on this machine, so the container flags can only be checked on the srun
+line: this is the one stand-in, and the Slurm tests run the same files on the real local cluster).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from workflows import jobs, recipes, render, shell
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\0' "$@" > "$FAKE_SRUN_LOG"
+"""
+
+
+def run_sbatch(job: jobs.Job, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run sbatch/<job> under bash with a recording srun; (result, srun argv)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    log = tmp_path / "srun.argv"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in jobs.KNOB_NAMES}
+    full_env = {
+        **base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(log),
+        "REPO_DIR": str(REPO), "OUTPUT_DIR": str(tmp_path / "out"), "DATA_PATH": str(tmp_path / "data"),
+        **env,
+    }
+    result = subprocess.run(["bash", str(REPO / "sbatch" / job.filename)], env=full_env,
+                            capture_output=True, text=True, timeout=30, check=False)
+    argv = log.read_bytes().decode().split("\0")[:-1] if log.exists() else []
+    return result, argv
+
+
+def expected_command(job: jobs.Job, recipe: recipes.Recipe, env: dict[str, str]) -> list[str]:
+    values = jobs.resolve(job, recipe, env)
+    return [values["PYTHON"], "-m", job.module, *jobs.knob_arguments(job, values)]
+
+
+def test_committed_sbatch_files_are_byte_identical_to_the_render():
+    assert render.drift(render.render_all(), REPO / "sbatch") == [], render.HINT
+
+
+def test_check_prints_a_diff_and_the_hint_when_a_file_drifts(tmp_path, capsys):
+    render.write(render.render_all(), tmp_path)
+    target = tmp_path / jobs.TRAIN.filename
+    target.write_text(target.read_text().replace("NUM_LAYERS:-4", "NUM_LAYERS:-5"))
+    assert render.main(["--check", "--output-dir", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "-        NUM_LAYERS=${NUM_LAYERS:-5}" in captured.out
+    assert "+        NUM_LAYERS=${NUM_LAYERS:-4}" in captured.out
+    assert render.HINT in captured.err
+    render.write(render.render_all(), tmp_path)
+    assert render.main(["--check", "--output-dir", str(tmp_path)]) == 0
+
+
+def test_an_interpolation_without_a_quoting_filter_fails_the_render():
+    env = render.environment()
+    with pytest.raises(TypeError, match="without the q/name/assign/comment filter"):
+        env.from_string("X={{ value }}").render(value="a b")
+    assert env.from_string("X={{ value | q }}").render(value="a b") == "X='a b'"
+    with pytest.raises(jinja2.UndefinedError):  # StrictUndefined: a typo is an error, not ''
+        env.from_string("{{ missing | q }}").render()
+
+
+@pytest.mark.parametrize("hostile", ["$(touch PWNED)", "a'b\"c", "x; touch PWNED", "`touch PWNED`", "*", ""])
+def test_assign_keeps_hostile_defaults_literal(tmp_path, hostile):
+    line = render.environment().from_string("{{ 'V' | assign(value) }}").render(value=hostile)
+    script = f'{line}\nprintf "%s" "$V"\n'
+    out = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout == hostile
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_names_and_comments_are_validated_not_quoted():
+    with pytest.raises(ValueError, match="variable name"):
+        shell.name("A; rm")
+    with pytest.raises(ValueError, match="one line"):
+        render.environment().from_string("# {{ t | comment }}").render(t="a\nrm -rf /")
+
+
+@pytest.mark.parametrize("recipe", recipes.all_recipes(), ids=lambda r: r.key)
+@pytest.mark.parametrize("job", [jobs.PREPROCESS, jobs.AGGREGATE], ids=lambda j: j.key)
+def test_sbatch_runs_exactly_the_recipe_command(tmp_path, recipe, job):
+    env = {"MODEL": recipe.model, "SIZE": recipe.size}
+    result, argv = run_sbatch(job, tmp_path, **env)
+    assert result.returncode == 0, result.stderr
+    full_env = {"REPO_DIR": str(REPO), "OUTPUT_DIR": str(tmp_path / "out"), "DATA_PATH": str(tmp_path / "data")}
+    command = expected_command(job, recipe, full_env)
+    assert argv[-len(command):] == command
+    assert argv[:3] == ["--nodes=1", "--ntasks=1", command[0]]  # host environment: no Pyxis flags
+
+
+@pytest.mark.parametrize("recipe", recipes.all_recipes(), ids=lambda r: r.key)
+def test_training_sbatch_runs_the_recipe_command_with_node_addresses(tmp_path, recipe):
+    env = {"MODEL": recipe.model, "SIZE": recipe.size, "NODE_IPS": "10.0.0.1,10.0.0.2",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7"}
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, **env)
+    assert result.returncode == 0, result.stderr
+    command = expected_command(jobs.TRAIN, recipe, {"REPO_DIR": str(REPO), "OUTPUT_DIR": str(tmp_path / "out"),
+                                                    "DATA_PATH": str(tmp_path / "data")})
+    runtime = ["--node-ips", "10.0.0.1,10.0.0.2", "--multi-node"]
+    assert argv[-len(command) - len(runtime):] == command + runtime
+    ranks = 2 * recipe.gpus_per_node if recipe.gpus_per_node else recipe.parallel.pipeline * recipe.parallel.tensor
+    assert argv[:4] == ["--nodes=2", f"--ntasks={ranks}", f"--ntasks-per-node={ranks // 2}", "--kill-on-bad-exit=1"]
+    assert "MASTER_ADDR=10.0.0.1" in result.stdout
+    assert (tmp_path / "out" / "checkpoints").is_dir() and (tmp_path / "out" / "traces").is_dir()
+
+
+def test_environment_overrides_replace_recipe_defaults(tmp_path):
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, NODE_IPS="10.0.0.1", NUM_LAYERS="8", PP="1",
+                              TRAIN_ITERS="3", USE_DPP="0", EXTRA_TRAIN_ARGS="--foo 1 --bar")
+    assert result.returncode == 0, result.stderr
+    assert argv[argv.index("--num-layers") + 1] == "8"
+    assert argv[argv.index("--pipeline-model-parallel-size") + 1] == "1"
+    assert argv[argv.index("--train-iters") + 1] == "3"
+    assert "--use-dpp" not in argv and "--multi-node" not in argv
+    assert argv[-3:] == ["--foo", "1", "--bar"]
+    assert "--ntasks=1" in argv  # PP*TP ranks on CPU
+
+
+def test_image_adds_pyxis_flags_to_srun(tmp_path):
+    result, argv = run_sbatch(jobs.PREPROCESS, tmp_path, IMAGE="/images/mdpp.sqsh")
+    assert result.returncode == 0, result.stderr
+    data, out = tmp_path / "data", tmp_path / "out"
+    assert argv[2:5] == [
+        "--container-image=/images/mdpp.sqsh",
+        f"--container-mounts={data}:{data},{out}:{out}",
+        f"--container-workdir={jobs.CONTAINER_WORKDIR}",
+    ]
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, IMAGE="reg#mdpp:latest", NODE_IPS="10.0.0.1",
+                              CONTAINER_MOUNTS="/fsx:/fsx")
+    assert "--container-mounts=/fsx:/fsx" in argv and "--container-image=reg#mdpp:latest" in argv
+    assert argv.index("--container-image=reg#mdpp:latest") < argv.index("python3")
+
+
+@pytest.mark.parametrize("job", jobs.JOBS, ids=lambda j: j.key)
+def test_unknown_recipe_is_one_clear_line_and_status_2(tmp_path, job):
+    result, argv = run_sbatch(job, tmp_path, MODEL="llama", NODE_IPS="10.0.0.1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: MODEL=llama SIZE=cpu: no such recipe; MODEL/SIZE is one of gpt/cpu gpt/gpu bert/cpu bert/gpu"
+    ]
+    assert argv == []
+
+
+def test_preprocessing_refuses_a_missing_corpus(tmp_path):
+    result, argv = run_sbatch(jobs.PREPROCESS, tmp_path, INPUT="datasets/nope.jsonl")
+    assert (result.returncode, result.stderr.strip(), argv) == (2, "error: INPUT=datasets/nope.jsonl: no such file", [])

@@ -1,0 +1,116 @@
+"""Thin, typed wrappers over the Slurm commands the chain uses: sbatch, sacct, scancel.
+
+Every call has a timeout and raises :class:`SlurmError` with the command and Slurm's own message,
+so a CLI can print one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT_S = 30.0  # slurmctld answers in milliseconds; 30 s means it is down or wedged
+# States after which a job will not run again (REQUEUED and PENDING/RUNNING are not among them).
+TERMINAL_STATES = frozenset({
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
+    "BOOT_FAIL", "DEADLINE",
+})
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NodeList", "Start", "End")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed or is missing; the message names the command and Slurm's reply."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One job as sacct reports it (the allocation line, not its steps)."""
+
+    job_id: str
+    """Numeric job id."""
+    name: str
+    """Job name (the chain's jobs are named mdpp-<run>-<step>)."""
+    state: str
+    """First word of sacct's State, e.g. COMPLETED; "CANCELLED by 0" becomes CANCELLED."""
+    exit_code: str
+    """ExitCode as return:signal, e.g. 0:0 or 2:0."""
+    elapsed: str
+    """Run time so far, HH:MM:SS."""
+    nodes: str
+    """NodeList (None assigned while pending)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+def require(command: str) -> str:
+    """Path of a Slurm command, or SlurmError telling how to get one on PATH."""
+    path = shutil.which(command)
+    if path is None:
+        raise SlurmError(
+            f"{command} not found on PATH: run on a Slurm login node, or `source .cluster/env` "
+            "after `scripts/cluster.sh up` for the local cluster"
+        )
+    return path
+
+
+def run(args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
+    """Run a Slurm command, return its stdout; SlurmError with its stderr when it fails."""
+    argv = [require(args[0]), *args[1:]]
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise SlurmError(f"{args[0]} did not answer within {timeout:.0f} s: {' '.join(args)}") from exc
+    if done.returncode != 0:
+        message = (done.stderr.strip() or done.stdout.strip()).splitlines()
+        raise SlurmError(f"{args[0]} failed ({done.returncode}): {message[-1] if message else 'no output'}")
+    return done.stdout
+
+
+def sbatch(script: str, options: Sequence[str], env: Mapping[str, str]) -> str:
+    """Submit ``script`` with ``options``; the new job's id."""
+    out = run(["sbatch", "--parsable", *options, script], env=env).strip()
+    job_id = out.split(";")[0]  # --parsable prints "id" or "id;cluster"
+    if not job_id.isdigit():
+        raise SlurmError(f"sbatch printed {out!r} instead of a job id")
+    log.info("submitted %s as job %s", script, job_id)
+    return job_id
+
+
+def scancel(job_ids: Sequence[str]) -> None:
+    if job_ids:
+        run(["scancel", *job_ids])
+
+
+def sacct_command(job_ids: Sequence[str]) -> list[str]:
+    """The sacct invocation a user can paste to watch the jobs (allocations only, wide names)."""
+    return ["sacct", "-X", "-j", ",".join(job_ids), "--format=JobID,JobName%40,State,ExitCode,Elapsed,NodeList"]
+
+
+def parse_sacct(text: str) -> list[JobRecord]:
+    """Records from ``sacct --parsable2 --noheader --format=SACCT_FIELDS`` output."""
+    records = []
+    for line in text.splitlines():
+        fields = line.split("|")
+        if len(fields) != len(SACCT_FIELDS):
+            continue  # sacct prints warnings on stdout in some versions; they are not records
+        job_id, name, state, exit_code, elapsed, nodes = fields[:6]
+        records.append(JobRecord(job_id, name, state.split()[0] if state else "UNKNOWN", exit_code, elapsed, nodes))
+    return records
+
+
+def query(job_ids: Sequence[str] = (), names: Sequence[str] = ()) -> list[JobRecord]:
+    """sacct's current view of jobs given by id or by exact name (the latest run of a requeued job)."""
+    args = ["sacct", "-X", "--parsable2", "--noheader", f"--format={','.join(SACCT_FIELDS)}"]
+    if job_ids:
+        args += ["-j", ",".join(job_ids)]
+    if names:
+        # Without a start time sacct only looks at today's jobs; a chain may have started earlier.
+        args += ["--name", ",".join(names), "--starttime", "now-30days"]
+    return parse_sacct(run(args))

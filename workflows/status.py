@@ -1,0 +1,69 @@
+"""Show a chain's jobs from sacct, given any one of its job ids.
+
+    python -m workflows.status 42
+
+The chain's jobs share a name stem (mdpp-<run>-preprocess/-train/-aggregate, set by
+workflows.submit), so one id finds the other two. A job submitted by hand with sbatch is shown
+alone. Exit status: 0 all COMPLETED, 1 any job ended otherwise, 3 still pending or running,
+2 bad input (not a job id, unknown job).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from workflows import chain, slurm
+from workflows.cli import OneLineParser, fail
+
+PROG = "python -m workflows.status"
+EXIT_FAILED, EXIT_RUNNING = 1, 3
+
+
+def chain_records(job_id: str) -> list[slurm.JobRecord]:
+    """The chain containing ``job_id`` in chain order; ValueError when sacct does not know it."""
+    own = slurm.query(job_ids=[job_id])
+    if not own:
+        raise ValueError(f"job {job_id}: not found in sacct")
+    names = chain.chain_names(own[0].name)
+    if names is None:
+        return own
+    by_name = {r.name: r for r in slurm.query(names=names)}  # later runs of a name replace earlier ones
+    return [by_name[n] for n in names if n in by_name]
+
+
+def table(records: list[slurm.JobRecord]) -> str:
+    rows = [("JobID", "JobName", "State", "ExitCode", "Elapsed", "NodeList")]
+    rows += [(r.job_id, r.name, r.state, r.exit_code, r.elapsed, r.nodes) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def verdict(records: list[slurm.JobRecord]) -> tuple[str, int]:
+    if not all(r.finished for r in records):
+        return "RUNNING", EXIT_RUNNING
+    if all(r.state == "COMPLETED" for r in records):
+        return "COMPLETED", 0
+    return "FAILED", EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("job_id", help="any job id of the chain")
+    args = parser.parse_args(argv)
+    if not args.job_id.isdigit():
+        fail(f"job id {args.job_id!r}: expected a number", PROG)
+    try:
+        records = chain_records(args.job_id)
+    except ValueError as exc:
+        fail(str(exc), PROG)
+    except slurm.SlurmError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(table(records))
+    state, code = verdict(records)
+    print(f"chain: {state}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Submit a recipe's chain: preprocess -> train (afterok) -> aggregate (afterany).
+
+    python -m workflows.submit gpt --nodes 2 --wait
+    python -m workflows.submit bert --nodes 1 --gpus-per-node 4 --partition gpu --image ./mdpp.sqsh
+
+Prints the job ids, the sacct command and the output folders. With --wait it shows each job's
+state as it changes and exits 0 only when all three end COMPLETED (1 otherwise, 3 on timeout).
+Bad input (unknown recipe, --nodes < 1, a missing data file) exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from workflows import chain, recipes, slurm
+from workflows.cli import OneLineParser, fail, parse_assignment
+from workflows.render import REPO
+
+PROG = "python -m workflows.submit"
+EXIT_FAILED = 1
+EXIT_TIMEOUT = 3
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", help=f"one of: {', '.join(recipes.RECIPES)}")
+    parser.add_argument("--nodes", type=int, default=None, help="training nodes (default: the recipe's)")
+    parser.add_argument("--gpus-per-node", type=int, default=0,
+                        help="> 0 selects the recipe's GPU size and requests the GPUs (default: 0, CPU demo)")
+    parser.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
+    parser.add_argument("--image", default=None, help="container image for Pyxis/enroot (default: host)")
+    parser.add_argument("--train-iters", type=int, default=None, help="override TRAIN_ITERS")
+    parser.add_argument("--env", type=parse_assignment, action="append", default=[], metavar="KEY=VALUE",
+                        help="override any sbatch setting, e.g. --env NUM_LAYERS=8 (repeatable)")
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs",
+                        help="parent of the chain's output folder (default: runs/)")
+    parser.add_argument("--wait", action="store_true", help="follow the chain until it finishes")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="--wait gives up after this many seconds")
+    return parser
+
+
+def spec_from_args(args) -> chain.ChainSpec:
+    """Validated ChainSpec; ValueError naming the bad value otherwise."""
+    if args.gpus_per_node < 0:
+        raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be >= 0")
+    if args.train_iters is not None and args.train_iters < 1:
+        raise ValueError(f"--train-iters {args.train_iters}: must be >= 1")
+    recipe = recipes.get(args.recipe, "gpu" if args.gpus_per_node else "cpu")
+    overrides = dict(args.env)
+    if args.train_iters is not None:
+        overrides["TRAIN_ITERS"] = str(args.train_iters)
+    spec = chain.ChainSpec(
+        recipe=recipe,
+        nodes=recipe.nodes if args.nodes is None else args.nodes,
+        repo_dir=REPO,
+        run_dir=chain.new_run_dir(args.runs_dir.resolve(), recipe),
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        image=args.image,
+        overrides=overrides,
+    )
+    missing = spec.missing_inputs()
+    if missing:
+        raise ValueError(f"missing data file(s): {', '.join(missing)} (relative to {REPO})")
+    return spec
+
+
+def print_chain(submitted: chain.Chain) -> None:
+    run = submitted.run_dir
+    for step in chain.STEPS:
+        print(f"{step:<11} job {submitted.job_ids[step]}")
+    print(f"watch:      {shlex.join(slurm.sacct_command(submitted.ids))}")
+    print(f"            python -m workflows.status {submitted.job_ids['train']}")
+    print(f"logs:       {run / 'logs'}")
+    print(f"dataset:    {run / 'data'}")
+    print(f"checkpoint: {run / 'checkpoints'}")
+    print(f"traces:     {run / 'traces'} (merged.json, summary.json, timeline.png after aggregation)")
+    sys.stdout.flush()
+
+
+def follow(submitted: chain.Chain, timeout_s: float) -> int:
+    def show(record: slurm.JobRecord, step: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {step:<11} {record.job_id:>6} {record.state}", flush=True)
+
+    try:
+        final = chain.wait(submitted, timeout_s, show)
+    except TimeoutError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    bad = [f"{step} {r.job_id} {r.state} (exit {r.exit_code})"
+           for step, r in zip(chain.STEPS, final, strict=True) if r.state != "COMPLETED"]
+    if bad:
+        print(f"chain failed: {'; '.join(bad)}; logs in {submitted.run_dir / 'logs'}", file=sys.stderr)
+        return EXIT_FAILED
+    print("chain COMPLETED")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        spec = spec_from_args(args)
+    except ValueError as exc:
+        fail(str(exc), PROG)
+    try:
+        submitted = chain.submit(spec)
+        print_chain(submitted)
+        return follow(submitted, args.timeout) if args.wait else 0
+    except slurm.SlurmError as exc:  # the cluster's problem, not the input's: status 1, one line
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
