@@ -21,9 +21,11 @@ NODES=(node1 node2)
 CONF=$DIR/etc/slurm.conf
 
 # Ports are derived from the folder's path so that two clusters on one host (a developer's and a
-# CI clone's, or a test's throw-away one) never collide; MDPP_CLUSTER_PORT_BASE overrides.
+# CI clone's, or a test's throw-away one) do not collide; MDPP_CLUSTER_PORT_BASE overrides. The
+# range 12000-19999 stays below Linux's ephemeral ports (32768+, where an outgoing connection could
+# hold ours) and below the MASTER_PORTs that workflows.nodes derives from job ids (20000-29999).
 path_hash=$(printf %s "$DIR" | cksum | cut -d' ' -f1)
-PORT_BASE=${MDPP_CLUSTER_PORT_BASE:-$((20000 + (path_hash % 2000) * 10))}
+PORT_BASE=${MDPP_CLUSTER_PORT_BASE:-$((12000 + (path_hash % 800) * 10))}
 MARIADB_PORT=$PORT_BASE
 SLURMDBD_PORT=$((PORT_BASE + 1))
 SLURMCTLD_PORT=$((PORT_BASE + 2))
