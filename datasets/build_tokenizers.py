@@ -10,8 +10,8 @@ Usage (from the repository root, with the package installed: ``pip install -e .`
 
     python3 datasets/build_tokenizers.py                  # vocab sizes 8192 / 8192, as shipped
 
-HF ``tokenizers`` trains deterministically for a fixed input order, so re-running reproduces the
-files byte for byte (checked with ``git diff --stat datasets/`` after a rebuild).
+A rebuild reproduces gpt2/ and punkt/ byte for byte; HF's WordPiece trainer breaks frequency ties in
+hash-map order, so a rebuilt bert/vocab.txt may order a few tied pieces differently (README.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,39 @@
+"""Opening megatron-core indexed datasets (.bin/.idx) with errors that name the missing file."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def open_indexed_dataset(prefix: str | Path):
+    """megatron-core's ``IndexedDataset`` (memory-mapped) for ``prefix``.{bin,idx}.
+
+    Its items are numpy views of the memory map, which the dataset unmaps when it is garbage
+    collected: copy them (``np.array(item)``) before dropping the dataset, or reading them segfaults.
+
+    The import is local because megatron-core's package import is slow (seconds) and warns about
+    missing Transformer Engine / Apex, which does not matter for reading token files.
+    """
+    prefix = str(prefix)
+    for suffix in (".idx", ".bin"):
+        if not Path(prefix + suffix).is_file():
+            raise FileNotFoundError(
+                f"indexed dataset file not found: {prefix}{suffix} (make it with python -m trainer.preprocess)"
+            )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    return IndexedDataset(prefix)
+
+
+def collate_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack per-sample dicts (numpy arrays or scalars) into one batch of tensors, key by key."""
+    if not samples:
+        raise ValueError("collate_samples needs at least one sample")
+    return {key: torch.from_numpy(np.stack([np.asarray(s[key]) for s in samples])) for key in samples[0]}
