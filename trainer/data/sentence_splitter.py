@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
+if TYPE_CHECKING:  # nltk is imported only when sentences are split, so GPT preprocessing never needs it
+    from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
 
 DEFAULT_PUNKT_PARAMS = Path(__file__).resolve().parents[2] / "datasets" / "punkt" / "english.json"
 FORMAT_VERSION = 1
@@ -30,6 +32,8 @@ def punkt_params_to_json(params: PunktParameters) -> dict:
 
 
 def punkt_params_from_json(data: dict) -> PunktParameters:
+    from nltk.tokenize.punkt import PunktParameters
+
     if data.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"Punkt parameter file has format_version={data.get('format_version')!r}, expected {FORMAT_VERSION}"
@@ -44,6 +48,8 @@ def punkt_params_from_json(data: dict) -> PunktParameters:
 
 def load_sentence_splitter(path: str | Path = DEFAULT_PUNKT_PARAMS) -> PunktSentenceTokenizer:
     """A Punkt sentence tokenizer from a JSON parameter file; FileNotFoundError names a missing path."""
+    from nltk.tokenize.punkt import PunktSentenceTokenizer
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Punkt sentence model not found: {path}")
