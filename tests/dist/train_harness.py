@@ -1,0 +1,127 @@
+"""``python -m tests.dist.train_harness [harness flags] -- <trainer.train flags>``: one rank of a test run.
+
+It runs the real ``trainer.train.main`` with hooks that make pipelined runs comparable with a
+single-process reference:
+
+* ``--save-init FILE`` (reference run, PP=TP=1): write the freshly built full model's parameters.
+* ``--load-init FILE``: overwrite this rank's freshly built chunks with FILE's parameters, mapped by
+  *global layer index* -- a chunk's ``decoder.layers.{i}`` (``encoder.`` for BERT) is the full model's
+  ``decoder.layers.{layer_number - 1}`` where ``layer_number`` is the global, 1-based index megatron
+  gives each layer; embeddings live on virtual stage 0, final norm/head on the last one, and with tied
+  embeddings the last stage's ``output_layer.weight`` is a copy of ``embedding.word_embeddings.weight``.
+  TP shards are the ``tp_rank``-th slice along the parameter's ``partition_dim``.
+* ``--out DIR``: per rank, ``losses_rank<R>.json`` (iteration -> losses) and, for the first
+  ``--dump-grads N`` iterations, ``grads_rank<R>_it<I>.pt`` ({full name: (grad shard, partition_dim,
+  tp_rank, tp_size)}) taken after finalize_model_grads, before the optimizer step.
+* ``--reference``: replace the schedule by a plain sequential loop over the microbatches (forward,
+  loss / M, backward), i.e. what megatron's forward_backward_no_pipelining does, without our runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer.train import TrainHooks, main
+
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")
+
+
+def full_name(chunk: torch.nn.Module, local: str, pp: int) -> str:
+    match = _LAYER.match(local)
+    if match:
+        block = getattr(chunk, match.group(1))
+        number = block.layers[int(match.group(2))].layer_number
+        return f"{match.group(1)}.layers.{number - 1}." + local[match.end():]
+    if local == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
+        return "embedding.word_embeddings.weight"
+    return local
+
+
+def shard_of(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: int) -> torch.Tensor:
+    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+        return full.chunk(tp, dim=param.partition_dim)[tp_rank]
+    return full
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def sequential_reference(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False, **_):
+    chunk, it = model[0], data_iterator[0]
+    config = chunk.config
+    losses = []
+    for _m in range(num_microbatches):
+        output, loss_func = forward_step_func(it, chunk)
+        loss, reduced = loss_func(output)
+        if not forward_only:
+            config.grad_scale_func(loss / num_microbatches).backward()
+        losses.append(reduced)
+    if not forward_only:
+        config.finalize_model_grads_func([chunk], None)
+    return losses
+
+
+def build_hooks(args: argparse.Namespace) -> TrainHooks:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(__import__("os").environ.get("RANK", "0"))
+    topo_box: dict = {}
+    losses: dict[int, dict] = {}
+
+    def after_build(chunks, topology) -> None:
+        topo_box["t"] = topology
+        if args.save_init:
+            assert topology.world_size == 1, "--save-init is for the single-process reference"
+            torch.save({n: p.detach().clone() for n, p in chunks[0].named_parameters()}, args.save_init)
+        if args.load_init:
+            full = torch.load(args.load_init)
+            with torch.no_grad():
+                for chunk in chunks:
+                    for name, param in chunk.named_parameters():
+                        source = full[full_name(chunk, name, topology.pipeline_parallel)]
+                        param.copy_(shard_of(source, param, topology.tp_rank, topology.tensor_parallel))
+
+    def after_backward(iteration, model) -> None:
+        if iteration >= args.dump_grads:
+            return
+        t = topo_box["t"]
+        grads = {}
+        for wrapped in model:
+            chunk = _unwrap(wrapped)
+            for name, param in chunk.named_parameters():
+                grad = getattr(param, "main_grad", None)
+                grad = param.grad if grad is None else grad
+                key = full_name(chunk, name, t.pipeline_parallel)
+                dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else -1
+                grads[key] = (grad.detach().float().clone(), dim, t.tp_rank, t.tensor_parallel)
+        torch.save(grads, out / f"grads_rank{rank}_it{iteration}.pt")
+
+    def after_step(iteration, reduced) -> None:
+        losses[iteration] = reduced
+        (out / f"losses_rank{rank}.json").write_text(json.dumps(losses, indent=0))
+
+    return TrainHooks(after_build=after_build, after_backward=after_backward, after_step=after_step,
+                      forward_backward_func=sequential_reference if args.reference else None)
+
+
+def cli(argv: list[str]) -> int:
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="python -m tests.dist.train_harness")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--save-init")
+    parser.add_argument("--load-init")
+    parser.add_argument("--dump-grads", type=int, default=0)
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args(argv[:split])
+    return main(argv[split + 1:], build_hooks(args))
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,394 @@
+"""Typed training configuration with Megatron-LM's flag names (DESIGN.md §5).
+
+Each dataclass validates its own fields in ``__post_init__``; :func:`layout_problems` checks what
+needs the world size (known from the launcher's environment before any process group exists).
+:func:`parse_config` runs both and raises one :class:`ConfigError` listing *every* offending value,
+so ``python -m trainer.train`` can exit 2 with one readable message and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+TRANSPORTS = ("auto", "shm", "nccl", "gloo")
+DECAY_STYLES = ("constant", "linear", "cosine")
+TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "NullTokenizer")
+
+
+class ConfigError(ValueError):
+    """One or more bad settings; the message names every one of them."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
+
+
+def _check(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the transformer (``--model`` picks GPT or BERT from megatron-core)."""
+
+    model: Literal["gpt", "bert"] = "gpt"
+    """Which megatron-core model: GPTModel (causal LM) or BertModel (masked LM + binary head)."""
+    num_layers: int = 2
+    """Transformer layers in the whole model (``--num-layers``)."""
+    hidden_size: int = 64
+    """Hidden width (``--hidden-size``)."""
+    num_attention_heads: int = 4
+    """Attention heads (``--num-attention-heads``); divisible by the TP size."""
+    ffn_hidden_size: int | None = None
+    """MLP width (``--ffn-hidden-size``); None means 4 x hidden_size, Megatron's default."""
+    seq_length: int = 64
+    """Tokens per sample (``--seq-length``)."""
+    max_position_embeddings: int | None = None
+    """Learned position table size (``--max-position-embeddings``); None means seq_length."""
+    vocab_size: int = 1024
+    """Vocabulary size for ``--mock-data`` / NullTokenizer; real tokenizers bring their own."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this x TP, as Megatron does."""
+    hidden_dropout: float = 0.1
+    """Dropout after attention/MLP (``--hidden-dropout``)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (``--attention-dropout``)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer instead of reusing the input embedding (Megatron's flag)."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer spec: local always works; TE when importable ("auto" picks TE on CUDA if present)."""
+
+    def __post_init__(self) -> None:
+        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
+             for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                       "make_vocab_size_divisible_by") if getattr(self, n) < 1]
+        if self.model not in ("gpt", "bert"):
+            p.append(f"--model={self.model!r} must be gpt or bert")
+        if self.hidden_size % max(self.num_attention_heads, 1):
+            p.append(f"--hidden-size={self.hidden_size} is not divisible by "
+                     f"--num-attention-heads={self.num_attention_heads}")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            p.append(f"--ffn-hidden-size={self.ffn_hidden_size} must be >= 1")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+            p.append(f"--max-position-embeddings={self.max_position_embeddings} is smaller than "
+                     f"--seq-length={self.seq_length}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                p.append(f"--{name.replace('_', '-')}={getattr(self, name)} must be in [0, 1)")
+        _check(p)
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, vocab_size: int, tensor_parallel: int) -> int:
+        """Megatron's padding: next multiple of make_vocab_size_divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model and batch are split over ranks, and how the pipeline is scheduled."""
+
+    tensor_model_parallel_size: int = 1
+    """TP size (``--tensor-model-parallel-size``); TP groups stay within a node."""
+    pipeline_model_parallel_size: int = 1
+    """PP size (``--pipeline-model-parallel-size``): number of pipeline stages."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per model chunk; enables interleaving (VP) when smaller than layers per stage."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP ranks (``--use-distributed-optimizer``)."""
+    use_dpp: bool = False
+    """Run the dynamic pipeline schedule instead of 1F1B (``--use-dpp``)."""
+    dpp_max_inflight: int | None = None
+    """DPP cap on forwards whose activations are held; None means 1F1B's per-stage cap."""
+    transport: Literal["auto", "shm", "nccl", "gloo"] = "auto"
+    """Stage-to-stage transport (``--transport``): shm within a node, nccl/gloo across."""
+    dpp_timeout_s: float = 300.0
+    """Watchdog: a stage that can run nothing for this long fails naming what it waits for."""
+
+    def __post_init__(self) -> None:
+        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
+             for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+             if getattr(self, n) < 1]
+        if self.num_layers_per_virtual_pipeline_stage is not None and self.num_layers_per_virtual_pipeline_stage < 1:
+            p.append(f"--num-layers-per-virtual-pipeline-stage={self.num_layers_per_virtual_pipeline_stage}"
+                     " must be >= 1")
+        if self.dpp_max_inflight is not None and self.dpp_max_inflight < 1:
+            p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
+        if self.transport not in TRANSPORTS:
+            p.append(f"--transport={self.transport!r} must be one of {', '.join(TRANSPORTS)}")
+        if self.dpp_timeout_s <= 0:
+            p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
+        _check(p)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Batch sizes, optimizer and learning-rate schedule (Megatron-LM's names)."""
+
+    micro_batch_size: int = 1
+    """Samples per microbatch (``--micro-batch-size``)."""
+    global_batch_size: int = 8
+    """Samples per iteration over all DP replicas (``--global-batch-size``)."""
+    train_iters: int = 10
+    """Iterations to train (``--train-iters``)."""
+    lr: float = 1e-3
+    """Peak learning rate (``--lr``)."""
+    min_lr: float = 0.0
+    """Floor of the decay (``--min-lr``)."""
+    lr_warmup_iters: int = 0
+    """Linear warm-up iterations (``--lr-warmup-iters``)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
+    """Decay after warm-up (``--lr-decay-style``)."""
+    lr_decay_iters: int | None = None
+    """Iterations over which to decay; None means train_iters."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (``--weight-decay``)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables (``--clip-grad``)."""
+    adam_beta1: float = 0.9
+    """Adam beta1 (``--adam-beta1``)."""
+    adam_beta2: float = 0.999
+    """Adam beta2 (``--adam-beta2``)."""
+    seed: int = 1234
+    """Seed for initialisation, dropout and mock data (``--seed``)."""
+    bf16: bool = False
+    """bfloat16 parameters and compute with fp32 main weights (``--bf16``)."""
+    fp16: bool = False
+    """float16 with dynamic loss scaling (``--fp16``)."""
+
+    def __post_init__(self) -> None:
+        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
+             for n in ("micro_batch_size", "global_batch_size", "train_iters") if getattr(self, n) < 1]
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            p.append(f"--lr={self.lr} / --min-lr={self.min_lr} need 0 <= min-lr <= lr and lr > 0")
+        if self.lr_warmup_iters < 0:
+            p.append(f"--lr-warmup-iters={self.lr_warmup_iters} must be >= 0")
+        if self.lr_decay_style not in DECAY_STYLES:
+            p.append(f"--lr-decay-style={self.lr_decay_style!r} must be one of {', '.join(DECAY_STYLES)}")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            p.append(f"--lr-decay-iters={self.lr_decay_iters} must be >= 1")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            p.append(f"--weight-decay={self.weight_decay} and --clip-grad={self.clip_grad} must be >= 0")
+        if self.bf16 and self.fp16:
+            p.append("--bf16 and --fp16 are mutually exclusive")
+        _check(p)
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters or self.train_iters
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from: a preprocessed indexed dataset or seeded synthetic tokens."""
+
+    data_path: str | None = None
+    """Prefix of a megatron-core indexed dataset (``--data-path``, without .bin/.idx)."""
+    mock_data: bool = False
+    """Synthetic tokens from a seeded generator, fetched by sample index (``--mock-data``)."""
+    vocab_file: str | None = None
+    """Tokenizer vocabulary (``--vocab-file``): GPT-2 vocab.json or BERT vocab.txt."""
+    merge_file: str | None = None
+    """GPT-2 BPE merges (``--merge-file``)."""
+    tokenizer_type: str = "GPT2BPETokenizer"
+    """``--tokenizer-type`` (Megatron's names)."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if not self.mock_data and not self.data_path:
+            p.append("one of --data-path or --mock-data is required")
+        if self.mock_data and self.data_path:
+            p.append(f"--mock-data and --data-path={self.data_path} are mutually exclusive")
+        if self.tokenizer_type not in TOKENIZERS:
+            p.append(f"--tokenizer-type={self.tokenizer_type!r} must be one of {', '.join(TOKENIZERS)}")
+        if self.data_path and self.tokenizer_type != "NullTokenizer" and not self.vocab_file:
+            p.append(f"--vocab-file is required with --tokenizer-type={self.tokenizer_type}")
+        if self.data_path and self.tokenizer_type == "GPT2BPETokenizer" and not self.merge_file:
+            p.append("--merge-file is required with --tokenizer-type=GPT2BPETokenizer")
+        _check(p)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming (``--save``/``--load``/``--save-interval``)."""
+
+    save: str | None = None
+    """Directory to write checkpoints to."""
+    load: str | None = None
+    """Directory to resume from; an empty or missing one starts fresh."""
+    save_interval: int | None = None
+    """Save every N iterations (and at the end of training when --save is set)."""
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError([f"--save-interval={self.save_interval} must be >= 1"])
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where and how this job runs; logging and profiling."""
+
+    device: Literal["cuda", "cpu"] = "cuda"
+    """``--device``: cuda (NCCL) or cpu (gloo, megatron-core with trainer.megatron_compat shims)."""
+    workload: str = "run"
+    """Free-form run name (``--workload``), used in logs, trace metadata and job ids."""
+    num_gpus: int | None = None
+    """Expected world size (``--num-gpus``); checked against the launcher's when given."""
+    multi_node: bool = False
+    """The job spans nodes (``--multi-node``); --node-ips / SLURM_NODEID place the ranks."""
+    node_ips: tuple[str, ...] = ()
+    """Node addresses in node order (``--node-ips a,b``); the first is the rendezvous host."""
+    profile_dir: str | None = None
+    """Write per-rank Chrome traces here (``--profile-dir``)."""
+    log_interval: int = 1
+    """Iterations between log lines (``--log-interval``)."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if self.device not in ("cuda", "cpu"):
+            p.append(f"--device={self.device!r} must be cuda or cpu")
+        if self.num_gpus is not None and self.num_gpus < 1:
+            p.append(f"--num-gpus={self.num_gpus} must be >= 1")
+        if self.log_interval < 1:
+            p.append(f"--log-interval={self.log_interval} must be >= 1")
+        _check(p)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole configuration of one training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(mock_data=True))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    # ---- derived sizes (valid once layout_problems() is empty) ---------------------------------
+    def data_parallel(self, world_size: int) -> int:
+        p = self.parallel
+        return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+    def num_microbatches(self, world_size: int) -> int:
+        return self.optim.global_batch_size // (self.optim.micro_batch_size * self.data_parallel(world_size))
+
+    @property
+    def virtual_pipeline(self) -> int:
+        """Model chunks per stage (v)."""
+        per_stage = self.model.num_layers // self.parallel.pipeline_model_parallel_size
+        vp_layers = self.parallel.num_layers_per_virtual_pipeline_stage
+        return per_stage // vp_layers if vp_layers else 1
+
+
+def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Every way ``cfg`` cannot be laid out on ``world_size`` ranks (empty list: it can)."""
+    m, par, o = cfg.model, cfg.parallel, cfg.optim
+    tp, pp, vp_layers = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, \
+        par.num_layers_per_virtual_pipeline_stage
+    p: list[str] = []
+    if cfg.run.num_gpus is not None and cfg.run.num_gpus != world_size:
+        p.append(f"--num-gpus={cfg.run.num_gpus} but the launcher started world size {world_size}")
+    if world_size % (tp * pp):
+        p.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size={tp} x "
+                 f"--pipeline-model-parallel-size={pp}")
+    if m.num_layers % pp:
+        p.append(f"--num-layers={m.num_layers} is not divisible by --pipeline-model-parallel-size={pp}")
+    elif vp_layers is not None:
+        if pp == 1:
+            p.append(f"--num-layers-per-virtual-pipeline-stage={vp_layers} needs "
+                     "--pipeline-model-parallel-size > 1")
+        elif (m.num_layers // pp) % vp_layers:
+            p.append(f"--num-layers={m.num_layers} / --pipeline-model-parallel-size={pp} = "
+                     f"{m.num_layers // pp} layers per stage is not divisible by "
+                     f"--num-layers-per-virtual-pipeline-stage={vp_layers}")
+    if m.num_attention_heads % tp:
+        p.append(f"--num-attention-heads={m.num_attention_heads} is not divisible by "
+                 f"--tensor-model-parallel-size={tp}")
+    if m.ffn_size % tp:
+        p.append(f"--ffn-hidden-size={m.ffn_size} is not divisible by --tensor-model-parallel-size={tp}")
+    if world_size % (tp * pp) == 0:
+        dp = world_size // (tp * pp)
+        if o.global_batch_size % (o.micro_batch_size * dp):
+            p.append(f"--global-batch-size={o.global_batch_size} is not divisible by "
+                     f"--micro-batch-size={o.micro_batch_size} x data-parallel size {dp}")
+        else:
+            microbatches = o.global_batch_size // (o.micro_batch_size * dp)
+            if pp > 1 and microbatches < pp:
+                p.append(f"{microbatches} microbatches per iteration (--global-batch-size="
+                         f"{o.global_batch_size} / (--micro-batch-size={o.micro_batch_size} x DP {dp})) "
+                         f"is fewer than --pipeline-model-parallel-size={pp} stages")
+            if vp_layers is not None and not par.use_dpp and cfg.run.device == "cuda" and microbatches % pp:
+                p.append(f"megatron-core's interleaved 1F1B needs microbatches ({microbatches}) divisible "
+                         f"by --pipeline-model-parallel-size={pp}; use --use-dpp or change the batch")
+    if cfg.run.multi_node and tp > 1 and cfg.run.node_ips and world_size % len(cfg.run.node_ips):
+        p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips")
+    return p
+
+
+# ---- command line ------------------------------------------------------------------------------
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags named like Megatron-LM's (plus the DPP ones); defaults come from the dataclasses."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.train",
+        description="Train megatron-core GPT/BERT under DP x TP x PP (x VP), optionally with --use-dpp.",
+    )
+    renames = {"dpp_timeout_s": "--dpp-timeout"}
+    for section in (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig):
+        group = parser.add_argument_group(section.__name__)
+        for f in dataclasses.fields(section):
+            flag = renames.get(f.name, _flag(f.name))
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            helptext = (f.metadata or {}).get("help")
+            kwargs: dict = {"dest": f"{section.__name__}.{f.name}", "default": default, "help": helptext}
+            if f.type in ("bool",):
+                group.add_argument(flag, action="store_true", **kwargs)
+            elif f.name == "node_ips":
+                group.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), **kwargs)
+            else:
+                group.add_argument(flag, type=_parse_type(f.type), **kwargs)
+    return parser
+
+
+def _parse_type(annotation: str):
+    if annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    return str
+
+
+def parse_config(argv: Sequence[str] | None, world_size: int) -> TrainConfig:
+    """Parse flags into a :class:`TrainConfig` checked against ``world_size``; ConfigError lists all problems."""
+    ns = vars(build_parser().parse_args(argv))
+    problems: list[str] = []
+    sections = {}
+    for section in (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig):
+        values = {f.name: ns[f"{section.__name__}.{f.name}"] for f in dataclasses.fields(section)}
+        try:
+            sections[section] = section(**values)
+        except ConfigError as err:
+            problems.extend(err.problems)
+    if problems:  # layout checks need every section; report field problems first
+        raise ConfigError(problems)
+    cfg = TrainConfig(model=sections[ModelConfig], parallel=sections[ParallelConfig],
+                      optim=sections[OptimConfig], data=sections[DataConfig],
+                      checkpoint=sections[CheckpointConfig], run=sections[RunConfig])
+    _check(layout_problems(cfg, world_size))
+    return cfg

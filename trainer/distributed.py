@@ -1,0 +1,159 @@
+"""Launcher environment -> process groups -> :class:`Topology` and megatron-core's parallel state.
+
+Two launchers are supported and read *before* any process group exists (so a bad layout fails
+first): torchrun (RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and
+one srun task per rank (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODEID, with
+MASTER_ADDR / MASTER_PORT exported by the sbatch script). The node index of every rank comes from the
+launcher (SLURM_NODEID, else the position of this host in --node-ips, else rank // LOCAL_WORLD_SIZE)
+and is all-gathered into ``Topology.node_of_rank`` — never derived from hostnames.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """The launcher's environment is missing or inconsistent (message names the variable)."""
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    """Index among the ranks of this node (selects the GPU)."""
+    node_index: int
+    """Which node this rank runs on, as the launcher numbers them."""
+    master_addr: str
+    master_port: int
+    launcher: str
+    """"torchrun", "slurm" or "single" (no launcher: one process)."""
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except KeyError as exc:
+        raise LaunchError(f"environment variable {name} is not set") from exc
+    except ValueError as exc:
+        raise LaunchError(f"environment variable {name}={env[name]!r} is not an integer") from exc
+
+
+def _node_from_ips(node_ips: Sequence[str]) -> int | None:
+    """Position of this host in --node-ips, matching any of its addresses or its name."""
+    names = {socket.gethostname(), socket.getfqdn()}
+    try:
+        names |= set(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    for index, ip in enumerate(node_ips):
+        if ip in names:
+            return index
+    return None
+
+
+def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str] = ()) -> LaunchInfo:
+    """Rank, world size and node of this process from torchrun's or Slurm's variables."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        launcher = "torchrun"
+        node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else None
+        if node is None and node_ips:
+            node = _node_from_ips(node_ips)
+        if node is None:
+            node = rank // max(local_world, 1)
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+        launcher = "slurm"
+    else:
+        rank, world, local_rank, node, launcher = 0, 1, 0, 0, "single"
+    if not 0 <= rank < world:
+        raise LaunchError(f"rank {rank} is outside world size {world}")
+    addr = env.get("MASTER_ADDR") or (node_ips[0] if node_ips else "127.0.0.1")
+    if world > 1 and "MASTER_PORT" not in env:
+        raise LaunchError("environment variable MASTER_PORT is not set (the launcher must export it)")
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500
+    return LaunchInfo(rank, world, local_rank, node, addr, port, launcher)
+
+
+def init_process_group(launch: LaunchInfo, device: str, timeout_s: float = 600.0) -> torch.device:
+    """Create the default process group (NCCL on CUDA, gloo on CPU); returns this rank's device."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise LaunchError("--device cuda but torch sees no CUDA device (use --device cpu)")
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+        backend = "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dev
+
+
+def gather_nodes(launch: LaunchInfo) -> tuple[int, ...]:
+    """All-gather every rank's node index (a small CPU/gloo-compatible object collective)."""
+    nodes: list[int | None] = [None] * launch.world_size
+    dist.all_gather_object(nodes, launch.node_index)
+    return tuple(int(n) for n in nodes)  # type: ignore[arg-type]
+
+
+def build_topology(launch: LaunchInfo, tp: int, pp: int, vp: int) -> Topology:
+    return Topology(world_size=launch.world_size, rank=launch.rank, tensor_parallel=tp,
+                    pipeline_parallel=pp, virtual_pipeline=vp, node_of_rank=gather_nodes(launch))
+
+
+def init_megatron_parallel(topology: Topology) -> None:
+    """megatron-core's groups with the same rank order as :class:`Topology` (tp fastest, pp slowest)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=topology.tensor_parallel,
+        pipeline_model_parallel_size=topology.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=(
+            topology.virtual_pipeline if topology.virtual_pipeline > 1 else None),
+        order="tp-cp-ep-dp-pp",
+    )
+    tp, dp, pp = topology.coords()
+    # Cheap guard that both numberings agree: everything downstream relies on it.
+    assert (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank()) == (tp, dp, pp), \
+        "megatron-core's rank order differs from trainer.topology's"
+
+
+def shutdown() -> None:
+    """Destroy megatron's groups and the default group (idempotent)."""
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except Exception:  # pragma: no cover - best effort at exit
+        log.debug("destroy_model_parallel failed", exc_info=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,119 @@
+"""Run megatron-core on CPU/gloo (tests, CI) without editing the installed package.
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the maths. On a
+process without CUDA, :func:`apply_cpu_shims` patches them *at run time, in this process only*:
+
+1. ``GlobalMemoryBuffer.get_tensor`` allocates with ``device=torch.cuda.current_device()``; the shim
+   allocates on the CPU (the buffer is used by TP's all-gather paths).
+2. The CUDA RNG tracker (``CudaRNGStatesTracker.fork`` / ``.add`` and
+   ``model_parallel_cuda_manual_seed``) saves and restores *CUDA* generator state around dropout; the
+   shim makes them no-ops, so dropout on CPU draws from the default CPU generator (seeded by us).
+3. Hard-coded CUDA allocations elsewhere (``torch.tensor(..., device='cuda')`` in the optimizer and
+   grad clipping, ``torch.cuda.current_device()`` in the DDP grad buffers, ``tensor.cuda()``): a
+   :class:`torch.overrides.TorchFunctionMode` rewrites a CUDA ``device=`` argument to ``cpu`` and makes
+   ``Tensor.cuda()`` the identity; ``torch.cuda.current_device`` returns 0 (which the mode maps to CPU).
+4. ``clip_grads`` asserts ``grad.type() == 'torch.cuda.FloatTensor'``: the mode reports CPU tensors'
+   ``Tensor.type()`` (no arguments) with the ``torch.cuda.`` prefix so these CUDA-only asserts pass.
+
+Everything is reversible (:class:`CpuShims.remove`) and refused when CUDA is available: a GPU run must
+never silently compute on the CPU. Only public names are patched (``CudaRNGStatesTracker``,
+``GlobalMemoryBuffer``, ``model_parallel_cuda_manual_seed``), which exist in megatron-core 0.16 and 0.19.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int):  # a bare index means a CUDA ordinal to torch
+        return True
+    return device is not None and "cuda" in str(device)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA allocations to the CPU inside megatron-core on a CUDA-less process."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_fork(self: Any, name: str = "model-parallel-rng") -> Iterator[None]:
+    yield
+
+
+def _no_add(self: Any, name: str, seed: int) -> None:
+    return None
+
+
+def _cpu_get_tensor(self: Any, tensor_shape, dtype, name, mem_alloc_context=None):
+    required = 1
+    for dim in tensor_shape:
+        required *= dim
+    buf = self.buffer.get((name, dtype))
+    if buf is None or buf.numel() < required:
+        buf = self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype, device="cpu")
+    return buf[:required].view(*tensor_shape)
+
+
+def _cpu_manual_seed(seed: int, *args: Any, **kwargs: Any) -> None:
+    torch.manual_seed(seed)
+
+
+@dataclass
+class CpuShims:
+    """Handle on the applied patches; ``remove()`` restores every original."""
+
+    _restore: list[Callable[[], None]] = field(default_factory=list)
+    _mode: CudaToCpuMode | None = None
+
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        self._restore.append(lambda: setattr(owner, name, original))
+
+    def remove(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        while self._restore:
+            self._restore.pop()()
+
+
+def apply_cpu_shims() -> CpuShims:
+    """Patch megatron-core's CUDA assumptions for this CPU-only process (see module docstring)."""
+    if torch.cuda.is_available():
+        raise RuntimeError("apply_cpu_shims() is for CUDA-less processes; this one sees a GPU")
+    from megatron.core import tensor_parallel, utils
+    from megatron.core.tensor_parallel import random as tp_random
+
+    shims = CpuShims()
+    shims.patch(utils.GlobalMemoryBuffer, "get_tensor", _cpu_get_tensor)
+    shims.patch(tp_random.CudaRNGStatesTracker, "fork", _no_fork)
+    shims.patch(tp_random.CudaRNGStatesTracker, "add", _no_add)
+    shims.patch(tp_random, "model_parallel_cuda_manual_seed", _cpu_manual_seed)
+    shims.patch(tensor_parallel, "model_parallel_cuda_manual_seed", _cpu_manual_seed)
+    shims.patch(torch.cuda, "current_device", lambda: 0)
+    # Module-wide on purpose: the CUDA literals sit in megatron's optimizer, clip_grads and DDP
+    # buffers; on a CUDA-less build every one of them would raise, so redirecting is strictly safer.
+    shims._mode = CudaToCpuMode()
+    shims._mode.__enter__()
+    log.debug("megatron-core CPU shims applied")
+    return shims

@@ -1,0 +1,143 @@
+"""Build megatron-core GPTModel/BertModel chunks for this rank and wrap them in megatron DDP.
+
+A rank of pipeline stage ``s`` holds ``v`` chunks; chunk ``c`` is virtual stage ``c * p + s``, so it
+pre-processes (embeddings) only at virtual stage 0 and post-processes (final norm, LM head, loss)
+only at the last virtual stage. Layer placement is megatron-core's own (each layer keeps its global
+``layer_number``), so checkpoints and tests can map layers by global index.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_transformer_engine(cfg: TrainConfig) -> bool:
+    impl = cfg.model.transformer_impl
+    if impl == "local":
+        return False
+    if impl == "transformer_engine":
+        if not _te_available():
+            raise RuntimeError("--transformer-impl transformer_engine but transformer_engine does not import")
+        return True
+    return cfg.run.device == "cuda" and _te_available()
+
+
+def params_dtype(cfg: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.optim.bf16 else torch.float16 if cfg.optim.fp16 else torch.float32
+
+
+def transformer_config(cfg: TrainConfig, topology: Topology):
+    """megatron-core TransformerConfig; fusions that need CUDA kernels are off on CPU."""
+    from megatron.core.transformer import TransformerConfig
+
+    m, on_cpu = cfg.model, cfg.run.device == "cpu"
+    dtype = params_dtype(cfg)
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        tensor_model_parallel_size=topology.tensor_parallel,
+        pipeline_model_parallel_size=topology.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=topology.virtual_pipeline if topology.virtual_pipeline > 1 else None,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=cfg.optim.bf16,
+        fp16=cfg.optim.fp16,
+        init_method_std=0.02,
+        use_cpu_initialization=on_cpu,
+        # Megatron frees a sent activation's storage and keeps its graph (deallocate_output_tensor).
+        deallocate_pipeline_outputs=True,
+        masked_softmax_fusion=not on_cpu,
+        bias_activation_fusion=not on_cpu,
+        bias_dropout_fusion=not on_cpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=not on_cpu,
+        apply_rope_fusion=False,
+    )
+
+
+def _layer_spec(cfg: TrainConfig):
+    te = use_transformer_engine(cfg)
+    if cfg.model.model == "bert":
+        from megatron.core.models.bert import bert_layer_specs
+
+        return bert_layer_specs.get_bert_layer_with_transformer_engine_spec() if te \
+            else bert_layer_specs.bert_layer_local_spec
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if te \
+        else gpt_layer_specs.get_gpt_layer_local_spec()
+
+
+def _construct(model_cls, **kwargs):
+    """Pass only the keywords this megatron-core version accepts (vp_stage is newer than 0.12)."""
+    accepted = inspect.signature(model_cls.__init__).parameters
+    return model_cls(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int) -> list[torch.nn.Module]:
+    """This rank's model chunks (unwrapped), on the run's device."""
+    config = transformer_config(cfg, topology)
+    spec = _layer_spec(cfg)
+    padded = cfg.model.padded_vocab_size(vocab_size, topology.tensor_parallel)
+    p, s, v = topology.pipeline_parallel, topology.pp_rank, topology.virtual_pipeline
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
+    chunks = []
+    for c in range(v):
+        common = dict(
+            config=config, transformer_layer_spec=spec, vocab_size=padded,
+            max_sequence_length=cfg.model.max_positions,
+            pre_process=(c == 0 and s == 0), post_process=(c == v - 1 and s == p - 1),
+            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+            vp_stage=c if v > 1 else None,
+        )
+        if cfg.model.model == "bert":
+            from megatron.core.models.bert.bert_model import BertModel
+
+            chunk = _construct(BertModel, num_tokentypes=2, add_binary_head=True, **common)
+        else:
+            from megatron.core.models.gpt import GPTModel
+
+            chunk = _construct(GPTModel, **common)
+        chunks.append(chunk.to(device))
+    return chunks
+
+
+def wrap_ddp(cfg: TrainConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """megatron-core DistributedDataParallel per chunk (bucketing only on chunk 0, as Megatron does)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.optim.bf16 or cfg.optim.fp16,
+        # Overlap needs CUDA streams; on CPU grads are reduced in finalize_model_grads.
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        wrapped.append(DistributedDataParallel(
+            config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0))
+    return wrapped
+
+
+def count_parameters(chunks: list[torch.nn.Module]) -> int:
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())

@@ -1,0 +1,6 @@
+"""The DPP runtime: a schedule policy executed over stage-to-stage links (DESIGN.md §3)."""
+
+from trainer.pipeline.dpp import DppContext, forward_backward_dpp, make_forward_backward_func
+from trainer.pipeline.stall import DppStallError
+
+__all__ = ["DppContext", "DppStallError", "forward_backward_dpp", "make_forward_backward_func"]

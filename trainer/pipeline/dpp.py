@@ -1,0 +1,389 @@
+"""``forward_backward_dpp``: one pipeline step driven by a schedule policy over per-edge links.
+
+Drop-in for megatron-core's ``get_forward_backward_func()`` results: same keyword signature, same
+return value (the loss dicts of the last stage, in microbatch order; ``[]`` elsewhere). What a
+Megatron schedule hard-codes -- the order of forwards and backwards and the blocking P2P calls -- is
+replaced by a loop: ask the policy for a ready action, run it, send its output, and otherwise wait on
+*any* arrival. Runtime-only pieces (policy, links, tracer, data by index, TP decision channel) come
+from a :class:`DppContext` bound with :func:`make_forward_backward_func` (no globals).
+
+Megatron conventions kept: losses are divided by ``num_microbatches`` (so the order of execution
+cannot change the sum), ``config.no_sync_func`` holds gradient reduction until the last backward of
+each chunk, ``config.finalize_model_grads_func`` runs at the end, ``config.grad_scale_func`` scales
+the last stage's loss, and a sent output's storage is freed (``deallocate_pipeline_outputs``) while
+its autograd graph is kept for the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.pipeline.grad_sync import GradSync
+from trainer.pipeline.stall import DppStallError, describe_wait
+from trainer.pipeline.tp_decision import TpDecisionChannel
+from trainer.schedule.core import Action, Op, PipelineShape, Policy, StageState
+from trainer.topology import Topology
+from trainer.transport.base import Header, Message, StageLinks, TransportTimeout
+
+log = logging.getLogger(__name__)
+
+MicrobatchData = Callable[[int, int], Any]
+"""(microbatch, chunk) -> what ``next(data_iterator)`` returns inside the forward step function."""
+
+
+@dataclass
+class DppContext:
+    """Everything the runtime needs besides Megatron's arguments (one per rank, reused every step)."""
+
+    topology: Topology
+    policy: Policy
+    """Chooses the next action; built for (shape, this stage)."""
+    links: StageLinks | None
+    """Channels to the neighbour stages; None only with a single pipeline stage."""
+    timeout_s: float = 300.0
+    """Watchdog: fail when no action can run for this long."""
+    microbatch_data: MicrobatchData | None = None
+    """Data of microbatch m by index. None: the first M items of each chunk's data iterator are
+    read up front and indexed, so execution order can never mis-pair data."""
+    tracer: Any = None
+    """trainer.profiling Tracer/NullTracer; None means no tracing."""
+    tp_channel: TpDecisionChannel | None = None
+    """Shared decision log when TP > 1 (leader publishes, followers replay)."""
+    iteration: int = 0
+    """Set by the trainer before each step; recorded in trace events."""
+    peak_inflight: int = field(default=0, init=False)
+    """Largest number of held activations seen in the last step (for logs/benchmarks)."""
+
+
+def make_forward_backward_func(context: DppContext) -> Callable[..., list]:
+    """``forward_backward_dpp`` bound to ``context``: call it exactly like Megatron's schedules."""
+    return functools.partial(forward_backward_dpp, dpp_context=context)
+
+
+def forward_backward_dpp(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: Any = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+    dpp_context: DppContext | None = None,
+) -> list:
+    """Run one step (all microbatches, forward and backward) under the context's policy.
+
+    ``seq_length``/``micro_batch_size``/``decoder_seq_length``/``adjust_tensor_shapes_fn``/
+    ``p2p_communicator`` exist for signature compatibility: headers carry every shape, and the
+    context's links replace Megatron's P2P communicator.
+    """
+    if dpp_context is None:
+        raise ValueError("forward_backward_dpp needs a DppContext: use make_forward_backward_func(context)")
+    chunks = list(model) if isinstance(model, list) else [model]
+    step = _Step(dpp_context, chunks, forward_step_func, data_iterator, num_microbatches,
+                 forward_only, collect_non_loss_data)
+    return step.run(pg_collection=pg_collection, force_all_reduce=bool(force_all_reduce))
+
+
+def _model_config(chunk: torch.nn.Module):
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(chunk)
+
+
+def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backward through ``output``; uses the C++ engine when its data was freed after sending."""
+    if grad is not None and output.numel() != grad.numel():
+        from megatron.core.pipeline_parallel.schedules import custom_backward
+
+        custom_backward(output, grad)  # torch.autograd.backward would reject the freed shape
+    else:
+        torch.autograd.backward(output, grad_tensors=grad)
+
+
+def _free_output(out: torch.Tensor) -> None:
+    """Megatron's deallocate_output_tensor: keep grad_fn, drop the activation's storage."""
+    if out._base is None:  # a view's storage belongs to another tensor: freeing it gains nothing
+        out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+class _Step:
+    """State of one forward_backward call on one rank."""
+
+    def __init__(self, ctx: DppContext, chunks: list, forward_step_func, data_iterator,
+                 num_microbatches: int, forward_only: bool, collect_non_loss_data: bool) -> None:
+        self.ctx, self.chunks, self.forward_step_func = ctx, chunks, forward_step_func
+        self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
+        topo = ctx.topology
+        self.stage, self.rank = topo.pp_rank, topo.rank
+        self.shape = PipelineShape(topo.pipeline_parallel, num_microbatches, len(chunks))
+        if len(chunks) != topo.virtual_pipeline:
+            raise ValueError(f"got {len(chunks)} model chunks but the topology has VP={topo.virtual_pipeline}")
+        self.config = _model_config(chunks[0])
+        self.state = StageState(self.shape, self.stage, split_backward=ctx.policy.split_backward)
+        if self.state.split_backward:
+            raise NotImplementedError("split backward (I/W) is not supported by the runtime yet")
+        self.data = self._data_source(data_iterator)
+        self.tracer = ctx.tracer
+        self.acts: dict[tuple[int, int], Message] = {}
+        self.grads: dict[tuple[int, int], Message] = {}
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.losses: dict[int, Any] = {}
+        self.num_tokens = torch.zeros([], dtype=torch.int)
+        self.decisions = 0
+
+    # ---- data ------------------------------------------------------------------------------
+    def _data_source(self, data_iterator) -> MicrobatchData:
+        if self.ctx.microbatch_data is not None:
+            return self.ctx.microbatch_data
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(self.chunks)
+        fetched: list[list[Any] | None] = []
+        for it in iterators:
+            # Megatron iterators are consumed in order by microbatch; read this step's M items
+            # up front so the policy's execution order cannot mis-pair tokens and labels.
+            fetched.append(None if it is None else [next(it) for _ in range(self.shape.num_microbatches)])
+        return lambda m, c: None if fetched[c] is None else fetched[c][m]
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self, pg_collection, force_all_reduce: bool) -> list:
+        ctx = self.ctx
+        if ctx.tp_channel is not None:
+            ctx.tp_channel.begin_step()
+        grad_sync = GradSync(self.config, self.chunks, self.shape.num_microbatches, self.forward_only)
+        with grad_sync:
+            while not self._finished():
+                self._drain()
+                action = self._decide()
+                if action is None:
+                    self._wait_for_arrival()
+                    continue
+                self._execute(action, grad_sync)
+        self._check_clean()
+        ctx.peak_inflight = self.state.peak_inflight
+        if not self.forward_only and self.config.finalize_model_grads_func is not None:
+            extra: dict[str, Any] = {}
+            if pg_collection is not None:
+                extra["pg_collection"] = pg_collection
+            if force_all_reduce:
+                extra["force_all_reduce"] = True
+            tokens = self.num_tokens if self.config.calculate_per_token_loss else None
+            self.config.finalize_model_grads_func(self.chunks, tokens, **extra)
+        return [self.losses[m] for m in sorted(self.losses)]
+
+    def _finished(self) -> bool:
+        if self.forward_only:
+            return all(Action(Op.F, m, c) in self.state.done
+                       for c in range(self.shape.num_chunks) for m in range(self.shape.num_microbatches))
+        return self.state.finished
+
+    def _decide(self) -> Action | None:
+        """Leader/solo: ask the policy. Follower: replay the leader's next decision."""
+        channel, state = self.ctx.tp_channel, self.state
+        if channel is None or channel.is_leader:
+            action = self._choose()
+            if action is not None and channel is not None:
+                channel.publish(self.decisions, action)
+        else:
+            action = channel.read(self.decisions, self.ctx.timeout_s)
+            while not state.is_ready(action):  # leader saw its inputs; ours are on the way
+                self._record(self._wait_any(f"inputs of {action} (decided by TP rank 0)"))
+        if action is not None:
+            self.decisions += 1
+        return action
+
+    def _choose(self) -> Action | None:
+        if not self.forward_only:
+            return self.ctx.policy.choose(self.state)
+        # Inference: forwards only, oldest first; the policy's backward-aware caps do not apply.
+        ready = [a for a in self.state.ready_actions() if a.op is Op.F]
+        return min(ready, key=lambda a: (a.chunk, a.microbatch)) if ready else None
+
+    def _drain(self) -> None:
+        links = self.ctx.links
+        while links is not None and (msg := links.poll()) is not None:
+            self._record(msg)
+
+    def _wait_for_arrival(self) -> None:
+        self._record(self._wait_any("any input the policy would run"))
+
+    def _wait_any(self, what: str) -> Message:
+        links = self.ctx.links
+        if links is None:
+            raise DppStallError(describe_wait(self.state, self.rank, self.ctx.timeout_s, what))
+        try:
+            with self._span("wait", "wait", tid="wait"):
+                return links.wait_any(self.ctx.timeout_s)
+        except TransportTimeout as exc:
+            raise DppStallError(describe_wait(self.state, self.rank, self.ctx.timeout_s, what)) from exc
+
+    def _record(self, msg: Message) -> None:
+        h = msg.header
+        key = (h.microbatch, h.chunk)
+        if self.tracer is not None and self.tracer.enabled:
+            now = _now_us()
+            self.tracer.record(f"recv {h.kind} m{h.microbatch}.c{h.chunk}", "recv", now, now, tid="comm",
+                               microbatch=h.microbatch, chunk=h.chunk, stage=self.stage,
+                               inflight=self.state.inflight)
+        if h.kind == "act":
+            assert key not in self.acts, f"rank {self.rank}: activation {key} arrived twice"
+            self.acts[key] = msg
+            self.state.mark_activation_arrived(*key)
+        else:
+            assert key not in self.grads, f"rank {self.rank}: gradient {key} arrived twice"
+            self.grads[key] = msg
+            self.state.mark_grad_arrived(*key)
+
+    # ---- actions ---------------------------------------------------------------------------
+    def _execute(self, action: Action, grad_sync: GradSync) -> None:
+        with self._span(str(action), action.op.value, microbatch=action.microbatch,
+                        chunk=action.chunk) as span:
+            if action.op is Op.F:
+                output = self._forward(action.microbatch, action.chunk)
+            else:
+                output = self._backward_step(action.microbatch, action.chunk, grad_sync)
+            self.state.mark_done(action)
+            if self.forward_only and action.op is Op.F:
+                self.state.inflight -= 1  # nothing is held for a backward in inference
+            span.set(inflight=self.state.inflight)
+        if output is not None:
+            self._send(action, output)
+
+    def _forward(self, m: int, c: int) -> torch.Tensor | None:
+        shape, chunk = self.shape, self.chunks[c]
+        first = shape.is_first_virtual(self.stage, c)
+        last = shape.is_last_virtual(self.stage, c)
+        input_tensor = None
+        if not first:
+            msg = self.acts.pop((m, c))
+            # Copy out of the receive slot: the activation must outlive the slot until backward.
+            input_tensor = msg.tensor.detach().clone().requires_grad_(not self.forward_only)
+            self.ctx.links.release(msg)
+        from megatron.core.utils import get_attr_wrapped_model
+
+        get_attr_wrapped_model(chunk, "set_input_tensor")([input_tensor])
+        autocast = (torch.autocast(_device_type(chunk), dtype=self.config.autocast_dtype)
+                    if getattr(self.config, "enable_autocast", False) else contextlib.nullcontext())
+        with autocast:
+            output, loss_func = self.forward_step_func(iter([self.data(m, c)]), chunk)
+        if last:
+            output = self._loss(m, output, loss_func)
+        if not self.forward_only:
+            self.saved[(m, c)] = (input_tensor, output)
+        return None if last else output
+
+    def _loss(self, m: int, output: torch.Tensor, loss_func) -> torch.Tensor:
+        """Megatron's forward_step_calc_loss: scale by 1/M (and by tokens for 3-tuples), keep the dict."""
+        if loss_func is None:
+            self.losses[m] = output
+            return output
+        if self.collect_non_loss_data:
+            self.losses[m] = loss_func(output, non_loss_data=True)
+            return output
+        outputs = loss_func(output)
+        if len(outputs) == 3:
+            loss, num_tokens, reduced = outputs
+            if not self.config.calculate_per_token_loss:
+                loss = loss / torch.clamp(num_tokens, min=1)
+                loss = loss / self.shape.num_microbatches
+            self.num_tokens += num_tokens.detach().to(self.num_tokens.device, torch.int)
+        else:
+            loss, reduced = outputs
+            loss = loss / self.shape.num_microbatches
+        self.losses[m] = reduced
+        return loss
+
+    def _backward_step(self, m: int, c: int, grad_sync: GradSync) -> torch.Tensor | None:
+        input_tensor, output = self.saved.pop((m, c))
+        msg = None
+        if self.shape.is_last_virtual(self.stage, c):
+            grad = None
+            if self.config.grad_scale_func is not None:
+                output = self.config.grad_scale_func(output)
+        else:
+            msg = self.grads.pop((m, c))
+            grad = msg.tensor  # read-only use during backward: no copy out of the slot
+        if input_tensor is not None:
+            input_tensor.retain_grad()
+        grad_sync.before_backward(c)
+        _backward(output, grad)
+        grad_sync.after_backward(c)
+        if msg is not None:
+            self.ctx.links.release(msg)
+        if self.shape.is_first_virtual(self.stage, c):
+            return None
+        return input_tensor.grad
+
+    def _send(self, action: Action, tensor: torch.Tensor) -> None:
+        m, c = action.microbatch, action.chunk
+        if action.op is Op.F:
+            direction, kind, peer = "next", "act", self.shape.downstream(self.stage, c)
+        else:
+            direction, kind, peer = "prev", "grad", self.shape.upstream(self.stage, c)
+        assert peer is not None, f"{action} has no {direction} stage"
+        payload = tensor.detach()
+        header = Header(kind=kind, microbatch=m, chunk=peer[1], dtype=str(payload.dtype).removeprefix("torch."),
+                        shape=tuple(payload.shape))
+        with self._span(f"send {kind} m{m}.c{peer[1]}", "send", tid="comm", microbatch=m, chunk=c):
+            self.ctx.links.send(direction, payload, header)
+        if action.op is Op.F and self.config.deallocate_pipeline_outputs and not self.forward_only:
+            # The link holds its own reference to the storage for as long as it needs it.
+            _free_output(tensor)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _span(self, name: str, cat: str, tid: str = "compute", microbatch: int = -1, chunk: int = -1):
+        if self.tracer is None or not self.tracer.enabled:
+            return _NULL_SPAN
+        return self.tracer.span(name, cat, tid=tid, iteration=self.ctx.iteration, microbatch=microbatch,
+                                chunk=chunk, stage=self.stage, inflight=self.state.inflight)
+
+    def _check_clean(self) -> None:
+        leftovers = [f"{k}" for k in self.acts] + [f"grad {k}" for k in self.grads]
+        assert not leftovers, f"rank {self.rank}: step ended with unconsumed messages {leftovers}"
+        assert not self.saved or self.forward_only, f"rank {self.rank}: activations still held {list(self.saved)}"
+
+
+class _NullSpanCM:
+    def __enter__(self) -> _NullSpanCM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def set(self, **args: Any) -> None:
+        return None
+
+
+_NULL_SPAN = _NullSpanCM()
+
+
+def _now_us() -> float:
+    import time
+
+    return time.time_ns() / 1000.0
+
+
+def _device_type(chunk: torch.nn.Module) -> str:
+    try:
+        return next(chunk.parameters()).device.type
+    except StopIteration:
+        return "cpu"
+
+
+def iterate_microbatches(getter: MicrobatchData, num_microbatches: int, chunk: int = 0) -> Iterator[Any]:
+    """A Megatron-style iterator over this step's microbatches, for megatron-core's own schedules."""
+    for m in range(num_microbatches):
+        yield getter(m, chunk)

@@ -1,0 +1,443 @@
+"""``python -m trainer.train``: megatron-core GPT/BERT under DP x TP x PP (x VP), optionally with DPP.
+
+Launched by torchrun or by one srun task per rank (trainer.distributed reads either). Order matters:
+the configuration is validated against the launcher's world size *before* any process group exists,
+so an impossible layout exits 2 with one message naming every bad value and no traceback.
+
+Schedules: ``--use-dpp`` runs trainer.pipeline's runtime with the greedy ``dpp`` policy. Without it,
+CUDA runs use megatron-core's own ``get_forward_backward_func()`` (1F1B / interleaved 1F1B) and CPU
+runs use the same runtime as DPP driven by the static ``1f1b`` (``interleaved`` for VP) policy,
+because megatron's P2P communicator allocates on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from trainer.config import ConfigError, TrainConfig, parse_config
+from trainer.distributed import (
+    LaunchError,
+    LaunchInfo,
+    build_topology,
+    init_megatron_parallel,
+    init_process_group,
+    read_launch_env,
+    shutdown,
+)
+from trainer.model.batches import BatchPlan, SampleSource, collate, mock_bert_sample, mock_gpt_sample
+from trainer.topology import Topology
+
+log = logging.getLogger("trainer.train")
+
+
+@dataclass
+class TrainHooks:
+    """Extension points for tests and tools (never needed for normal training)."""
+
+    after_build: Callable[[list, Topology], None] | None = None
+    """Called with the unwrapped model chunks right after construction (e.g. load reference weights)."""
+    after_backward: Callable[[int, list], None] | None = None
+    """Called with (iteration, DDP chunks) once the step's gradients are final, before the optimizer."""
+    after_step: Callable[[int, dict[str, float]], None] | None = None
+    """Called on every rank with (iteration, losses averaged over microbatches and DP) after the step."""
+    forward_backward_func: Callable[..., list] | None = None
+    """Replaces the schedule (e.g. a plain sequential reference loop)."""
+
+
+@dataclass
+class PreemptionFlag:
+    """Set by SIGUSR1/SIGTERM; ranks agree on it at iteration boundaries with one tiny all-reduce."""
+
+    raised: bool = False
+    signal_name: str = ""
+    previous: dict[int, Any] = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.raised, self.signal_name = True, signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.raised else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _job_id() -> str:
+    env = os.environ
+    return env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or f"p{env.get('MASTER_PORT', '0')}"
+
+
+class TrainingSession:
+    """One rank's training run: set-up, the iteration loop, checkpoints, tear-down."""
+
+    def __init__(self, cfg: TrainConfig, launch: LaunchInfo, hooks: TrainHooks) -> None:
+        self.cfg, self.launch, self.hooks = cfg, launch, hooks
+        self.state = TrainState()
+        self.preempt = PreemptionFlag()
+        self.shims = self.links = self.tracer = self.tp_channel = self.dpp_context = None
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, launch = self.cfg, self.launch
+        self.device = init_process_group(launch, cfg.run.device, timeout_s=max(600.0, cfg.parallel.dpp_timeout_s))
+        if cfg.run.device == "cpu":
+            from trainer.megatron_compat import apply_cpu_shims
+
+            self.shims = apply_cpu_shims()
+        par = cfg.parallel
+        self.topology = build_topology(launch, par.tensor_model_parallel_size,
+                                       par.pipeline_model_parallel_size, cfg.virtual_pipeline)
+        init_megatron_parallel(self.topology)
+        self._seed()
+        self.num_microbatches = cfg.num_microbatches(launch.world_size)
+        self.samples, vocab_size = self._sample_source()
+        from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
+
+        chunks = build_model_chunks(cfg, self.topology, vocab_size)
+        if self.hooks.after_build is not None:
+            self.hooks.after_build(chunks, self.topology)
+        self.model = wrap_ddp(cfg, chunks)
+        self.forward_step = make_forward_step(cfg.model.model)
+        self._build_optimizer()
+        self._wire_grad_sync()
+        self.forward_backward = self.hooks.forward_backward_func or self._schedule()
+        if cfg.checkpoint.load:
+            loaded = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.scheduler, self._layout())
+            if loaded is not None:
+                self.state = loaded
+        self.preempt.install()
+        self._log_layout(chunks, vocab_size)
+
+    def _seed(self) -> None:
+        # Megatron's rule: one seed per pipeline stage; TP ranks share it so CPU-initialised
+        # weights are split from the same full matrix, DP replicas share it so they start equal.
+        import random
+
+        import numpy as np
+
+        seed = self.cfg.optim.seed + 100 * self.topology.pp_rank
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        if self.cfg.run.device == "cuda":
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    def _sample_source(self) -> tuple[SampleSource, int]:
+        cfg = self.cfg
+        m, seed = cfg.model, cfg.optim.seed
+        if cfg.data.mock_data:
+            make = mock_gpt_sample if m.model == "gpt" else mock_bert_sample
+            return (lambda i: make(seed, i, m.seq_length, m.vocab_size)), m.vocab_size
+        total = cfg.optim.train_iters * cfg.optim.global_batch_size
+        if cfg.data.tokenizer_type == "NullTokenizer":
+            vocab, tokenizer = m.vocab_size, None
+        else:
+            from trainer.data.tokenizer import build_tokenizer
+
+            tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file)
+            vocab = tokenizer.vocab_size
+        if m.model == "gpt":
+            from trainer.data.gpt_dataset import GPTSampleDataset
+
+            dataset = GPTSampleDataset(cfg.data.data_path, m.seq_length, seed, num_samples=total)
+        else:
+            from trainer.data.bert_dataset import BertSampleDataset
+
+            dataset = BertSampleDataset(cfg.data.data_path, m.seq_length, tokenizer, seed, num_samples=total)
+        return dataset.__getitem__, vocab
+
+    def _build_optimizer(self) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from trainer.model.build import params_dtype
+
+        o = self.cfg.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, clip_grad=o.clip_grad,
+                            bf16=o.bf16, fp16=o.fp16, params_dtype=params_dtype(self.cfg),
+                            use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer),
+            self.model)
+        gbs = o.global_batch_size
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_iters * gbs, lr_decay_steps=o.decay_iters * gbs,
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=o.train_iters * gbs, wd_incr_style="constant")
+
+    def _wire_grad_sync(self) -> None:
+        """The config hooks megatron's schedules read (as megatron/training/training.py sets them)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        config = self.model[0].config
+        no_sync = [chunk.no_sync for chunk in self.model]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    def _schedule(self) -> Callable[..., list]:
+        cfg, topo = self.cfg, self.topology
+        if not cfg.parallel.use_dpp and cfg.run.device == "cuda":
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            return get_forward_backward_func()
+        from trainer.pipeline import DppContext, make_forward_backward_func
+        from trainer.profiling.tracer import make_tracer
+        from trainer.schedule.core import PipelineShape
+        from trainer.schedule.registry import make_policy
+
+        shape = PipelineShape(topo.pipeline_parallel, self.num_microbatches, topo.virtual_pipeline)
+        if cfg.parallel.use_dpp:
+            name, options = "dpp", {"max_inflight": cfg.parallel.dpp_max_inflight}
+        else:
+            name, options = ("interleaved" if topo.virtual_pipeline > 1 else "1f1b"), {}
+        policy = make_policy(name, shape, topo.pp_rank, **options)
+        if topo.pipeline_parallel > 1:
+            from trainer.transport.factory import make_stage_links
+
+            self.links = make_stage_links(topo, cfg.parallel.transport, self.device,
+                                          timeout_s=cfg.parallel.dpp_timeout_s, job_id=_job_id())
+        if topo.tensor_parallel > 1:
+            self.tp_channel = self._tp_channel(shape)
+        self.tracer = make_tracer(cfg.run.profile_dir, topo.rank, {
+            "stage": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank,
+            "world_size": topo.world_size, "pipeline_parallel": topo.pipeline_parallel,
+            "num_chunks": topo.virtual_pipeline, "num_microbatches": self.num_microbatches,
+            "schedule": name, "workload": cfg.run.workload})
+        if self.tracer.enabled:
+            from trainer.profiling.clock import measure_clock_offset
+
+            self.tracer.set_clock_offset(measure_clock_offset())
+        self.dpp_context = DppContext(topology=topo, policy=policy, links=self.links,
+                                      timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self._microbatch,
+                                      tracer=self.tracer, tp_channel=self.tp_channel)
+        return make_forward_backward_func(self.dpp_context)
+
+    def _tp_channel(self, shape):
+        from megatron.core import parallel_state
+
+        from trainer.pipeline.tp_decision import TpDecisionChannel
+
+        topo = self.topology
+        name = f"mdpp-{_job_id()}-pp{topo.pp_rank}-dp{topo.dp_rank}-tpdecide"
+        return TpDecisionChannel(name, capacity=3 * shape.num_microbatches * shape.num_chunks,
+                                 is_leader=topo.tp_rank == 0,
+                                 group=parallel_state.get_tensor_model_parallel_group(),
+                                 description=f"stage {topo.pp_rank} rank {topo.rank} (TP rank {topo.tp_rank})")
+
+    def _layout(self) -> dict[str, int]:
+        t = self.topology
+        return {"world_size": t.world_size, "tp": t.tensor_parallel, "pp": t.pipeline_parallel,
+                "vp": t.virtual_pipeline, "rank": t.rank}
+
+    # ---- data ------------------------------------------------------------------------------
+    def _microbatch(self, microbatch: int, chunk: int = 0) -> dict[str, torch.Tensor]:
+        topo, o = self.topology, self.cfg.optim
+        plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
+        indices = plan.indices(self.state.consumed_samples, microbatch)
+        return collate([self.samples(i) for i in indices], self.cfg.model.model, self.device)
+
+    def _data_iterators(self) -> list:
+        """Megatron-style iterators (one per chunk) over this step's microbatches, by index."""
+        return [iter([self._microbatch(m, c) for m in range(self.num_microbatches)])
+                for c in range(self.topology.virtual_pipeline)]
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> int:
+        self.setup()
+        cfg = self.cfg
+        while self.state.iteration < cfg.optim.train_iters:
+            if self.preempt.agreed(self.device):
+                return self._save_on_signal()
+            self._train_step()
+            interval = cfg.checkpoint.save_interval
+            if cfg.checkpoint.save and interval and self.state.iteration % interval == 0:
+                self._save()
+        if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
+                                    or self.state.iteration % cfg.checkpoint.save_interval):
+            self._save()
+        return 0
+
+    def _train_step(self) -> None:
+        cfg, state = self.cfg, self.state
+        start = time.perf_counter()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if self.dpp_context is not None:
+            self.dpp_context.iteration = state.iteration
+        if self.tracer is not None:
+            self.tracer.set_iteration(state.iteration)
+        losses = self.forward_backward(
+            forward_step_func=self.forward_step,
+            # The DPP runtime fetches microbatch m by index itself; Megatron's schedules want iterators.
+            data_iterator=None if self.dpp_context is not None else self._data_iterators(), model=self.model,
+            num_microbatches=self.num_microbatches, seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.optim.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
+            forward_only=False)
+        if self.hooks.after_backward is not None:
+            self.hooks.after_backward(state.iteration, self.model)
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=cfg.optim.global_batch_size)
+        state.iteration += 1
+        state.consumed_samples += cfg.optim.global_batch_size
+        reduced = self._reduce_losses(losses)
+        if self.hooks.after_step is not None:
+            self.hooks.after_step(state.iteration, reduced)
+        if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.train_iters:
+            self._log_iteration(reduced, grad_norm, time.perf_counter() - start, success)
+
+    def _reduce_losses(self, losses: list[dict]) -> dict[str, float]:
+        """Mean over microbatches on the last stage, then over DP; broadcast so every rank knows."""
+        from megatron.core import parallel_state
+
+        keys = sorted(losses[0]) if losses else []
+        names = [None]
+        last = self.topology.is_last_stage
+        if last and self.topology.tp_rank == 0 and self.topology.dp_rank == 0:
+            names = [keys]
+        src = self.topology.rank_of(0, 0, self.topology.pipeline_parallel - 1)
+        dist.broadcast_object_list(names, src=src)
+        keys = names[0]
+        values = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        if last:
+            for i, k in enumerate(keys):
+                values[i] = torch.stack([d[k].detach().double().reshape(()) for d in losses]).mean()
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            values /= self.topology.data_parallel
+        dist.broadcast(values, src=src)
+        return {k: float(v) for k, v in zip(keys, values.tolist(), strict=True)}
+
+    # ---- logging ---------------------------------------------------------------------------
+    @property
+    def _is_logger(self) -> bool:
+        t = self.topology
+        return t.is_last_stage and t.tp_rank == 0 and t.dp_rank == 0
+
+    def _log_layout(self, chunks: list, vocab_size: int) -> None:
+        cfg, t = self.cfg, self.topology
+        params = torch.tensor([sum(p.numel() for c in chunks for p in c.parameters())], dtype=torch.float64)
+        if self.cfg.run.device == "cuda":
+            params = params.cuda()
+        if self.launch.rank == 0 or self._is_logger:
+            schedule = ("dpp" if cfg.parallel.use_dpp else
+                        "megatron-core" if cfg.run.device == "cuda" else "1f1b policy")
+            log.info("workload %s: %s %s | %s | microbatches/iter %d x mbs %d | schedule %s | "
+                     "transport %s | vocab %d (padded %d) | this rank holds %.2fM parameters | "
+                     "resuming at iteration %d", cfg.run.workload, cfg.model.model.upper(),
+                     f"{cfg.model.num_layers}L h{cfg.model.hidden_size}", t.describe(), self.num_microbatches,
+                     cfg.optim.micro_batch_size, schedule, cfg.parallel.transport if t.pipeline_parallel > 1
+                     else "none", vocab_size, cfg.model.padded_vocab_size(vocab_size, t.tensor_parallel),
+                     float(params.item()) / 1e6, self.state.iteration)
+
+    def _log_iteration(self, losses: dict[str, float], grad_norm, seconds: float, success: bool) -> None:
+        if not self._is_logger:
+            return
+        cfg = self.cfg
+        tokens = cfg.optim.global_batch_size * cfg.model.seq_length
+        loss_text = " | ".join(f"{k}: {v:.6E}" for k, v in losses.items())
+        norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+        log.info("iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): %.1f | "
+                 "learning rate: %.6E | %s | grad norm: %s | tokens/s: %.0f%s",
+                 self.state.iteration, cfg.optim.train_iters, self.state.consumed_samples, seconds * 1e3,
+                 self.optimizer.param_groups[0]["lr"], loss_text, norm, tokens / max(seconds, 1e-9),
+                 "" if success else " | skipped (inf/nan grads)")
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _save(self) -> None:
+        path = save_checkpoint(self.cfg.checkpoint.save, self.state, self.model, self.optimizer,
+                               self.scheduler, self._layout(), self.cfg.parallel.use_distributed_optimizer)
+        if self.launch.rank == 0:
+            log.info("saved checkpoint at iteration %d to %s", self.state.iteration, path)
+
+    def _save_on_signal(self) -> int:
+        if not self.cfg.checkpoint.save:
+            if self.launch.rank == 0:
+                log.warning("stopping on signal at iteration %d without a checkpoint (no --save)",
+                            self.state.iteration)
+            return 0
+        save_checkpoint(self.cfg.checkpoint.save, self.state, self.model, self.optimizer, self.scheduler,
+                        self._layout(), self.cfg.parallel.use_distributed_optimizer)
+        if self.launch.rank == 0:
+            log.info("saved checkpoint at iteration %d on signal", self.state.iteration)
+        return 0
+
+    # ---- tear-down -------------------------------------------------------------------------
+    def close(self) -> None:
+        self.preempt.restore()
+        for resource in (self.tracer, self.tp_channel, self.links):
+            if resource is not None:
+                resource.close()
+        self.tracer = self.tp_channel = self.links = None
+        shutdown()
+        if self.shims is not None:
+            self.shims.remove()
+            self.shims = None
+
+
+# ---- command line ------------------------------------------------------------------------------
+def _world_size_from_env() -> int:
+    env = os.environ
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return 1
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
+                        format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("megatron", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+
+def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> int:
+    """Entry point; returns the exit code (0 done or saved on signal, 2 bad configuration, 1 failure)."""
+    try:
+        cfg = parse_config(argv, _world_size_from_env())
+        launch = read_launch_env(node_ips=cfg.run.node_ips)
+    except (ConfigError, LaunchError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    _setup_logging(launch.rank)
+    session = TrainingSession(cfg, launch, hooks or TrainHooks())
+    try:
+        code = session.run()
+        session.close()
+        return code
+    except Exception:
+        log.exception("rank %d failed", launch.rank)
+        sys.stdout.flush()
+        # Peers may be blocked in a collective with this rank: exiting now (non-zero) lets the
+        # launcher tear the job down instead of hanging in process-group destructors.
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
