@@ -86,6 +86,10 @@ def measure_clock_offset(group=None, rounds: int = 8, *, timeout_s: float = 120.
             raise TimeoutError(
                 f"rank {me}: clock sync waited more than {timeout_s:g} s for {what} rank {peer}: {err}"
             ) from err
+        if on_cuda:
+            # An NCCL wait only orders the current stream; the host reads its clock next, so it
+            # must wait for the transfer itself, or t1/t2 would predate the message's arrival.
+            torch.cuda.synchronize(device)
 
     if rank == 0:
         for peer in range(1, size):
