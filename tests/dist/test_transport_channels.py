@@ -22,7 +22,7 @@ from trainer.transport.factory import LinkOptions, make_stage_links
 from trainer.transport.spawn import check_all_ok, run_processes
 from trainer.transport.tensors import header_for
 
-TRANSPORTS = ["gloo"]  # "shm" joins with the C++ ring
+TRANSPORTS = ["gloo", "shm"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8, torch.float64]
 SIZES = [0, 1, 3, 17, 1000, 4096, 65537, 300_000]  # elements: empty, odd, around slot and page sizes
 

@@ -9,8 +9,10 @@ waited on together.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -75,6 +77,89 @@ class RecvChannel(Protocol):
 
     def close(self, timeout_s: float) -> None:
         """Wait for the peer's end of stream (or its death), then free resources."""
+
+
+class ThreadedReceiver:
+    """Base of a channel's receiving half: a daemon thread moves arrivals into the inbox.
+
+    At most ``credits`` arrived-but-undelivered messages wait in the inbox per channel (the thread
+    stops receiving until ``poll`` hands one out), so an idle consumer bounds this side's memory and
+    back-pressure reaches the sender. Errors never kill the thread silently: they become a
+    :class:`ChannelFailure` that the consumer's next ``poll``/``wait_any`` raises.
+    """
+
+    _CREDIT_POLL_S = 0.2  # how often a thread blocked on credits re-checks for close()
+
+    def __init__(self, rank: int, peer: int, direction: Direction, inbox: Inbox, credits: int) -> None:
+        self.rank, self.peer, self.direction = rank, peer, direction
+        self._inbox = inbox
+        self._credits = threading.Semaphore(credits)
+        self._closing = threading.Event()
+        self._abandon = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"mdpp-recv-{peer}-{rank}-{direction}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+        # A daemon thread still inside a C++ wait when the interpreter finalises aborts the process,
+        # so stop it at exit if the owner never called close().
+        atexit.register(self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        self._abandon.set()
+        self._interrupt()
+        self._thread.join(2.0)
+
+    # ---- for subclasses ----------------------------------------------------------------------------
+    def _receive_one(self) -> Message | None:
+        """Block until the next message arrives; None at the peer's end of stream."""
+        raise NotImplementedError
+
+    def _on_thread_start(self) -> None:
+        """Per-thread set-up (e.g. the CUDA device)."""
+
+    def _interrupt(self) -> None:
+        """Wake the thread out of its wait, if the transport can (it then sees ``_abandon``)."""
+
+    def _failure(self, exc: Exception) -> TransportError:
+        detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        return TransportError(
+            f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed: {detail}"
+        )
+
+    # ---- thread ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            self._on_thread_start()
+            while not self._abandon.is_set():
+                # Past close() undelivered messages are dropped, so drain to end-of-stream freely.
+                while not self._closing.is_set() and not self._credits.acquire(timeout=self._CREDIT_POLL_S):
+                    pass
+                message = self._receive_one()
+                if message is None:
+                    return
+                self._inbox.put(message)
+        except TransportError as exc:
+            self._inbox.put(ChannelFailure(exc))
+        except Exception as exc:  # report, never die silently: the consumer's next poll raises it
+            self._inbox.put(ChannelFailure(self._failure(exc)))
+
+    def on_delivered(self, message: Message) -> None:
+        self._credits.release()  # the message is the consumer's now: receive the next one
+
+    def close(self, timeout_s: float) -> None:
+        """Wait for the peer's end of stream (or its death) for up to ``timeout_s``."""
+        self._closing.set()
+        self._thread.join(timeout_s)
+        atexit.unregister(self._stop_at_exit)
+        if self._thread.is_alive():
+            self._abandon.set()  # the peer never closed: stop waiting for it
+            self._interrupt()
+            raise TransportTimeout(
+                f"rank {self.rank}: rank {self.peer} did not close its {self.direction} channel "
+                f"within {timeout_s:.1f}s"
+            )
 
 
 @dataclass(frozen=True)

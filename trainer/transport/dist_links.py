@@ -16,14 +16,13 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
-from trainer.transport.channels import ChannelFailure, Delivery, Inbox
+from trainer.transport.channels import Delivery, Inbox, ThreadedReceiver
 from trainer.transport.tensors import as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import HEADER_WORDS, decode, encode, payload_nbytes
 
@@ -33,7 +32,6 @@ logger = logging.getLogger(__name__)
 # (evaluation, checkpointing). The process-group timeout would abort it (gloo raises, NCCL's
 # watchdog kills the job), so edge groups get a long one; our own waits enforce ``timeout_s``.
 EDGE_GROUP_TIMEOUT = datetime.timedelta(days=7)
-_CREDIT_POLL_S = 0.2  # how often a receiver thread blocked on credits re-checks for close()
 
 
 def new_edge_group(src: int, dst: int, backend: str) -> dist.ProcessGroup:
@@ -111,63 +109,47 @@ class ProcessGroupSender:
         self._bound_in_flight(0, timeout_s)
 
 
-class ProcessGroupReceiver:
-    """Incoming half of one edge: a thread receives header then payload and fills the inbox."""
+class ProcessGroupReceiver(ThreadedReceiver):
+    """Incoming half of one edge: the thread receives a header, then its payload, and repeats."""
 
     def __init__(
         self, rank: int, peer: int, direction: Direction, group: dist.ProcessGroup,
-        device: torch.device, max_in_flight: int, inbox: Inbox,
+        device: torch.device, credits: int, inbox: Inbox,
     ) -> None:  # fmt: skip
-        self.rank, self.peer, self.direction = rank, peer, direction
-        self._group, self._device, self._inbox = group, device, inbox
-        self._credits = threading.Semaphore(max_in_flight)
-        self._closing = threading.Event()
-        self._thread = threading.Thread(
-            target=self._receive_loop, name=f"mdpp-recv-{peer}-{rank}-{direction}", daemon=True
-        )
-        self._thread.start()
+        super().__init__(rank, peer, direction, inbox, credits)
+        self._group, self._device = group, device
+        self._expected = 0
+        self.start()
 
-    def _receive_loop(self) -> None:
+    def _on_thread_start(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
-        expected = 0
-        try:
-            while True:
-                # Past close() undelivered messages are dropped, so drain to end-of-stream freely.
-                while not self._closing.is_set() and not self._credits.acquire(timeout=_CREDIT_POLL_S):
-                    pass
-                frame = decode(self._recv(torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._device)).tolist())
-                if frame.sequence != expected:
-                    raise TransportError(f"message {frame.sequence} arrived when {expected} was due")
-                expected += 1
-                if frame.end_of_stream:
-                    return
-                assert frame.header is not None and frame.nbytes == payload_nbytes(frame.header)
-                raw = self._recv(empty_bytes(frame.nbytes, self._device)) if frame.nbytes else empty_bytes(0, self._device)
-                tensor = from_bytes(raw, frame.header)
-                self._inbox.put(Message(frame.header, tensor, self.peer, Delivery(self)))
-        except Exception as exc:  # report, never die silently: the consumer's next poll raises it
-            detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
-            self._inbox.put(ChannelFailure(TransportError(
-                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
-                f"peer rank {self.peer} is probably dead: {detail}"
-            )))  # fmt: skip
+
+    def _receive_one(self) -> Message | None:
+        words = self._recv(torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._device))
+        frame = decode(words.tolist())
+        if frame.sequence != self._expected:
+            raise TransportError(
+                f"rank {self.rank}: message {frame.sequence} from rank {self.peer} arrived when "
+                f"{self._expected} was due"
+            )
+        self._expected += 1
+        if frame.header is None:
+            return None
+        assert frame.nbytes == payload_nbytes(frame.header), frame
+        raw = self._recv(empty_bytes(frame.nbytes, self._device)) if frame.nbytes else empty_bytes(0, self._device)
+        return Message(frame.header, from_bytes(raw, frame.header), self.peer, Delivery(self))
 
     def _recv(self, buffer: torch.Tensor) -> torch.Tensor:
         dist.irecv(buffer, src=self.peer, group=self._group).wait()
         return buffer
 
-    def on_delivered(self, message: Message) -> None:
-        self._credits.release()  # the tensor now belongs to the consumer: receive the next one
+    def _failure(self, exc: Exception) -> TransportError:
+        detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        return TransportError(
+            f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
+            f"peer rank {self.peer} is probably dead: {detail}"
+        )
 
     def release(self, message: Message) -> None:
         """Nothing to do: the received tensor is the consumer's own copy."""
-
-    def close(self, timeout_s: float) -> None:
-        self._closing.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TransportTimeout(
-                f"rank {self.rank}: rank {self.peer} did not close its {self.direction} channel "
-                f"within {timeout_s:.1f}s"
-            )

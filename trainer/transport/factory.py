@@ -13,6 +13,7 @@ so gradients never wait behind activations. Peers always share tp and dp coordin
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -147,8 +148,10 @@ def make_stage_links(
     if shm_specs:
         from trainer.transport.shm_links import build_shm_channels  # C++ extension: only when used
 
+        # Set-up needs a few collectives whatever the default backend is (NCCL needs devices set).
+        setup_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         shm_senders, shm_receivers = build_shm_channels(
-            shm_specs, rank, device, _agreed_job_id(job_id), timeout_s, options, inbox
+            shm_specs, rank, device, _agreed_job_id(job_id, setup_group), timeout_s, options, inbox, setup_group
         )
         senders.update(shm_senders)
         receivers.extend(shm_receivers)
@@ -157,12 +160,12 @@ def make_stage_links(
     return ChannelStageLinks(rank, senders, receivers, inbox, timeout_s, description)
 
 
-def _agreed_job_id(job_id: str | None) -> str:
+def _agreed_job_id(job_id: str | None, group: dist.ProcessGroup) -> str:
     """A short token, identical on all ranks, that makes shared-memory names unique to this job."""
     raw = job_id or os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
     if not raw:
         token = [secrets.token_hex(4)]
-        dist.broadcast_object_list(token, src=0)  # collective, on the default group
+        dist.broadcast_object_list(token, src=0, group=group)
         raw = token[0]
     if "SLURM_STEP_ID" in os.environ and not job_id:  # two steps of one allocation may overlap
         raw = f"{raw}.{os.environ['SLURM_STEP_ID']}"

@@ -1,0 +1,241 @@
+"""Same-node channels over the C++ shared-memory ring (``trainer.transport._shm_ring``), CPU tensors.
+
+One ring per directed channel, named ``/mdpp-<job>-<src>-<dst>-<direction>`` and created by the
+receiver (it owns the K slots, mode 0600); the sender attaches and unlinks the name at once, so
+after set-up nothing is left in /dev/shm even if a process is killed.
+
+Copies: the sender copies the tensor's bytes into a slot (the one copy); the receiver's tensor is a
+view of that slot until :meth:`StageLinks.release`. A payload larger than a slot is split over
+consecutive slots and reassembled into a fresh tensor on the receiver (a second copy, so size the
+slots for the common payload).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from trainer.transport import _shm_ring
+from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
+from trainer.transport.channels import Delivery, Inbox, ThreadedReceiver
+from trainer.transport.tensors import as_bytes, check_matches, empty_bytes, from_bytes
+from trainer.transport.wire import decode, encode, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+_WAIT_SLICE_S = 1.0  # a receiver thread re-checks for close() at least this often while idle
+
+
+def ring_name(job: str, src: int, dst: int, direction: str) -> str:
+    """POSIX shm name of one channel (tests/conftest.py watches for the ``mdpp`` prefix)."""
+    return f"/mdpp-{job}-{src}-{dst}-{direction}"
+
+
+class _RingStatus:
+    """Turns the ring's negative wait codes into errors that name this rank, the peer and the wait."""
+
+    def __init__(self, rank: int, peer: int, direction: Direction, ring: _shm_ring.Ring) -> None:
+        self.rank, self.peer, self.direction, self._ring = rank, peer, direction, ring
+
+    def error(self, code: int, waiting_for: str, timeout_s: float) -> TransportError:
+        where = f"rank {self.rank} waiting for {waiting_for} on the {self.direction} channel with rank {self.peer}"
+        if code == _shm_ring.PEER_DEAD:
+            return TransportError(f"{where}: peer rank {self.peer} (pid {self._ring.peer_pid}) died")
+        if code == _shm_ring.PEER_CLOSED:
+            return TransportError(f"{where}: peer rank {self.peer} closed its end")
+        return TransportTimeout(f"{where}: nothing after {timeout_s:.1f}s")
+
+
+class ShmSender:
+    """Outgoing half: copy into the next free slot(s), then commit (wakes the receiver)."""
+
+    def __init__(self, rank: int, peer: int, direction: Direction, ring: _shm_ring.Ring, poll_s: float) -> None:
+        self.rank, self.peer, self.direction = rank, peer, direction
+        self._ring, self._poll_s = ring, poll_s
+        self._status = _RingStatus(rank, peer, direction, ring)
+        self._lock = threading.Lock()  # the chunks of one message must be consecutive slots
+        self._sequence = 0
+        self._closed = False
+
+    def send(self, tensor: torch.Tensor, header: Header, timeout_s: float) -> None:
+        check_matches(tensor, header)
+        if tensor.device.type != "cpu":
+            raise ValueError(f"rank {self.rank}: the shm ring carries CPU tensors, got one on {tensor.device}")
+        data = as_bytes(tensor.detach())
+        wire = pack(encode(header, self._sequence))
+        slot_bytes, nbytes, ptr = self._ring.slot_bytes, data.numel(), data.data_ptr()
+        with self._lock:
+            offset = 0
+            while True:  # at least one slot, also for an empty payload
+                slot = self._ring.acquire(timeout_s, self._poll_s)
+                if slot < 0:
+                    raise self._status.error(slot, "a free receive slot (credit)", timeout_s)
+                length = min(slot_bytes, nbytes - offset)
+                if length:
+                    self._ring.write(slot, 0, ptr + offset, length)
+                self._ring.commit(slot, length, wire)
+                offset += length
+                if offset >= nbytes:
+                    break
+            self._sequence += 1
+
+    def close(self, timeout_s: float) -> None:
+        """End of stream: committed slots stay readable in the receiver's mapping."""
+        if not self._closed:
+            self._closed = True
+            self._ring.close()
+
+
+class ShmReceiver(ThreadedReceiver):
+    """Incoming half: the thread waits (futex) for the next full slot and hands out a view of it."""
+
+    def __init__(
+        self, rank: int, peer: int, direction: Direction, ring: _shm_ring.Ring, credits: int,
+        inbox: Inbox, poll_s: float,
+    ) -> None:  # fmt: skip
+        super().__init__(rank, peer, direction, inbox, credits)
+        self._ring, self._poll_s = ring, poll_s
+        self._status = _RingStatus(rank, peer, direction, ring)
+        self._slots = torch.frombuffer(ring, dtype=torch.uint8)  # keeps the mapping alive
+        self._held: dict[int, int] = {}  # slot -> sequence of the message viewing it
+        self._held_lock = threading.Lock()
+        self._expected = 0
+
+    def _interrupt(self) -> None:
+        self._ring.close()  # wakes wait_full, which then reports the end of the stream
+
+    def _next_slot(self) -> int | None:
+        """Index of the next full slot; None at end of stream or once close() gave up on the peer."""
+        while not self._abandon.is_set():
+            slot = self._ring.wait_full(_WAIT_SLICE_S, self._poll_s)
+            if slot >= 0:
+                return slot
+            if slot == _shm_ring.PEER_CLOSED:
+                return None
+            if slot != _shm_ring.TIMEOUT:  # an idle peer is fine; a dead one is not
+                raise self._status.error(slot, "the next message", _WAIT_SLICE_S)
+        return None
+
+    def _receive_one(self) -> Message | None:
+        slot = self._next_slot()
+        if slot is None:
+            return None
+        frame = decode(unpack(self._ring.slot_header(slot)))
+        if frame.header is None or frame.sequence != self._expected:
+            raise TransportError(
+                f"rank {self.rank}: message {frame.sequence} from rank {self.peer} arrived when "
+                f"{self._expected} was due"
+            )
+        self._expected += 1
+        if frame.nbytes == 0:
+            self._ring.release(slot)
+            return Message(frame.header, from_bytes(empty_bytes(0, torch.device("cpu")), frame.header), self.peer, Delivery(self))
+        if frame.nbytes <= self._ring.slot_bytes:  # the common case: a zero-copy view of the slot
+            start = self._ring.slot_offset(slot)
+            with self._held_lock:
+                self._held[slot] = frame.sequence
+            view = from_bytes(self._slots[start : start + frame.nbytes], frame.header)
+            return Message(frame.header, view, self.peer, Delivery(self, (slot, frame.sequence)))
+        return Message(frame.header, self._reassemble(slot, frame.nbytes, frame.sequence, frame.header), self.peer, Delivery(self))
+
+    def _reassemble(self, slot: int, nbytes: int, sequence: int, header: Header) -> torch.Tensor:
+        out = empty_bytes(nbytes, torch.device("cpu"))
+        offset = 0
+        while True:
+            length = self._ring.slot_nbytes(slot)
+            self._ring.read(slot, 0, out.data_ptr() + offset, length)
+            self._ring.release(slot)
+            offset += length
+            if offset >= nbytes:
+                return from_bytes(out, header)
+            slot = self._next_slot()
+            if slot is None:
+                raise TransportError(
+                    f"rank {self.rank}: rank {self.peer} ended the stream in the middle of message "
+                    f"{sequence} ({offset} of {nbytes} bytes received)"
+                )
+            if decode(unpack(self._ring.slot_header(slot))).sequence != sequence:
+                raise TransportError(f"rank {self.rank}: chunks of message {sequence} from rank {self.peer} interleaved")
+
+    def release(self, message: Message) -> None:
+        handle = message.token.handle
+        if handle is None:
+            return  # a copy (empty or reassembled payload): no slot behind it
+        slot, sequence = handle
+        with self._held_lock:
+            if self._held.get(slot) != sequence:
+                raise ValueError(
+                    f"rank {self.rank}: message {sequence} from rank {self.peer} was already released"
+                )
+            del self._held[slot]
+        self._ring.release(slot)
+
+    def close(self, timeout_s: float) -> None:
+        try:
+            super().close(timeout_s)
+        finally:
+            self._ring.close()
+            self._ring.unlink()  # normally a no-op: the sender unlinked it when it attached
+
+
+def build_shm_channels(
+    specs: list, rank: int, device: torch.device, job: str, timeout_s: float, options, inbox: Inbox,
+    group,
+) -> tuple[dict[Direction, ShmSender], list[ShmReceiver]]:  # fmt: skip
+    """Create (receivers) then attach (senders) every ring of this rank. COLLECTIVE over ``group``.
+
+    Two all-gathers separate the phases, so no sender opens a name before it exists, and a failure
+    on any rank makes every rank raise instead of waiting for peers that will never attach.
+    """
+    import torch.distributed as dist
+
+    if device.type != "cpu":
+        raise ValueError(f"shm channels for {device} tensors need the CUDA IPC ring (trainer.transport.cuda_ipc)")
+    rings: dict[tuple[int, int, str], _shm_ring.Ring] = {}
+
+    def phase(name: str, work) -> None:
+        error = None
+        try:
+            work()
+        except (OSError, RuntimeError, ValueError) as exc:
+            error = f"rank {rank}: {exc}"
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error, group=group)
+        if any(errors):
+            for ring in rings.values():
+                ring.close()
+                ring.unlink()
+            raise TransportError(f"shared-memory set-up ({name}) failed: " + "; ".join(e for e in errors if e))
+
+    def create() -> None:
+        for s in specs:
+            if s.dst == rank:
+                rings[s.src, s.dst, s.direction] = _shm_ring.Ring.create(
+                    ring_name(job, s.src, s.dst, s.direction), options.credits, options.shm_slot_bytes
+                )
+
+    def attach() -> None:
+        for s in specs:
+            if s.src == rank:
+                rings[s.src, s.dst, s.direction] = _shm_ring.Ring.attach(ring_name(job, s.src, s.dst, s.direction))
+
+    phase("create", create)
+    phase("attach", attach)
+    senders: dict[Direction, ShmSender] = {}
+    receivers: list[ShmReceiver] = []
+    for (src, dst, direction), ring in rings.items():
+        if not ring.pid_checks_possible:
+            logger.warning(
+                "rank %d: ranks %d and %d are in different pid namespaces: a dead peer is noticed "
+                "only by timeout", rank, src, dst,
+            )  # fmt: skip
+        if src == rank:
+            senders[direction] = ShmSender(rank, dst, direction, ring, options.poll_interval_s)
+        else:
+            ring.unlink()  # the sender did already; make sure nothing can outlive a crash now
+            receiver = ShmReceiver(rank, src, direction, ring, options.credits, inbox, options.poll_interval_s)
+            receiver.start()
+            receivers.append(receiver)
+    return senders, receivers
