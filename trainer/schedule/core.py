@@ -34,6 +34,14 @@ class Action:
     microbatch: int
     chunk: int = 0
 
+    def __post_init__(self) -> None:
+        # Actions live in sets on the runtime's hot path: hash once, not per lookup (the
+        # generated hash would rebuild a tuple and call Enum.__hash__, in Python, every time).
+        object.__setattr__(self, "_hash", hash((self.op.value, self.microbatch, self.chunk)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
     def __str__(self) -> str:  # "F3.c1" - also the trace event name
         return f"{self.op.value}{self.microbatch}.c{self.chunk}"
 
@@ -111,6 +119,8 @@ class StageState:
     """Forwards of later chunks still owed by microbatches whose chunk-0 forward ran here. A
     memory cap must keep room for them, or interleaved microbatches could starve each other."""
     _ready: dict[Op, set[Action]] = field(init=False, repr=False, compare=False)
+    _done_keys: dict[Op, set[tuple[int, int]]] = field(init=False, repr=False, compare=False)
+    """(microbatch, chunk) of the done actions, per op: cheaper to probe than building Actions."""
     _open: dict[int, list[int]] = field(init=False, repr=False, compare=False)
     """microbatch -> [forwards done here, activations held here], for microbatches that still
     owe a forward or hold an activation on this stage."""
@@ -118,11 +128,17 @@ class StageState:
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.shape.num_stages:
             raise ValueError(f"stage={self.stage} outside [0, {self.shape.num_stages})")
-        # Built from scratch once (the public sets may be pre-filled); kept incremental afterwards.
+        # Built once (from scratch only if the public sets came pre-filled); incremental afterwards.
         self._ready = {op: set() for op in Op}
-        for action in self.all_actions():
-            if self.is_ready(action):
-                self._ready[action.op].add(action)
+        if self.done or self.activations_arrived or self.grads_arrived:
+            for action in self.all_actions():
+                if self.is_ready(action):
+                    self._ready[action.op].add(action)
+        elif self.stage == 0:  # a fresh step: only virtual stage 0's forwards need nothing
+            self._ready[Op.F] = {Action(Op.F, m, 0) for m in range(self.shape.num_microbatches)}
+        self._done_keys = {op: set() for op in Op}
+        for action in self.done:
+            self._done_keys[action.op].add((action.microbatch, action.chunk))
         self._open = {}
         release = Op.W if self.split_backward else Op.B
         for action in self.done:
@@ -141,9 +157,8 @@ class StageState:
     # ---- events ------------------------------------------------------------------------------
     def mark_activation_arrived(self, microbatch: int, chunk: int) -> None:
         self.activations_arrived.add((microbatch, chunk))
-        forward = Action(Op.F, microbatch, chunk)
-        if forward not in self.done:
-            self._ready[Op.F].add(forward)
+        if (microbatch, chunk) not in self._done_keys[Op.F]:
+            self._ready[Op.F].add(Action(Op.F, microbatch, chunk))
 
     def mark_grad_arrived(self, microbatch: int, chunk: int) -> None:
         self.grads_arrived.add((microbatch, chunk))
@@ -151,10 +166,12 @@ class StageState:
 
     def mark_done(self, action: Action) -> None:
         assert action not in self.done, f"stage {self.stage}: {action} ran twice"
-        assert self.is_ready(action), f"stage {self.stage}: {action} ran before its inputs"
+        # The ready set is kept equal to is_ready() (tests check it): an O(1) readiness check.
+        assert action in self._ready[action.op], f"stage {self.stage}: {action} ran before its inputs"
         self.done.add(action)
         self._ready[action.op].discard(action)
         m, c = action.microbatch, action.chunk
+        self._done_keys[action.op].add((m, c))
         if action.op is Op.F:
             self.inflight += 1
             self.peak_inflight = max(self.peak_inflight, self.inflight)
@@ -175,9 +192,13 @@ class StageState:
                 del self._open[m]
 
     def _refresh_backward(self, microbatch: int, chunk: int) -> None:
-        backward = Action(self.backward_op, microbatch, chunk)
-        if self.is_ready(backward):
-            self._ready[backward.op].add(backward)
+        """Add the backward of (microbatch, chunk) to the ready set if its forward ran and its
+        gradient is here (is_ready's rule, without re-deriving the parts known to hold)."""
+        key, op = (microbatch, chunk), self.backward_op
+        if key in self._done_keys[op] or key not in self._done_keys[Op.F]:
+            return
+        if key in self.grads_arrived or self.shape.is_last_virtual(self.stage, chunk):
+            self._ready[op].add(Action(op, microbatch, chunk))
 
     # ---- queries -----------------------------------------------------------------------------
     def is_ready(self, action: Action) -> bool:

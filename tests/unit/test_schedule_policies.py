@@ -1,0 +1,118 @@
+"""Policies and the StageState bookkeeping they rely on (pure: no simulator timing involved)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainer.schedule import Action, Op, PipelineShape, StageState, make_policy, one_f_one_b_cap
+from trainer.schedule.registry import POLICY_NAMES
+from trainer.schedule.static import interleaved_order, megatron_schedule_table, zb_h1_order
+
+
+def _brute_force_ready(state: StageState) -> list[Action]:
+    return sorted((a for a in state.all_actions() if state.is_ready(a)),
+                  key=lambda a: (a.op.value, a.microbatch, a.chunk))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_incremental_ready_sets_match_brute_force(split):
+    """The O(ready) bookkeeping must agree with the definition (is_ready over all actions) after
+    every event of a random but legal event sequence."""
+    rng = random.Random(7)
+    shape = PipelineShape(num_stages=3, num_microbatches=5, num_chunks=2)
+    state = StageState(shape, stage=1, split_backward=split)
+    pending_inputs = [(m, c) for m in range(5) for c in range(2)]
+    rng.shuffle(pending_inputs)
+    while not state.finished:
+        assert state.ready_actions() == _brute_force_ready(state)
+        choices = list(state.ready_actions())
+        if pending_inputs and (not choices or rng.random() < 0.4):
+            m, c = pending_inputs.pop()
+            state.mark_activation_arrived(m, c)
+            continue
+        forwarded = [a for a in state.done if a.op is Op.F
+                     and (a.microbatch, a.chunk) not in state.grads_arrived]
+        if forwarded and rng.random() < 0.3:
+            a = rng.choice(forwarded)
+            state.mark_grad_arrived(a.microbatch, a.chunk)
+            continue
+        if choices:
+            state.mark_done(rng.choice(choices))
+    assert state.inflight == 0 and state.reserved_forwards == 0 and not state.open_microbatches()
+
+
+def test_make_policy_rejects_bad_names_options_and_shapes():
+    shape = PipelineShape(4, 8)
+    with pytest.raises(ValueError, match="unknown schedule 'zb-h9'"):
+        make_policy("zb-h9", shape, 0)
+    with pytest.raises(ValueError, match=r"takes no option\(s\) \['max_inflight'\]"):
+        make_policy("1f1b", shape, 0, max_inflight=3)
+    with pytest.raises(ValueError, match=r"\['cap'\]"):
+        make_policy("dpp", shape, 0, cap=3)
+    with pytest.raises(ValueError, match="stage=4 outside"):
+        make_policy("dpp", shape, 4)
+    with pytest.raises(ValueError, match="needs num_chunks >= 2"):
+        make_policy("interleaved", shape, 0)
+    with pytest.raises(ValueError, match="needs num_chunks == 1"):
+        make_policy("1f1b", PipelineShape(4, 8, 2), 0)
+    with pytest.raises(ValueError, match="priority='sideways'.*chunk_order='deep'"):
+        make_policy("dpp", shape, 0, priority="sideways", chunk_order="deep")
+    with pytest.raises(ValueError, match="max_inflight=1 < num_chunks=2"):
+        make_policy("dpp", PipelineShape(4, 8, 2), 0, max_inflight=1)
+    with pytest.raises(ValueError, match="max_live=2 applies to dpp-zb only"):
+        make_policy("dpp", shape, 0, max_live=2)
+    with pytest.raises(ValueError, match="last group of 2 < num_stages=4"):
+        make_policy("interleaved", PipelineShape(4, 10, 2), 0)
+
+
+def test_default_caps_are_megatrons_bounds():
+    shape = PipelineShape(4, 32)
+    assert [make_policy("dpp", shape, s).cap for s in range(4)] == [4, 3, 2, 1]
+    assert [make_policy("dpp", shape, s, cap_factor=1.5).cap for s in range(4)] == [6, 4, 3, 1]
+    assert [make_policy("dpp", shape, s, max_inflight=5).cap for s in range(4)] == [5] * 4
+    # dpp-zb: held activations within 1F1B's per-GPU peak, live ones within the stage's bound.
+    zb = [make_policy("dpp-zb", shape, s) for s in range(4)]
+    assert [(p.cap, p.live_cap) for p in zb] == [(4, 4), (4, 3), (4, 2), (4, 1)]
+    # v > 1: Megatron's interleaved warm-up count + 1 = 2 (p - s - 1) + (v - 1) p + 1.
+    shape2 = PipelineShape(4, 32, 2)
+    assert [one_f_one_b_cap(shape2, s) for s in range(4)] == [11, 9, 7, 5]
+    assert [make_policy("dpp", shape2, s).cap for s in range(4)] == [11, 9, 7, 5]
+
+
+def test_interleaved_uses_megatrons_schedule_table():
+    """Our table must be Megatron-Core's own (installed) get_schedule_table, group size p."""
+    from megatron.core.pipeline_parallel import schedules as megatron_schedules  # a dependency
+
+    for m_count, v, group in [(8, 2, 4), (10, 3, 4), (12, 2, 6), (6, 4, 3)]:
+        assert megatron_schedule_table(m_count, v, group) == megatron_schedules.get_schedule_table(
+            m_count, v, group)
+
+
+def test_interleaved_order_warmup_and_reverse_chunk_backwards():
+    shape = PipelineShape(2, 4, 2)
+    order = [str(a) for a in interleaved_order(shape, 0)]
+    # stage 0 of p=2: warm-up 2*(2-0-1) + (2-1)*2 = 4 forwards, then 1F1B over virtual microbatches.
+    assert order == ["F0.c0", "F1.c0", "F0.c1", "F1.c1",
+                     "F2.c0", "B0.c1", "F3.c0", "B1.c1", "F2.c1", "B0.c0", "F3.c1", "B1.c0",
+                     "B2.c1", "B3.c1", "B2.c0", "B3.c0"]
+
+
+def test_zb_h1_order_defers_weight_gradients():
+    order = [str(a) for a in zb_h1_order(PipelineShape(3, 5), 1)]
+    assert order == ["F0.c0", "F1.c0", "I0.c0", "F2.c0", "I1.c0", "W0.c0", "F3.c0",
+                     "I2.c0", "W1.c0", "F4.c0", "I3.c0", "W2.c0", "I4.c0", "W3.c0", "W4.c0"]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_policies_wait_with_nothing_ready_and_never_mutate_state(name):
+    v = 2 if name == "interleaved" else 1
+    shape = PipelineShape(3, 6, v)
+    state = StageState(shape, stage=1, split_backward=name in ("zb-h1", "dpp-zb"))
+    policy = make_policy(name, shape, 1)
+    assert policy.choose(state) is None  # stage 1: nothing has arrived yet
+    state.mark_activation_arrived(0, 0)
+    before = (set(state.done), set(state.activations_arrived), state.inflight)
+    assert policy.choose(state) == Action(Op.F, 0, 0)
+    assert (set(state.done), set(state.activations_arrived), state.inflight) == before
