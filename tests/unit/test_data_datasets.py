@@ -114,6 +114,33 @@ def test_gpt_bad_arguments(gpt_prefix, tmp_path):
         GPTSampleDataset(gpt_prefix, 64, seed=0, num_samples=3)[3]
 
 
+# GPT-2 has no pad token; pad = eod is what Megatron does for GPT-2 too, and pretraining samples are never padded.
+@pytest.mark.filterwarnings("ignore:The pad token id in the tokenizer collides")
+def test_megatron_cores_own_gpt_dataset_reads_our_files(gpt_prefix, corpus_slice, tmp_path):
+    """Interoperability: megatron-core's GPTDataset (index building included) runs on our output, offline."""
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import Split
+
+    tokenizer = build_tokenizer("GPT2BPETokenizer", DATASETS / "gpt2" / "vocab.json", DATASETS / "gpt2" / "merges.txt")
+
+    class MegatronTokenizerView:  # the attributes megatron-core's GPTDataset reads from its tokenizer
+        eod = pad = tokenizer.eod
+        vocab_size = tokenizer.vocab_size
+        unique_identifiers = {"class": "GPT2BPETokenizer"}
+
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=32, tokenizer=MegatronTokenizerView(), reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, path_to_cache=str(tmp_path), split="100,0,0",
+        blend=([gpt_prefix], None), allow_ambiguous_pad_tokens=True)
+    indexed = open_indexed_dataset(gpt_prefix)
+    dataset = GPTDataset(indexed, gpt_prefix, np.arange(len(indexed), dtype=np.int32), 50, Split.train, config)
+    sample = dataset[0]
+    assert tuple(sample["tokens"].shape) == (32,) and np.array_equal(sample["tokens"][1:], sample["labels"][:-1])
+    corpus = "\n".join(json.loads(line)["text"] for line in corpus_slice.read_text().splitlines())
+    for piece in tokenizer.detokenize(sample["tokens"].tolist()).split("<|endoftext|>"):
+        assert piece in corpus, piece  # the tokens are a window of our documents
+
+
 # ---- BERT -------------------------------------------------------------------------------------------
 def test_build_sentence_groups():
     bounds = np.array([0, 1, 4, 9])  # docs: 1 sentence, 3 sentences, 5 sentences

@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -66,8 +66,6 @@ class PreprocessConfig:
     """Tokenizer processes; results are written in input order whatever the worker count."""
     log_interval: int = 10000
     """Log progress every this many documents."""
-    output_paths: dict[str, tuple[str, str]] = field(init=False, repr=False)
-    """Per JSON key: the final (.bin, .idx) paths (derived)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -87,10 +85,13 @@ class PreprocessConfig:
             problems.append("output_prefix must not be empty")
         if problems:
             raise ValueError("invalid preprocessing config: " + "; ".join(problems))
+
+    @property
+    def output_paths(self) -> dict[str, tuple[str, str]]:
+        """Per JSON key, the (.bin, .idx) paths, named exactly as Megatron-LM's preprocess_data.py does."""
         level = "sentence" if self.split_sentences else "document"
-        paths = {k: (f"{self.output_prefix}_{k}_{level}.bin", f"{self.output_prefix}_{k}_{level}.idx")
-                 for k in self.json_keys}
-        object.__setattr__(self, "output_paths", paths)
+        return {key: (f"{self.output_prefix}_{key}_{level}.bin", f"{self.output_prefix}_{key}_{level}.idx")
+                for key in self.json_keys}
 
     def check_files(self) -> None:
         """FileNotFoundError naming the first missing input file (before any output is created)."""
@@ -121,7 +122,7 @@ class DocumentEncoder:
         self.tokenizer = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file)
         self.splitter = load_sentence_splitter(config.punkt_model) if config.split_sentences else None
 
-    def encode(self, numbered_line: tuple[int, bytes]) -> EncodedDocument | None:
+    def encode(self, numbered_line: tuple[int, bytes]) -> EncodedDocument:
         line_number, raw = numbered_line
         where = f"{self.config.input}:{line_number}"
         try:
@@ -169,7 +170,7 @@ class _WorkerEncoder:
         cls.encoder = DocumentEncoder(config)
 
     @classmethod
-    def encode(cls, numbered_line: tuple[int, bytes]) -> EncodedDocument | None:
+    def encode(cls, numbered_line: tuple[int, bytes]) -> EncodedDocument:
         assert cls.encoder is not None, "worker used before its initializer ran"
         return cls.encoder.encode(numbered_line)
 
