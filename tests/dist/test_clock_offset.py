@@ -24,15 +24,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, skews: tuple[float, ...], results) -> None:
+def _worker(rank: int, world_size: int, port: int, skews: tuple[float, ...], results,
+            backend: str = "gloo") -> None:
     import datetime
 
+    import torch
     import torch.distributed as dist
 
     from trainer.profiling.clock import measure_clock_offset
     from trainer.profiling.tracer import now_us
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         skew = skews[rank]
@@ -42,13 +46,13 @@ def _worker(rank: int, world_size: int, port: int, skews: tuple[float, ...], res
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(90)
-def test_offsets_undo_injected_skew():
+def _run_ranks(world_size: int, backend: str) -> dict[int, float]:
+    """Offsets measured by ``world_size`` spawned ranks whose clocks are skewed by SKEW_US."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, len(SKEW_US), port, SKEW_US, results))
-             for r in range(len(SKEW_US))]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, SKEW_US, results, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 75
@@ -60,11 +64,29 @@ def test_offsets_undo_injected_skew():
             p.kill()
     assert not alive, f"ranks {alive} did not finish the clock sync in 75 s"
     assert [p.exitcode for p in procs] == [0] * len(procs)
-    offsets = dict(results.get(timeout=5) for _ in procs)
+    return dict(results.get(timeout=5) for _ in procs)
+
+
+@pytest.mark.timeout(90)
+def test_offsets_undo_injected_skew():
+    offsets = _run_ranks(len(SKEW_US), "gloo")
     assert offsets[0] == 0.0
     for rank in (1, 2):
         expected = SKEW_US[0] - SKEW_US[rank]  # add to rank r's (skewed) clock to read rank 0's
         assert abs(offsets[rank] - expected) < TOLERANCE_US, (rank, offsets[rank], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_offsets_undo_injected_skew_over_nccl():
+    """The CUDA path (NCCL moves only GPU tensors; the host must sync before reading its clock)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: NCCL cannot put two ranks on one device")
+    offsets = _run_ranks(2, "nccl")
+    assert offsets[0] == 0.0
+    assert abs(offsets[1] - (SKEW_US[0] - SKEW_US[1])) < TOLERANCE_US, offsets
 
 
 def test_best_offset_keeps_the_shortest_round_trip():
