@@ -239,3 +239,30 @@ def _silent_peer_scenario(rank: int, world: int, transport: str) -> str:
 def test_wait_any_times_out_naming_rank_and_peers(transport):
     message, _ = check_all_ok(run_processes(_silent_peer_scenario, 2, transport))
     assert "rank 0" in message and "[1]" in message, message
+
+
+# ---- auto: shm inside a "node", gloo across, chosen from the launcher's node index --------------------
+def _auto_scenario(rank: int, world: int, job: str) -> tuple[str, list]:
+    # Four stages on two nodes of one host: edges 0-1 and 2-3 stay on a node, 1-2 and 3-0 cross.
+    topo = Topology(world_size=world, rank=rank, pipeline_parallel=world, node_of_rank=(0, 0, 1, 1))
+    links = make_stage_links(topo, "auto", "cpu", timeout_s=20.0, job_id=job)
+    # Every ring is unlinked as soon as both ends mapped it: none is visible while links are open.
+    visible = [n for n in os.listdir("/dev/shm") if n.startswith(f"mdpp-{job}")]
+    links.send("next", torch.full((3,), float(rank)), header_for(torch.empty(3), "act", rank, 0))
+    links.send("prev", torch.full((2,), -float(rank)), header_for(torch.empty(2), "grad", rank, 0))
+    got = sorted((h.kind, src, t.tolist()) for h, t, src in _receive(links, 2))
+    links.close()
+    return links.description, [visible, got]
+
+
+@pytest.mark.timeout(90)
+def test_auto_uses_shm_within_a_node_and_gloo_across():
+    job = f"t{os.getpid()}"
+    for rank, (description, (visible, got)) in enumerate(check_all_ok(run_processes(_auto_scenario, 4, job))):
+        prev, nxt = (rank - 1) % 4, (rank + 1) % 4
+        assert visible == [], f"rank {rank} sees shared-memory names: {visible}"
+        assert got == sorted([("act", prev, [float(prev)] * 3), ("grad", nxt, [-float(nxt)] * 2)])
+        same_node_peer = rank ^ 1  # 0<->1, 2<->3
+        for direction, peer in (("next", nxt), ("prev", prev)):
+            expected = "shm" if peer == same_node_peer else "gloo"
+            assert f"{direction}:{rank}->{peer}:{expected}" in description, description
