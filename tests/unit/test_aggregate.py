@@ -231,3 +231,14 @@ def test_data_parallel_replicas_get_their_own_tracks():
     summary = summarize(merged)
     assert [s.ranks for s in summary.stages] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert summary.bubble_fraction == pytest.approx(3 / 11, abs=1e-9)
+
+
+def test_malformed_rank_files_are_named(tmp_path):
+    documents = _write_run(tmp_path, iterations=1)
+    (tmp_path / trace_file_name(1)).write_text(json.dumps({"events": []}))
+    (tmp_path / trace_file_name(2)).write_text(json.dumps(documents[3]))  # rank 3's trace, wrong name
+    run = load_rank_traces(tmp_path)
+    assert [t.rank for t in run.traces] == [0, 3]
+    assert run.missing_ranks == [1, 2]
+    assert run.problems == ["trace_rank00001.json: not a trace (no 'traceEvents' list)",
+                            "trace_rank00002.json: metadata says rank 3; file skipped"]

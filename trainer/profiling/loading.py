@@ -84,6 +84,7 @@ def load_rank_traces(benchmark_dir: str | Path) -> LoadedRun:
     if not folder.is_dir():
         raise ValueError(f"--benchmark_dir {folder} is not a directory")
     run = LoadedRun()
+    reported: set[int] = set()  # ranks whose file exists but was rejected (already explained)
     for path in sorted(folder.iterdir()):
         match = RANK_FILE_PATTERN.match(path.name)
         if not match:
@@ -92,17 +93,18 @@ def load_rank_traces(benchmark_dir: str | Path) -> LoadedRun:
             trace = read_trace_file(path)
         except ValueError as err:
             run.problems.append(str(err))
+            reported.add(int(match.group(1)))
             continue
         if trace.rank != int(match.group(1)):
             run.problems.append(f"{path.name}: metadata says rank {trace.rank}; file skipped")
+            reported.add(int(match.group(1)))
             continue
         run.traces.append(trace)
     run.world_size = max((int(t.metadata["world_size"]) for t in run.traces), default=0)
     present = {t.rank for t in run.traces}
     run.missing_ranks = [r for r in range(run.world_size) if r not in present]
-    unreadable = {p.split(":")[0] for p in run.problems}
     for rank in run.missing_ranks:
-        if trace_file_name(rank) not in unreadable:
+        if rank not in reported:
             run.problems.append(f"{trace_file_name(rank)}: missing (rank {rank} of world_size "
                                 f"{run.world_size} wrote no trace)")
     return run
