@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import lzma
 import subprocess
@@ -31,13 +32,12 @@ def _indexed_dataset(prefix: str):
     return IndexedDataset(prefix)
 
 
-def _write_jsonl(path: Path, docs: list[str], compress: bool = False) -> Path:
-    text = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs))
-    if compress:
-        path = path.with_suffix(path.suffix + ".xz")
-        path.write_bytes(lzma.compress(text.encode()))
-    else:
-        path.write_text(text)
+def _write_jsonl(path: Path, docs: list[str], compression: str = "") -> Path:
+    data = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)).encode()
+    compress = {"": lambda b: b, "xz": lzma.compress, "gz": gzip.compress}[compression]
+    if compression:
+        path = path.with_suffix(f"{path.suffix}.{compression}")
+    path.write_bytes(compress(data))
     return path
 
 
@@ -46,9 +46,9 @@ def _gpt_args(src: Path, prefix: Path, *extra: str) -> list[str]:
             "--vocab-file", str(GPT2_VOCAB), "--merge-file", str(GPT2_MERGES), *extra]
 
 
-@pytest.mark.parametrize("compress", [False, True], ids=["jsonl", "jsonl.xz"])
-def test_gpt_round_trip_text_to_indexed_dataset_and_back(tmp_path, compress):
-    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS, compress)
+@pytest.mark.parametrize("compression", ["", "xz", "gz"])
+def test_gpt_round_trip_text_to_indexed_dataset_and_back(tmp_path, compression):
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS, compression)
     assert main(_gpt_args(src, tmp_path / "out" / "gpt", "--append-eod")) == 0
 
     tokenizer = build_tokenizer("GPT2BPETokenizer", GPT2_VOCAB, GPT2_MERGES)
