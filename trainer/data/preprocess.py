@@ -101,8 +101,10 @@ class PreprocessConfig:
         if self.split_sentences:
             needed.append(("Punkt sentence model", self.punkt_model))
         for what, path in needed:
-            if not Path(path).is_file():
+            if not Path(path).exists():
                 raise FileNotFoundError(f"{what} not found: {path}")
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{what} is not a file: {path}")
 
 
 @dataclass
@@ -184,6 +186,7 @@ def _open_input(path: Path) -> IO[bytes]:
 
 
 def _numbered_lines(handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    # Raw bytes: UTF-8 decoding happens in the worker, so a bad byte is reported with its line number.
     for number, raw in enumerate(handle, start=1):
         if raw.strip():  # blank lines (a trailing newline, say) are not documents
             yield number, raw
@@ -320,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         stats = preprocess(config)
-    except (PreprocessError, FileNotFoundError, ValueError) as exc:
+    except (PreprocessError, ValueError, OSError) as exc:  # OSError: missing/unreadable/unwritable paths
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for key, (bin_path, idx_path) in config.output_paths.items():
