@@ -180,61 +180,79 @@ class ShmReceiver(ThreadedReceiver):
             self._ring.unlink()  # normally a no-op: the sender unlinked it when it attached
 
 
-def build_shm_channels(
-    specs: list, rank: int, device: torch.device, job: str, timeout_s: float, options, inbox: Inbox,
-    group,
-) -> tuple[dict[Direction, ShmSender], list[ShmReceiver]]:  # fmt: skip
-    """Create (receivers) then attach (senders) every ring of this rank. COLLECTIVE over ``group``.
+def open_rings(
+    specs: list, rank: int, job: str, group, num_slots: int, slot_bytes: int
+) -> dict[tuple[int, int, str], _shm_ring.Ring]:
+    """Create (as receiver) then attach (as sender) this rank's rings. COLLECTIVE over ``group``.
 
     Two all-gathers separate the phases, so no sender opens a name before it exists, and a failure
     on any rank makes every rank raise instead of waiting for peers that will never attach.
     """
-    import torch.distributed as dist
-
-    if device.type != "cpu":
-        raise ValueError(f"shm channels for {device} tensors need the CUDA IPC ring (trainer.transport.cuda_ipc)")
     rings: dict[tuple[int, int, str], _shm_ring.Ring] = {}
-
-    def phase(name: str, work) -> None:
-        error = None
-        try:
-            work()
-        except (OSError, RuntimeError, ValueError) as exc:
-            error = f"rank {rank}: {exc}"
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error, group=group)
-        if any(errors):
-            for ring in rings.values():
-                ring.close()
-                ring.unlink()
-            raise TransportError(f"shared-memory set-up ({name}) failed: " + "; ".join(e for e in errors if e))
 
     def create() -> None:
         for s in specs:
             if s.dst == rank:
-                rings[s.src, s.dst, s.direction] = _shm_ring.Ring.create(
-                    ring_name(job, s.src, s.dst, s.direction), options.credits, options.shm_slot_bytes
-                )
+                name = ring_name(job, s.src, s.dst, s.direction)
+                rings[s.src, s.dst, s.direction] = _shm_ring.Ring.create(name, num_slots, slot_bytes)
 
     def attach() -> None:
         for s in specs:
             if s.src == rank:
                 rings[s.src, s.dst, s.direction] = _shm_ring.Ring.attach(ring_name(job, s.src, s.dst, s.direction))
 
-    phase("create", create)
-    phase("attach", attach)
-    senders: dict[Direction, ShmSender] = {}
-    receivers: list[ShmReceiver] = []
-    for (src, dst, direction), ring in rings.items():
+    for phase, work in (("create", create), ("attach", attach)):
+        error = None
+        try:
+            work()
+        except (OSError, RuntimeError, ValueError) as exc:
+            error = f"rank {rank}: {exc}"
+        errors = all_gather(error, group)
+        if any(errors):
+            for ring in rings.values():
+                ring.close()
+                ring.unlink()
+            raise TransportError(f"shared-memory set-up ({phase}) failed: " + "; ".join(e for e in errors if e))
+    for (src, dst, _), ring in rings.items():
+        if dst == rank:
+            ring.unlink()  # the sender did already; make sure nothing can outlive a crash now
         if not ring.pid_checks_possible:
             logger.warning(
                 "rank %d: ranks %d and %d are in different pid namespaces: a dead peer is noticed "
                 "only by timeout", rank, src, dst,
             )  # fmt: skip
+    return rings
+
+
+def all_gather(obj, group) -> list:
+    """Every rank's ``obj`` (collective over ``group``, which spans all ranks)."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def build_shm_channels(
+    specs: list, rank: int, device: torch.device, job: str, timeout_s: float, options, inbox: Inbox,
+    group,
+) -> tuple[dict, list]:  # fmt: skip
+    """This rank's shm senders (by direction) and receivers. COLLECTIVE over ``group``.
+
+    CPU tensors use the shared-memory ring for the payload itself; CUDA tensors use peer GPU
+    memory (:mod:`trainer.transport.cuda_ipc`) with a ring that only carries headers.
+    """
+    if device.type == "cuda":
+        from trainer.transport.cuda_ipc import build_cuda_ipc_channels
+
+        return build_cuda_ipc_channels(specs, rank, device, job, options, inbox, group)
+    rings = open_rings(specs, rank, job, group, options.credits, options.shm_slot_bytes)
+    senders: dict[Direction, ShmSender] = {}
+    receivers: list[ShmReceiver] = []
+    for (src, dst, direction), ring in rings.items():
         if src == rank:
             senders[direction] = ShmSender(rank, dst, direction, ring, options.poll_interval_s)
         else:
-            ring.unlink()  # the sender did already; make sure nothing can outlive a crash now
             receiver = ShmReceiver(rank, src, direction, ring, options.credits, inbox, options.poll_interval_s)
             receiver.start()
             receivers.append(receiver)

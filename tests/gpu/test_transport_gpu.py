@@ -1,0 +1,110 @@
+"""GPU transport on real CUDA processes (marked gpu: CI has no GPU; run through the device tool).
+
+Two processes share one GPU when only one is visible (CUDA IPC works within a device too), else
+use cuda:0 and cuda:1 (peer copies over NVLink/PCIe). NCCL needs two distinct GPUs.
+
+    python -m pytest -m gpu tests/gpu/test_transport_gpu.py -v
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from trainer.topology import Topology
+from trainer.transport import TransportError, TransportTimeout
+from trainer.transport.factory import LinkOptions, make_stage_links
+from trainer.transport.spawn import check_all_ok, run_processes
+from trainer.transport.tensors import header_for
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool]
+SIZES = [0, 1, 1023, 65537, 2_000_003]  # the last spans several 1 MiB slots
+
+
+def _device(rank: int) -> torch.device:
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def _links(rank: int, world: int, transport: str, **options):
+    device = _device(rank)
+    torch.cuda.set_device(device)
+    topo = Topology(world_size=world, rank=rank, pipeline_parallel=world)
+    return make_stage_links(topo, transport, device, timeout_s=30.0, options=LinkOptions(**options)), device
+
+
+def _payload(seed: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    values = torch.randn(numel, generator=gen, device=device) * 50
+    return values.gt(0) if dtype == torch.bool else values.to(dtype)
+
+
+def _cases():
+    return [(i, n, d) for i, (n, d) in enumerate((n, d) for n in SIZES for d in DTYPES)]
+
+
+def _exchange_scenario(rank: int, world: int, transport: str) -> int:
+    links, device = _links(rank, world, transport, shm_slot_bytes=1 << 20, credits=3)
+    direction, kind, peer = ("next", "act", 1) if rank == 0 else ("prev", "grad", 0)
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronisation on the hot path raises
+
+    def send_all():
+        torch.cuda.set_device(device)
+        for i, numel, dtype in _cases():
+            t = _payload(100 * rank + i, 2 * numel, dtype, device)[::2]  # non-contiguous input
+            links.send(direction, t, header_for(t, kind, i, 0))
+            del t  # the transport must keep the source alive until its copy ran
+
+    thread = threading.Thread(target=send_all)
+    thread.start()
+    received = []
+    for _ in _cases():
+        msg = links.wait_any(30)
+        received.append((msg.header, msg.tensor.clone()))  # on the current stream, after the event wait
+        msg.tensor.zero_()  # scribble on the slot before releasing it: the next sender must not care
+        links.release(msg)
+    thread.join(60)
+    torch.cuda.set_sync_debug_mode("default")
+    for (header, tensor), (i, numel, dtype) in zip(received, _cases(), strict=True):
+        expected = _payload(100 * peer + i, 2 * numel, dtype, device)[::2]
+        assert header.microbatch == i and tensor.device == device
+        assert torch.equal(tensor, expected), f"message {i} ({numel} x {dtype}) corrupted"
+    links.close()
+    return len(received)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["shm", "nccl"])
+def test_gpu_exchange_ordering_integrity_without_host_sync(transport):
+    if transport == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL cannot put two ranks on one GPU: needs 2 GPUs")
+    assert check_all_ok(run_processes(_exchange_scenario, 2, transport, timeout_s=150)) == [len(_cases())] * 2
+
+
+def _killed_scenario(rank: int, world: int) -> str:
+    links, device = _links(rank, world, "shm", shm_slot_bytes=1 << 20, credits=2)
+    if rank == 1:
+        big = torch.ones(8 << 20, dtype=torch.uint8, device=device)
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        while True:
+            links.send("prev", big, header_for(big, "grad", 0, 0))
+    time.sleep(0.2)
+    try:
+        while True:
+            links.release(links.wait_any(15.0))
+    except TransportError as exc:
+        assert not isinstance(exc, TransportTimeout), exc
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_gpu_peer_killed_is_reported_naming_it():
+    survivor, killed = run_processes(_killed_scenario, 2, timeout_s=90)
+    assert killed.exitcode == -signal.SIGKILL
+    assert "rank 1" in check_all_ok([survivor])[0]
