@@ -153,3 +153,17 @@ def test_config_names_every_bad_value(tmp_path):
     message = str(info.value)
     for expected in ("needs merge_file", "workers=0", "duplicates", "output_prefix"):
         assert expected in message, message
+
+
+def test_several_json_keys_stay_aligned_and_empty_lines_are_skipped(tmp_path):
+    src = tmp_path / "keys.jsonl"
+    records = [{"text": "First body.", "title": "One"}, {"text": "", "title": ""},
+               {"text": "Third body.", "title": ""}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(_gpt_args(src, tmp_path / "k", "--json-keys", "text", "title")) == 0
+    tokenizer = build_tokenizer("GPT2BPETokenizer", GPT2_VOCAB, GPT2_MERGES)
+    texts, titles = (_indexed_dataset(str(tmp_path / f"k_{key}_document")) for key in ("text", "title"))
+    # line 2 is empty in every key: skipped; line 3 has an empty title: an empty title document keeps alignment
+    assert list(texts.document_indices) == [0, 1, 2] and list(titles.document_indices) == [0, 1, 1]
+    assert [tokenizer.detokenize(d) for d in texts] == ["First body.", "Third body."]
+    assert [tokenizer.detokenize(d) for d in titles] == ["One"]

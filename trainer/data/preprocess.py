@@ -224,11 +224,17 @@ class PreprocessStats:
     """What a run wrote (the CLI prints it)."""
 
     documents: int = 0
+    """Documents written (per JSON key)."""
     skipped_empty: int = 0
+    """Input lines whose every key tokenized to nothing."""
     sequences: int = 0
+    """Indexed sequences written over all keys: documents, or sentences with --split-sentences."""
     tokens: int = 0
+    """Tokens written over all keys, EOD tokens included."""
     input_bytes: int = 0
+    """Bytes of (decompressed) input read."""
     seconds: float = 0.0
+    """Wall time of tokenizing and writing, excluding the one-off megatron-core import."""
 
 
 def _encoded_documents(config: PreprocessConfig, lines: Iterable[tuple[int, bytes]]) -> Iterator[EncodedDocument]:
@@ -277,6 +283,8 @@ def _write_document(doc: EncodedDocument, writers: dict[str, _AtomicIndexedDatas
     if all(not lengths for _, lengths in doc.sequences.values()):
         stats.skipped_empty += 1
         return
+    # A key that is empty in this line still gets its (empty) document: document i of every output
+    # comes from the same input line, so multi-key outputs stay aligned.
     for key, (ids, lengths) in doc.sequences.items():
         writers[key].add_document(ids, lengths)
         stats.sequences += len(lengths)
