@@ -83,6 +83,7 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
                 options = {"cap_factor": float(rng.choice([1.0, 1.25, 1.5, 2.0])),
                            "priority": str(rng.choice(["forward", "backward"])),
                            "chunk_order": str(rng.choice(["depth", "breadth"])),
+                           "backward_chunk_order": str(rng.choice(["depth", "breadth"])),
                            "cap_basis": str(rng.choice(["stage", "peak"]))}
             costs = CostModel(forward=float(rng.uniform(0.3, 2)), input_grad=float(rng.uniform(0.3, 2)),
                               weight_grad=float(rng.uniform(0.3, 2)), transfer=float(rng.uniform(0, 0.5)),

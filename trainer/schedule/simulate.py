@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
         help="dpp/dpp-zb: what wins when a forward and a backward are both ready (default forward)")
     add("--chunk-order", choices=("depth", "breadth"), default="depth",
         help="dpp/dpp-zb: later chunks first (depth) or chunk 0 first (breadth) (default depth)")
+    add("--backward-chunk-order", choices=("depth", "breadth"), default="breadth",
+        help="dpp/dpp-zb backwards: earlier chunks first (depth) or later chunks first (breadth,"
+        " default)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
     add("--cap-sweep", default=None,
@@ -103,7 +106,8 @@ def _parse_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
 
 
 def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
-    options = {"cap_factor": cap_factor, "priority": args.priority, "chunk_order": args.chunk_order}
+    options = {"cap_factor": cap_factor, "priority": args.priority, "chunk_order": args.chunk_order,
+               "backward_chunk_order": args.backward_chunk_order}
     if args.cap_basis is not None:
         options["cap_basis"] = args.cap_basis
     return options
