@@ -1,0 +1,81 @@
+"""The DPP runtime computes what a single-process, non-pipelined run computes (CPU, gloo).
+
+For each layout, ``trainer.train --use-dpp`` runs 3 iterations on N processes starting from the
+reference model's exact weights (mapped by global layer index and TP slice, see
+tests/dist/train_harness.py). The reference is one process, PP=TP=DP=1, whose schedule is a plain
+loop (forward, loss / M, backward) -- not our runtime. Both see the same samples (microbatch m of
+DP rank d holds samples start + m*mbs*dp + d*mbs + j, so DP replicas split the reference's batch).
+
+Tolerances (fp32): per-iteration losses within LOSS_RTOL relative; every parameter's gradient, after
+finalize_model_grads and before the optimizer, within GRAD_RTOL of max |g_ref| (summation order
+differs across DP/TP reductions). Iterations 2 and 3 also check that optimizer steps stay equal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.dist.grads import GRAD_RTOL, compare_grads, load_rank_grads
+from tests.dist.launch import check_ok, launch
+
+ITERS = 3
+LOSS_RTOL = 1e-5
+TINY = ["--device", "cpu", "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--dpp-timeout", "60"]
+MODELS = {"gpt": ["--model", "gpt", "--num-layers", "8"], "bert": ["--model", "bert", "--num-layers", "4"]}
+
+
+def _run(out: Path, world: int, args: list[str], harness: list[str]) -> None:
+    check_ok(launch(["tests.dist.train_harness", "--out", str(out), "--dump-grads", str(ITERS), *harness,
+                     "--", *args], world, timeout_s=240))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, Path]:
+    """One single-process reference per model: weights (init.pt), losses and gradients."""
+    folders = {}
+    for model, flags in MODELS.items():
+        out = tmp_path_factory.mktemp(f"ref-{model}")
+        _run(out, 1, TINY + flags, ["--reference", "--save-init", str(out / "init.pt")])
+        folders[model] = out
+    return folders
+
+
+LAYOUTS = {
+    "gpt-pp2": ("gpt", 2, ["--pipeline-model-parallel-size", "2"]),
+    "gpt-pp4": ("gpt", 4, ["--pipeline-model-parallel-size", "4"]),
+    "gpt-pp4-vp2": ("gpt", 4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "gpt-pp2-tp2": ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    "gpt-pp2-dp2": ("gpt", 4, ["--pipeline-model-parallel-size", "2"]),
+    "bert-pp2": ("bert", 2, ["--pipeline-model-parallel-size", "2"]),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dpp_matches_single_process_reference(layout: str, references, tmp_path: Path) -> None:
+    model, world, flags = LAYOUTS[layout]
+    ref = references[model]
+    _run(tmp_path, world, TINY + MODELS[model] + flags + ["--use-dpp"], ["--load-init", str(ref / "init.pt")])
+
+    expected = json.loads((ref / "losses_rank0.json").read_text())
+    assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]
+    for rank_file in sorted(tmp_path.glob("losses_rank*.json")):  # every rank got the broadcast losses
+        got = json.loads(rank_file.read_text())
+        for it, losses in expected.items():
+            for key, value in losses.items():
+                assert got[it][key] == pytest.approx(value, rel=LOSS_RTOL), f"{rank_file.name} it {it} {key}"
+    assert len(list(tmp_path.glob("losses_rank*.json"))) == world
+
+    for it in range(ITERS):
+        reference_grads = load_rank_grads(ref, it)[0]
+        ranks = load_rank_grads(tmp_path, it)
+        assert len(ranks) == world
+        worst, problems = compare_grads(reference_grads, ranks)
+        assert not problems, f"iteration {it}: " + "; ".join(problems[:8])
+        assert worst <= GRAD_RTOL
