@@ -124,6 +124,9 @@ class ProcessGroupReceiver(ThreadedReceiver):
     def _on_thread_start(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
+            # A stream of our own: NCCL receives make the current stream wait for the peer, and on
+            # the default stream that would stall the consumer's compute until the peer sends.
+            torch.cuda.set_stream(torch.cuda.Stream(self._device))
 
     def _receive_one(self) -> Message | None:
         words = self._recv(torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._device))
@@ -138,11 +141,31 @@ class ProcessGroupReceiver(ThreadedReceiver):
             return None
         assert frame.nbytes == payload_nbytes(frame.header), frame
         raw = self._recv(empty_bytes(frame.nbytes, self._device)) if frame.nbytes else empty_bytes(0, self._device)
-        return Message(frame.header, from_bytes(raw, frame.header), self.peer, Delivery(self))
+        arrived = None
+        if self._device.type == "cuda":
+            arrived = torch.cuda.Event()
+            arrived.record()  # on this thread's stream, after the payload receive
+        return Message(frame.header, from_bytes(raw, frame.header), self.peer, Delivery(self, arrived))
 
     def _recv(self, buffer: torch.Tensor) -> torch.Tensor:
-        dist.irecv(buffer, src=self.peer, group=self._group).wait()
+        work = dist.irecv(buffer, src=self.peer, group=self._group)
+        if self._device.type == "cuda":
+            # A CUDA stream synchronize may spin a core for as long as the peer is idle; poll the
+            # NCCL work's event instead, sleeping up to 1 ms between looks.
+            pause = 20e-6
+            while not work.is_completed():
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        work.wait()
         return buffer
+
+    def on_delivered(self, message: Message) -> None:
+        arrived = message.token.handle
+        if arrived is not None:  # CUDA: the consumer's stream waits for the receive, host does not
+            consumer = torch.cuda.current_stream(self._device)
+            consumer.wait_event(arrived)
+            message.tensor.record_stream(consumer)
+        super().on_delivered(message)
 
     def _failure(self, exc: Exception) -> TransportError:
         detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
