@@ -2,7 +2,8 @@
 # The project's local two-node Slurm 22.05 cluster, for the demo and for CI (docs/cluster.md).
 #
 #   scripts/cluster.sh up       start munged, MariaDB, slurmdbd, slurmctld, slurmd node1 + node2
-#                               (idempotent: what already runs is kept) and wait until both nodes are idle
+#                               (idempotent: what already runs is kept) and wait until both nodes are
+#                               up (idle after a fresh start)
 #   scripts/cluster.sh down     cancel every job, stop every daemon, leave no process behind
 #   scripts/cluster.sh status   one line per daemon, then sinfo; exit 0 only when all run
 #   scripts/cluster.sh purge    down, then delete the cluster folder (configs, accounting database, logs)
@@ -93,8 +94,11 @@ tail_logs() {
 wait_ready() {
     local name=$1 deadline=$((SECONDS + READY_TIMEOUT))
     shift
+    local pid
+    pid=$(<"$(pid_file "$name")")
     until "$@" >/dev/null 2>&1; do
-        if ! running_pid "$name" >/dev/null; then
+        # Plain existence, not running_pid: until exec the new child still has our old environment.
+        if ! kill -0 "$pid" 2>/dev/null; then
             tail_logs "$name"
             die "$name exited during start-up (logs above)"
         fi
@@ -154,10 +158,9 @@ render() { # render TEMPLATE OUTPUT MODE: replace @NAME@ placeholders; the file 
 
 write_configs() {
     mkdir -p "$DIR"/{etc,run,log,munge,mariadb/tmp,state/slurmctld}
-    # Clients of any user must read slurm.conf and env; only the munge key and the database
-    # password (slurmdbd.conf, etc/db-password, each 0600) are private.
-    chmod 755 "$DIR" "$DIR/etc"
-    chmod 700 "$DIR/munge"
+    # Clients of any user must read slurm.conf and env and reach munge's socket; only the munge
+    # key (0400) and the database password (slurmdbd.conf, etc/db-password, 0600) are private.
+    chmod 755 "$DIR" "$DIR/etc" "$DIR/munge"
     local n
     for n in "${NODES[@]}"; do mkdir -p "$DIR/state/slurmd-$n"; done
     # Unix socket paths are limited to 108 bytes; fail here rather than with a cryptic bind error.
@@ -242,7 +245,9 @@ start_slurmctld() {
 }
 
 node_state() { sinfo -h -n "$1" -o %T 2>/dev/null | head -1; }
-node_idle() { [[ $(node_state "$1") == idle ]]; }
+# Ready = registered and responding: idle on a fresh start; busy states when `up` finds the
+# cluster already running jobs. A trailing '*' (not responding), down or drain is not ready.
+node_ready() { [[ $(node_state "$1") =~ ^(idle|mixed|allocated|completing)$ ]]; }
 
 start_slurmd() {
     local i node state
@@ -256,7 +261,7 @@ start_slurmd() {
         if [[ $state == *drain* || $state == down* ]] && running_pid "slurmd-$node" >/dev/null; then
             scontrol update nodename="$node" state=resume >/dev/null 2>&1 || true
         fi
-        wait_ready "slurmd-$node" node_idle "$node"
+        wait_ready "slurmd-$node" node_ready "$node"
     done
 }
 
