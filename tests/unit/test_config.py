@@ -1,0 +1,71 @@
+"""trainer.config: Megatron flag names, defaults, and one error naming every bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import ConfigError, layout_problems, parse_config
+
+BASE = ["--mock-data", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+def test_megatron_flags_parse_into_typed_sections() -> None:
+    cfg = parse_config(BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                               "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "2",
+                               "--global-batch-size", "16", "--bf16", "--use-dpp", "--dpp-max-inflight", "3",
+                               "--transport", "shm", "--lr", "3e-4", "--node-ips", "10.0.0.1,10.0.0.2",
+                               "--device", "cpu", "--save", "/tmp/x", "--save-interval", "5"], world_size=8)
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.parallel.use_dpp
+    assert cfg.parallel.dpp_max_inflight == 3 and cfg.parallel.transport == "shm"
+    assert cfg.optim.bf16 and cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.run.node_ips == ("10.0.0.1", "10.0.0.2")
+    assert cfg.virtual_pipeline == 2  # 8 layers / PP 2 = 4 per stage, 2 per chunk
+    assert cfg.data_parallel(8) == 2 and cfg.num_microbatches(8) == 4
+    assert cfg.checkpoint.save_interval == 5
+
+
+def test_field_errors_are_all_reported_together() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + ["--micro-batch-size", "0", "--lr", "-1", "--bf16", "--fp16",
+                             "--transport", "carrier-pigeon", "--hidden-dropout", "1.5"], world_size=1)
+    text = str(err.value)
+    for needle in ("--micro-batch-size=0", "--lr=-1.0", "--bf16 and --fp16", "carrier-pigeon", "--hidden-dropout=1.5"):
+        assert needle in text
+    assert len(err.value.problems) == 5
+
+
+@pytest.mark.parametrize(("world", "flags", "needles"), [
+    (8, ["--num-layers", "6", "--pipeline-model-parallel-size", "4", "--global-batch-size", "4"],
+     ["--num-layers=6 is not divisible by --pipeline-model-parallel-size=4",
+      "2 microbatches per iteration", "fewer than --pipeline-model-parallel-size=4"]),
+    (6, ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "48"],
+     ["world size 6 is not divisible by --tensor-model-parallel-size=4",
+      "--num-attention-heads=6 is not divisible by --tensor-model-parallel-size=4"]),
+    (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3",
+         "--global-batch-size", "6", "--micro-batch-size", "4"],
+     ["4 layers per stage is not divisible by --num-layers-per-virtual-pipeline-stage=3",
+      "--global-batch-size=6 is not divisible by --micro-batch-size=4 x data-parallel size 2"]),
+    (4, ["--num-gpus", "8"], ["--num-gpus=8 but the launcher started world size 4"]),
+])
+def test_impossible_layouts_name_every_offending_value(world, flags, needles) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + flags, world_size=world)
+    for needle in needles:
+        assert needle in str(err.value)
+    assert len(err.value.problems) == len([n for n in needles if "fewer than" not in n])
+
+
+def test_data_source_is_required_and_exclusive() -> None:
+    with pytest.raises(ConfigError, match="one of --data-path or --mock-data"):
+        parse_config(["--num-layers", "2"], world_size=1)
+    with pytest.raises(ConfigError, match="--merge-file is required"):
+        parse_config(["--data-path", "x", "--vocab-file", "v.json"], world_size=1)
+
+
+def test_megatron_interleaved_needs_divisible_microbatches_but_dpp_does_not() -> None:
+    flags = BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+                    "--global-batch-size", "3"]
+    with pytest.raises(ConfigError, match="interleaved 1F1B needs microbatches"):
+        parse_config(flags, world_size=2)
+    cfg = parse_config(flags + ["--use-dpp"], world_size=2)
+    assert layout_problems(cfg, 2) == []
