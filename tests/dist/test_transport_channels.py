@@ -194,18 +194,30 @@ def test_payload_larger_than_slot_and_non_contiguous_input(transport):
 
 
 # ---- a peer killed mid-transfer: the survivor errors within its timeout, naming the peer ---------------
-def _killed_peer_scenario(rank: int, world: int, transport: str) -> tuple[str, float]:
+def _killed_peer_scenario(rank: int, world: int, transport: str, victim: str) -> tuple[str, float]:
+    """Rank 1 dies (SIGKILL) while a stream of 4 MiB messages flows between the two ranks.
+
+    victim="sender": rank 1 streams to rank 0 and is killed mid-message; rank 0 keeps receiving.
+    victim="receiver": rank 0 streams to rank 1, which stops releasing slots and is killed; rank 0
+    is then blocked on credits (shm) or on an unfinished send (gloo).
+    """
     links = _links(rank, world, transport, shm_slot_bytes=64 << 10, credits=2)
+    big = torch.ones(4 << 20, dtype=torch.uint8)  # 64 slots of 64 KiB: the kill lands mid-message
     if rank == 1:
-        big = torch.ones(4 << 20, dtype=torch.uint8)  # 64 chunks: the kill lands mid-message
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         while True:
-            links.send("prev", big, header_for(big, "grad", 0, 0))
+            if victim == "sender":
+                links.send("prev", big, header_for(big, "grad", 0, 0))
+            else:
+                links.wait_any(15.0)  # take messages but never release them
     time.sleep(0.2)
     start = time.monotonic()
     try:
-        while True:  # keep consuming: the error must surface even while data was flowing
-            links.release(links.wait_any(15.0))
+        while True:  # keep the traffic going: the error must surface mid-stream
+            if victim == "sender":
+                links.release(links.wait_any(15.0))
+            else:
+                links.send("next", big, header_for(big, "act", 0, 0))
     except TransportError as exc:
         elapsed = time.monotonic() - start
         assert not isinstance(exc, TransportTimeout), f"death not detected, only timed out: {exc}"
@@ -214,9 +226,10 @@ def _killed_peer_scenario(rank: int, world: int, transport: str) -> tuple[str, f
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("victim", ["sender", "receiver"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_peer_killed_mid_transfer_is_reported_naming_it(transport):
-    survivor, killed = run_processes(_killed_peer_scenario, 2, transport)
+def test_peer_killed_mid_transfer_is_reported_naming_it(transport, victim):
+    survivor, killed = run_processes(_killed_peer_scenario, 2, transport, victim)
     assert killed.exitcode == -signal.SIGKILL, killed
     message, elapsed = check_all_ok([survivor])[0]
     assert "rank 1" in message, message
