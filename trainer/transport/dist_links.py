@@ -64,7 +64,11 @@ class ProcessGroupSender:
         self._bound_in_flight(self._max_in_flight, timeout_s)
 
     def _post(self, words: list[int], payload: torch.Tensor | None) -> None:
-        wire = torch.tensor(words, dtype=torch.int64, device=self._device)
+        wire = torch.tensor(words, dtype=torch.int64)
+        if self._device.type == "cuda":
+            # Pinned + non_blocking: a pageable copy would synchronise the producer's stream (a
+            # host stall on every send); the caching host allocator keeps the buffer until it ran.
+            wire = wire.pin_memory().to(self._device, non_blocking=True)
         keep = [wire]
         try:
             works = [dist.isend(wire, dst=self.peer, group=self._group)]
