@@ -190,10 +190,11 @@ munge_probe() { munge --socket="$MUNGE_SOCKET" -n | unmunge --socket="$MUNGE_SOC
 start_munge() {
     if [[ ! -s $DIR/munge/munge.key ]]; then
         (umask 077; dd if=/dev/urandom of="$DIR/munge/munge.key.tmp" bs=1024 count=1 status=none)
+        chmod 400 "$DIR/munge/munge.key.tmp"
         mv "$DIR/munge/munge.key.tmp" "$DIR/munge/munge.key"
     fi
-    # --force: munged refuses paths whose parents are group/world-writable (e.g. a CI workspace);
-    # the key itself stays 0400 in a 0700 folder.
+    # --force: munged refuses paths whose parents are group/world-writable (e.g. a CI workspace or
+    # /tmp); the key itself stays readable by root alone.
     start_daemon munged "" munged --foreground --force --socket="$MUNGE_SOCKET" \
         --key-file="$DIR/munge/munge.key" --pid-file="$DIR/munge/munged.pid" \
         --seed-file="$DIR/munge/munged.seed" --log-file="$DIR/log/munged.log"
@@ -272,10 +273,15 @@ DAEMONS=(munged mariadb slurmdbd slurmctld slurmd-node1 slurmd-node2)
 
 cmd_up() {
     local t0=$SECONDS
-    for tool in munged mariadbd slurmdbd slurmctld slurmd sinfo; do
+    for tool in munged munge mariadbd mariadb-install-db mariadb-admin slurmdbd slurmctld slurmd sinfo; do
         command -v "$tool" >/dev/null || die "$tool not found: run scripts/setup.sh first"
     done
+    local before
+    before=$(cat "$CONF" "$DIR/etc/slurmdbd.conf" 2>/dev/null | cksum)
     write_configs
+    if running_pid slurmctld >/dev/null && [[ $(cat "$CONF" "$DIR/etc/slurmdbd.conf" | cksum) != "$before" ]]; then
+        log "the configuration changed while the cluster runs: run '$0 down' and '$0 up' to apply it"
+    fi
     export SLURM_CONF=$CONF
     start_munge
     start_mariadb
