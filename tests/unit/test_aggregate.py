@@ -51,6 +51,7 @@ def test_cli_merges_validates_and_summarises(tmp_path, capsys):
     assert summary["iterations"] == [0, 1]
     assert summary["mean_iteration_time_ms"] == pytest.approx(step_time_us(COSTS) / 1000)
     assert [s["peak_inflight"] for s in summary["stages"]] == [4, 3, 2, 1]  # 1F1B holds p - s
+    assert summary["median_op_ms"] == {"F": 1.0, "B": 2.0}
     table = capsys.readouterr().out
     assert "bubble fraction: 0.2727" in table and "merged 4 of 4 ranks" in table
 

@@ -60,6 +60,9 @@ class TraceSummary:
     """Step time ``T`` of each iteration."""
     bubble_fraction_by_iteration: dict[int, float]
     stages: list[StageSummary]
+    median_op_ms: dict[str, float] = field(default_factory=dict)
+    """Median duration of each compute kind (F, B, I, W) over all stages: the costs to give the
+    simulator (``--forward``, ``--input-grad``/``--weight-grad``) to compare it with this run."""
     missing_ranks: list[int] = field(default_factory=list)
 
     @property
@@ -96,6 +99,13 @@ def _replayed_peak(events: Iterable[dict[str, Any]]) -> int:
         elif event["cat"] in ("B", "W"):
             held -= 1
     return peak
+
+
+def _median_op_ms(events: Iterable[dict[str, Any]]) -> dict[str, float]:
+    durations: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        durations[e["cat"]].append(e["dur"])
+    return {cat: statistics.median(durations[cat]) / US_PER_MS for cat in COMPUTE_CATEGORIES if durations[cat]}
 
 
 def iterations_of(merged: dict[str, Any]) -> list[int]:
@@ -170,6 +180,7 @@ def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSumm
         iteration_time_ms={it: t / US_PER_MS for it, t in step_us.items()},
         bubble_fraction_by_iteration={it: statistics.fmean(bubble(s, it) for s in stages) for it in step_us},
         stages=summaries, missing_ranks=list(meta.get("missing_ranks", [])),
+        median_op_ms=_median_op_ms(e for events in compute.values() for e in events),
     )
 
 
@@ -183,6 +194,7 @@ def format_table(summary: TraceSummary) -> str:
         f"iteration time: mean {summary.mean_iteration_time_ms:.2f} ms (min {min(times):.2f}, max {max(times):.2f})",
         f"bubble fraction: {summary.bubble_fraction:.4f} (1F1B theory (p-1)/(m+p-1) = "
         f"{summary.theoretical_1f1b_bubble:.4f})",
+        "median op time: " + ", ".join(f"{cat} {ms:.2f} ms" for cat, ms in summary.median_op_ms.items()),
         "",
         f"{'stage':>5} {'ranks':>10} {'busy ms':>10} {'idle ms':>10} {'bubble':>7} {'wait ms':>9} {'peak inflight':>13}",
     ]
