@@ -277,7 +277,7 @@ cmd_up() {
         command -v "$tool" >/dev/null || die "$tool not found: run scripts/setup.sh first"
     done
     local before
-    before=$(cat "$CONF" "$DIR/etc/slurmdbd.conf" 2>/dev/null | cksum)
+    before=$(cat "$CONF" "$DIR/etc/slurmdbd.conf" 2>/dev/null | cksum || true)  # none on a first start
     write_configs
     if running_pid slurmctld >/dev/null && [[ $(cat "$CONF" "$DIR/etc/slurmdbd.conf" | cksum) != "$before" ]]; then
         log "the configuration changed while the cluster runs: run '$0 down' and '$0 up' to apply it"

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.slurm.conftest import REPO
 from tests.unit.test_nodes import NODELIST_CASES
 from workflows.nodes import InvalidNodeList, expand_builtin, expand_scontrol, master_port
 
@@ -70,7 +71,8 @@ def test_cli_with_scontrol_parser_rejects_with_one_line():
 
 @pytest.mark.timeout(120)
 def test_env_inside_a_two_node_job_lists_both_nodes(slurm):
-    job = slurm.run(["--nodes=2", "--wrap", f"{sys.executable} -m workflows.nodes env"], timeout=90)
+    job = slurm.run(["--nodes=2", f"--export=ALL,PYTHONPATH={REPO}",  # this checkout's workflows
+                     "--wrap", f"{sys.executable} -m workflows.nodes env"], timeout=90)
     assert job.state == "COMPLETED", job.describe()
     exports = dict(re.findall(r"^export (\w+)=(\S*)$", job.output, flags=re.M))
     assert exports == {
