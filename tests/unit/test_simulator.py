@@ -84,7 +84,8 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
                            "priority": str(rng.choice(["forward", "backward"])),
                            "chunk_order": str(rng.choice(["depth", "breadth"])),
                            "backward_chunk_order": str(rng.choice(["depth", "breadth"])),
-                           "cap_basis": str(rng.choice(["stage", "peak"]))}
+                           "cap_basis": str(rng.choice(["stage", "peak"])),
+                           "reserve_owed": bool(rng.choice([True, False]))}
             costs = CostModel(forward=float(rng.uniform(0.3, 2)), input_grad=float(rng.uniform(0.3, 2)),
                               weight_grad=float(rng.uniform(0.3, 2)), transfer=float(rng.uniform(0, 0.5)),
                               jitter=float(rng.uniform(0, 0.8)), seq_len_sigma=float(rng.uniform(0, 0.8)),

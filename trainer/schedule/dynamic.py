@@ -4,7 +4,8 @@ Each call looks only at what is ready *now* on this stage and picks:
 
 * a **forward**, if the in-flight activation cap allows it and every microbatch started on
   this stage can still get slots for its later chunks (a banker's check, see
-  :meth:`DynamicPolicy._is_safe_after`);
+  :meth:`DynamicPolicy._is_safe_after`; optionally new microbatches also leave the slots owed
+  to started ones alone, ``reserve_owed``);
 * a **backward** (B, or its input-gradient half I), which is on the critical path of the stages
   upstream and frees memory;
 * for ``dpp-zb`` a deferred **weight gradient** W: nobody waits for it, so it fills idle time
@@ -54,6 +55,14 @@ class DynamicOptions:
     """dpp-zb only: cap on *live* activations (F done, I not yet), which bounds how far this
     stage's forwards run ahead of its input gradients. None: ``cap_factor`` x this stage's 1F1B
     bound. Activations waiting only for W still count against ``max_inflight``."""
+    reserve_owed: bool | None = None
+    """Admit a new microbatch (chunk-0 forward) only while held activations plus the forwards
+    already owed to started microbatches do not exceed the cap (a soft reservation: safety is
+    the banker's check's job), so started microbatches are not starved of slots for their later
+    chunks. False: admit
+    whenever the (always applied) banker's check allows - fills faster, but under variable costs
+    lets early chunks crowd out later ones. None: True for dpp, False for dpp-zb (measured best,
+    docs/schedules.md). No effect when v = 1 (nothing is ever owed)."""
     priority: str = "forward"
     """"forward": a ready forward under the cap beats a ready backward; "backward": the reverse."""
     chunk_order: str = "depth"
@@ -120,6 +129,8 @@ class DynamicPolicy:
         self.split_backward = split_backward
         self.options = options
         self.cap, self.live_cap = options.resolve_caps(shape, stage, split_backward)
+        reserve = options.reserve_owed
+        self.reserve_owed = (not split_backward) if reserve is None else reserve
         self._num_chunks = shape.num_chunks
         # Sort keys: smaller wins; oldest microbatch first within a chunk. A forward's data flows
         # to later chunks and a backward's to earlier ones, so "depth" means a higher chunk for
@@ -164,6 +175,8 @@ class DynamicPolicy:
         favours, so the microbatch served first here is also served first downstream."""
         free = self.cap - state.inflight - 1
         v = self._num_chunks
+        if self.reserve_owed and forward.chunk == 0 and state.inflight + state.reserved_forwards > self.cap:
+            return False  # started microbatches are owed more than the free slots: no newcomer
         owed = state.reserved_forwards + (v - 1 if forward.chunk == 0 else -1)
         if free >= owed:  # room for everything owed: the common, O(1) case (always when v == 1)
             return free >= 0

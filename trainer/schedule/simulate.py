@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--backward-chunk-order", choices=("depth", "breadth"), default="breadth",
         help="dpp/dpp-zb backwards: earlier chunks first (depth) or later chunks first (breadth,"
         " default)")
+    add("--reserve-owed", choices=("yes", "no"), default=None,
+        help="dpp/dpp-zb: keep the cap's slots owed to started microbatches from new ones"
+        " (default: yes for dpp, no for dpp-zb)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
     add("--cap-sweep", default=None,
@@ -110,6 +113,8 @@ def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
                "backward_chunk_order": args.backward_chunk_order}
     if args.cap_basis is not None:
         options["cap_basis"] = args.cap_basis
+    if args.reserve_owed is not None:
+        options["reserve_owed"] = args.reserve_owed == "yes"
     return options
 
 
