@@ -168,8 +168,8 @@ def read_ib_ports_pyverbs() -> list[IbPort]:
                     for index in range(attr.gid_tbl_len):
                         try:
                             gids.append(_gid_ipv4(str(context.query_gid(port, index))))
-                        except Exception:  # noqa: BLE001 - empty GID slots raise; the table ends there
-                            break
+                        except Exception:  # noqa: BLE001 - unpopulated GID slots raise on some kernels
+                            continue
                     ports.append(IbPort(
                         device=name, port=port, active=attr.state == 4,  # IBV_PORT_ACTIVE
                         link_layer="Ethernet" if attr.link_layer == 2 else "InfiniBand",  # IBV_LINK_LAYER_ETHERNET

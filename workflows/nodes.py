@@ -334,7 +334,9 @@ def _probe_with_srun(hosts: Sequence[str], timeout_s: float) -> dict[str, netinf
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     except subprocess.TimeoutExpired as error:
-        raise SlurmCommandError(f"probing {n} node(s) with srun gave no answer within {timeout_s:.0f} s") from error
+        raise SlurmCommandError(
+            f"probing the addresses of {', '.join(hosts)} with srun gave no answer within {timeout_s:.0f} s"
+        ) from error
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise SlurmCommandError(f"probing node addresses with srun failed: {tail}")
@@ -359,9 +361,9 @@ def node_addresses(hosts: Sequence[str], probe: bool = True,
             found = _probe_with_srun(unique, probe_timeout_s)
         except SlurmCommandError as error:
             log.warning("%s; using Slurm's NodeAddr or DNS for every node", error)
-    result = []
-    for host in unique:
-        result.append(found.get(host) or netinfo.fallback_address(host))
+    if found and (missing := [h for h in unique if h not in found]):
+        log.warning("no address reported by %s; using Slurm's NodeAddr or DNS there", ", ".join(missing))
+    result = [found.get(host) or netinfo.fallback_address(host) for host in unique]
     by_host = {a.node: a for a in result}
     return [by_host[h] for h in hosts]
 
@@ -401,7 +403,9 @@ def _job_id(given: int | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="workflows.nodes: %(levelname)s: %(message)s")
+    # Several nodes write to one job log (`address` runs on each): every line names its node.
+    node = os.environ.get("SLURMD_NODENAME") or netinfo.short_hostname()
+    logging.basicConfig(level=logging.INFO, format=f"workflows.nodes[{node}]: %(levelname)s: %(message)s")
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "hostnames":
