@@ -21,6 +21,8 @@ from trainer.transport.base import Direction, Message, StageLinks, TransportErro
 
 logger = logging.getLogger(__name__)
 
+_CLOSE_AFTER_FAILURE_S = 1.0
+
 
 @dataclass(frozen=True)
 class ChannelFailure:
@@ -250,9 +252,12 @@ class ChannelStageLinks(StageLinks):
             return
         self._closed = True
         errors = []
+        # After a failure (a peer died) its other channels may never see end-of-stream: a gloo
+        # receive on a connection that was never used does not notice the death. Do not wait long.
+        wait_s = self.timeout_s if self._failure is None else min(self.timeout_s, _CLOSE_AFTER_FAILURE_S)
         for channel in [*self._senders.values(), *self._receivers]:
             try:
-                channel.close(self.timeout_s)
+                channel.close(wait_s)
             except TransportError as exc:  # keep closing the others: free every resource we can
                 errors.append(str(exc))
         for item in self._inbox.drain():  # undelivered slots go back before the memory goes away
