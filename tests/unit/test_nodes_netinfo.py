@@ -85,12 +85,20 @@ def test_no_active_port_means_no_infiniband_address(tmp_path):
     assert netinfo.ib_address("n1", tmp_path) is None
 
 
+@pytest.fixture
+def outside_slurm(monkeypatch):
+    """No SLURM_CONF: scontrol fails at once instead of waiting for a cluster that may be down."""
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+
+
+@pytest.mark.usefixtures("outside_slurm")
 def test_without_infiniband_the_node_falls_back_to_dns(tmp_path):
     assert netinfo.read_ib_ports(tmp_path) == []
-    # localhost is no Slurm node, so scontrol has no NodeAddr for it and DNS answers.
+    # Slurm has no NodeAddr for localhost, so DNS answers.
     assert netinfo.local_address("localhost", tmp_path) == NodeAddress("localhost", "127.0.0.1", "dns")
 
 
+@pytest.mark.usefixtures("outside_slurm")
 def test_an_unknown_node_is_an_error_naming_it(tmp_path):
     with pytest.raises(AddressNotFound, match="no address for node 'no-such-node.invalid'"):
         netinfo.local_address("no-such-node.invalid", tmp_path)
