@@ -236,22 +236,27 @@ def test_peer_killed_mid_transfer_is_reported_naming_it(transport, victim):
     assert elapsed < 10.0, f"took {elapsed:.1f}s to notice the dead peer"
 
 
-def _silent_peer_scenario(rank: int, world: int, transport: str) -> str:
+def _silent_peer_scenario(rank: int, world: int, transport: str) -> tuple[str, float]:
     links = _links(rank, world, transport)
-    message = ""
+    message, cpu_seconds = "", 0.0
     if rank == 0:
+        cpu_before = time.process_time()  # all threads of this process: receivers included
         with pytest.raises(TransportTimeout) as info:
-            links.wait_any(0.5)
+            links.wait_any(1.5)
+        cpu_seconds = time.process_time() - cpu_before
         message = str(info.value)
     links.close()
-    return message
+    return message, cpu_seconds
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_wait_any_times_out_naming_rank_and_peers(transport):
-    message, _ = check_all_ok(run_processes(_silent_peer_scenario, 2, transport))
+def test_idle_wait_times_out_naming_rank_and_peers_without_spinning(transport):
+    (message, cpu_seconds), _ = check_all_ok(run_processes(_silent_peer_scenario, 2, transport))
     assert "rank 0" in message and "[1]" in message, message
+    # A spinning wait would burn ~1.5 CPU-seconds per spinning thread; the futex/condition waits
+    # (and the dead-peer checks every 50 ms) cost a few milliseconds.
+    assert cpu_seconds < 0.3, f"waiting 1.5 s used {cpu_seconds:.2f} s of CPU"
 
 
 # ---- auto: shm inside a "node", gloo across, chosen from the launcher's node index --------------------
