@@ -153,14 +153,16 @@ def _cap_sweep(args, parser, costs: CostModel, seeds: list[int]) -> str:
     except ValueError:
         parser.error(f"--cap-sweep={args.cap_sweep!r} / --sweep-vp={args.sweep_vp!r}: expected comma-separated numbers")
     names = [n for n in args.schedules.split(",") if n in DYNAMIC_SCHEDULES] or list(DYNAMIC_SCHEDULES)
-    lines = [f"{'schedule':<8} {'v':>2} " + " ".join(f"{f'{f:g}x cap':>9}" for f in factors)]
+    lines = [f"{'schedule':<8} {'v':>2} " + " ".join(f"{f'{f:g}x cap':>15}" for f in factors)]
     for name in names:
         for v in chunk_counts:
             specs = [ScheduleSpec(name, v, _dynamic_options(args, f)) for f in factors]
             _, rows = compare(specs, args.pp, args.microbatches, costs, seeds)
-            lines.append(f"{name:<8} {v:>2} " + " ".join(f"{r.speedup - 1:>+9.1%}" for r in rows))
-    lines.append("(median over seeds of 1F1B step / schedule step - 1; cap = factor x 1F1B's bound,"
-                 " see --cap-basis)")
+            cells = [f"{r.speedup - 1:+.1%} @{r.peak_activations:.2f}" for r in rows]
+            lines.append(f"{name:<8} {v:>2} " + " ".join(f"{c:>15}" for c in cells))
+    lines.append("(speedup = median over seeds of 1F1B step / schedule step - 1; @ = peak activations"
+                 " held by any stage, in whole-stage microbatch units: 1F1B holds p;"
+                 " cap = factor x 1F1B's bound, see --cap-basis)")
     return "\n".join(lines)
 
 
