@@ -243,3 +243,11 @@ def test_malformed_rank_files_are_named(tmp_path):
     assert run.missing_ranks == [1, 2]
     assert run.problems == ["trace_rank00001.json: not a trace (no 'traceEvents' list)",
                             "trace_rank00002.json: metadata says rank 3; file skipped"]
+
+
+def test_peak_inflight_is_replayed_when_not_reported():
+    document = simulated_trace(COSTS)
+    for event in document["traceEvents"]:
+        del event["args"]["inflight"]
+    summary = summarize(_merged_from_document(document))
+    assert [s.peak_inflight for s in summary.stages] == [4, 3, 2, 1]

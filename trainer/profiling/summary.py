@@ -114,6 +114,60 @@ def iterations_of(merged: dict[str, Any]) -> list[int]:
                    if e.get("ph") == "X" and e.get("cat") in COMPUTE_CATEGORIES})
 
 
+@dataclass
+class _Grouped:
+    """The events of the iterations being summarised, grouped the ways the summary needs them."""
+
+    compute: dict[int, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    """iteration -> compute (F/B/I/W) events."""
+    wait_us: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
+    """(stage, iteration) -> traced wait time, summed over the stage's ranks."""
+    ranks_of_stage: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+    pids_of_stage: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+
+    @property
+    def stages(self) -> list[int]:
+        return sorted(self.pids_of_stage)
+
+
+def _group(merged: dict[str, Any], wanted: set[int]) -> _Grouped:
+    grouped = _Grouped()
+    for event in merged["traceEvents"]:
+        if event.get("ph") != "X" or event["args"].get("iteration") not in wanted:
+            continue
+        stage, iteration = int(event["args"]["stage"]), event["args"]["iteration"]
+        grouped.pids_of_stage[stage].add(event["pid"])
+        if "rank" in event["args"]:
+            grouped.ranks_of_stage[stage].add(int(event["args"]["rank"]))
+        if event["cat"] in COMPUTE_CATEGORIES:
+            grouped.compute[iteration].append(event)
+        elif event["cat"] == "wait":
+            grouped.wait_us[(stage, iteration)] += event["dur"]
+    return grouped
+
+
+def _busy_us(grouped: _Grouped) -> dict[tuple[int, int], float]:
+    """(stage, iteration) -> compute time, mean over the stage's ranks."""
+    busy = {}
+    for it, events in grouped.compute.items():
+        per_pid: dict[int, float] = defaultdict(float)
+        for e in events:
+            per_pid[e["pid"]] += e["dur"]
+        for stage in grouped.stages:
+            busy[(stage, it)] = statistics.fmean(per_pid.get(pid, 0.0) for pid in grouped.pids_of_stage[stage])
+    return busy
+
+
+def _peak_inflight(grouped: _Grouped, stage: int) -> int:
+    """Largest reported ``args.inflight``; replayed from the op order where none is reported."""
+    events = [e for its_events in grouped.compute.values() for e in its_events if int(e["args"]["stage"]) == stage]
+    reported = [int(e["args"]["inflight"]) for e in events if "inflight" in e["args"]]
+    if reported:
+        return max(reported)
+    return max(_replayed_peak(e for e in events if e["pid"] == pid and e["args"]["iteration"] == it)
+               for pid in grouped.pids_of_stage[stage] for it in grouped.compute)
+
+
 def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSummary:
     """Summary of all iterations in ``merged``, or of ``iteration`` alone; ValueError if absent."""
     traced = iterations_of(merged)
@@ -121,66 +175,34 @@ def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSumm
         raise ValueError("the trace has no compute (F/B/I/W) events to summarise")
     if iteration is not None and iteration not in traced:
         raise ValueError(f"--iteration {iteration} is not in the trace (traced: {traced})")
-    wanted = set(traced if iteration is None else [iteration])
-    compute: dict[int, list[dict[str, Any]]] = defaultdict(list)  # iteration -> events
-    waits: dict[tuple[int, int], float] = defaultdict(float)  # (stage, iteration) -> µs
-    ranks_of_stage: dict[int, set[int]] = defaultdict(set)
-    pids_of_stage: dict[int, set[int]] = defaultdict(set)
-    for event in merged["traceEvents"]:
-        if event.get("ph") != "X" or event["args"].get("iteration") not in wanted:
-            continue
-        stage = int(event["args"]["stage"])
-        pids_of_stage[stage].add(event["pid"])
-        if "rank" in event["args"]:
-            ranks_of_stage[stage].add(int(event["args"]["rank"]))
-        if event["cat"] in COMPUTE_CATEGORIES:
-            compute[event["args"]["iteration"]].append(event)
-        elif event["cat"] == "wait":
-            waits[(stage, event["args"]["iteration"])] += event["dur"]
-
-    stages = sorted(pids_of_stage)
-    step_us: dict[int, float] = {}
-    busy_us: dict[tuple[int, int], float] = {}  # (stage, iteration) -> mean over the stage's ranks
-    for it, events in sorted(compute.items()):
-        step_us[it] = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-        per_pid: dict[int, float] = defaultdict(float)
-        for e in events:
-            per_pid[e["pid"]] += e["dur"]
-        for stage in stages:
-            busy_us[(stage, it)] = statistics.fmean(per_pid.get(pid, 0.0) for pid in pids_of_stage[stage])
+    grouped = _group(merged, set(traced if iteration is None else [iteration]))
+    its, stages = sorted(grouped.compute), grouped.stages
+    step_us = {it: max(e["ts"] + e["dur"] for e in grouped.compute[it]) - min(e["ts"] for e in grouped.compute[it])
+               for it in its}
+    busy_us = _busy_us(grouped)
 
     def bubble(stage: int, it: int) -> float:
         return 1.0 - busy_us[(stage, it)] / step_us[it] if step_us[it] > 0 else 0.0
 
-    summaries = []
-    for stage in stages:
-        its = sorted(step_us)
-        stage_events = [e for it in its for e in compute[it] if int(e["args"]["stage"]) == stage]
-        reported = [int(e["args"]["inflight"]) for e in stage_events if "inflight" in e["args"]]
-        if reported:
-            peak = max(reported)
-        else:
-            peak = max(_replayed_peak(e for e in stage_events if e["pid"] == pid and e["args"]["iteration"] == it)
-                       for pid in pids_of_stage[stage] for it in its)
-        summaries.append(StageSummary(
-            stage=stage, ranks=sorted(ranks_of_stage[stage]),
-            busy_ms=statistics.fmean(busy_us[(stage, it)] for it in its) / US_PER_MS,
-            idle_ms=statistics.fmean(step_us[it] - busy_us[(stage, it)] for it in its) / US_PER_MS,
-            bubble_fraction=statistics.fmean(bubble(stage, it) for it in its),
-            wait_ms=statistics.fmean(waits[(stage, it)] / max(len(pids_of_stage[stage]), 1) for it in its)
-            / US_PER_MS,
-            peak_inflight=peak,
-        ))
+    summaries = [StageSummary(
+        stage=stage, ranks=sorted(grouped.ranks_of_stage[stage]),
+        busy_ms=statistics.fmean(busy_us[(stage, it)] for it in its) / US_PER_MS,
+        idle_ms=statistics.fmean(step_us[it] - busy_us[(stage, it)] for it in its) / US_PER_MS,
+        bubble_fraction=statistics.fmean(bubble(stage, it) for it in its),
+        wait_ms=statistics.fmean(grouped.wait_us[(stage, it)] for it in its)
+        / len(grouped.pids_of_stage[stage]) / US_PER_MS,
+        peak_inflight=_peak_inflight(grouped, stage),
+    ) for stage in stages]
     meta = merged.get("metadata") or {}
     return TraceSummary(
         schedule=str(meta.get("schedule", "?")), source=str(meta.get("source", "?")),
         pipeline_parallel=int(meta.get("pipeline_parallel", len(stages))),
         num_microbatches=int(meta.get("num_microbatches", 0)), num_chunks=int(meta.get("num_chunks", 1)),
-        iterations=sorted(step_us),
-        iteration_time_ms={it: t / US_PER_MS for it, t in step_us.items()},
-        bubble_fraction_by_iteration={it: statistics.fmean(bubble(s, it) for s in stages) for it in step_us},
+        iterations=its,
+        iteration_time_ms={it: step_us[it] / US_PER_MS for it in its},
+        bubble_fraction_by_iteration={it: statistics.fmean(bubble(s, it) for s in stages) for it in its},
         stages=summaries, missing_ranks=list(meta.get("missing_ranks", [])),
-        median_op_ms=_median_op_ms(e for events in compute.values() for e in events),
+        median_op_ms=_median_op_ms(e for events in grouped.compute.values() for e in events),
     )
 
 
