@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 from trainer.profiling.loading import RankTrace
 from trainer.profiling.tracer import THREADS
 
-THREAD_IDS = {name: index for index, name in enumerate(THREADS)}
+THREAD_IDS = MappingProxyType({name: index for index, name in enumerate(THREADS)})
 """Merged ``tid`` of each per-rank thread name."""
 
 RUN_METADATA = ("schedule", "pipeline_parallel", "num_chunks", "num_microbatches", "world_size", "source")

@@ -15,13 +15,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from trainer.profiling.validate import COMPUTE_CATEGORIES
 
-COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
+COLOURS = MappingProxyType({"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"})
 """Forward blue, backward green; split backward: input-grad orange, weight-grad purple."""
-COMM_COLOURS = {"send": "#C44E52", "recv": "#937860"}
+COMM_COLOURS = MappingProxyType({"send": "#C44E52", "recv": "#937860"})
 FIGURE_WIDTH_IN = (16.0, 30.0)
 """Narrowest and widest picture (inches)."""
 AXES_SHARE = 0.85

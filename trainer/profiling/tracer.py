@@ -20,6 +20,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ class Tracer:
 
     enabled = True
 
-    def __init__(self, path: Path, rank: int, metadata: dict[str, Any]) -> None:
+    def __init__(self, path: Path, rank: int, metadata: Mapping[str, Any]) -> None:
         self.path = Path(path)
         self.rank = rank
         self._metadata = dict(metadata, rank=rank, source="runtime")
@@ -209,7 +210,7 @@ def write_json_atomic(path: Path, document: Any) -> None:
 
 
 def make_tracer(profile_dir: str | os.PathLike[str] | None, rank: int,
-                metadata: dict[str, Any]) -> Tracer | NullTracer:
+                metadata: Mapping[str, Any]) -> Tracer | NullTracer:
     """A :class:`Tracer` writing ``<profile_dir>/trace_rank<RANK>.json``, or a :class:`NullTracer`
     when ``profile_dir`` is None (profiling off).
 
