@@ -300,6 +300,7 @@ class TrainingSession:
             forward_only=False)
         if self.hooks.after_backward is not None:
             self.hooks.after_backward(state.iteration, self.model)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used (logged like Megatron)
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=cfg.optim.global_batch_size)
@@ -309,7 +310,7 @@ class TrainingSession:
         if self.hooks.after_step is not None:
             self.hooks.after_step(state.iteration, reduced)
         if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.train_iters:
-            self._log_iteration(reduced, grad_norm, time.perf_counter() - start, success)
+            self._log_iteration(reduced, grad_norm, lr, time.perf_counter() - start, success)
 
     def _reduce_losses(self, losses: list[dict]) -> dict[str, float]:
         """Mean over microbatches on the last stage, then over DP; broadcast so every rank knows."""
@@ -354,7 +355,7 @@ class TrainingSession:
                      else "none", vocab_size, cfg.model.padded_vocab_size(vocab_size, t.tensor_parallel),
                      float(params.item()) / 1e6, self.state.iteration)
 
-    def _log_iteration(self, losses: dict[str, float], grad_norm, seconds: float, success: bool) -> None:
+    def _log_iteration(self, losses: dict[str, float], grad_norm, lr: float, seconds: float, success: bool) -> None:
         if not self._is_logger:
             return
         cfg = self.cfg
@@ -364,7 +365,7 @@ class TrainingSession:
         log.info("iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): %.1f | "
                  "learning rate: %.6E | %s | grad norm: %s | tokens/s: %.0f%s",
                  self.state.iteration, cfg.optim.train_iters, self.state.consumed_samples, seconds * 1e3,
-                 self.optimizer.param_groups[0]["lr"], loss_text, norm, tokens / max(seconds, 1e-9),
+                 lr, loss_text, norm, tokens / max(seconds, 1e-9),
                  "" if success else " | skipped (inf/nan grads)")
 
     # ---- checkpoints -----------------------------------------------------------------------

@@ -50,7 +50,9 @@ def shard_of(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: in
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    return chunk.module if hasattr(chunk, "module") else chunk
+    while hasattr(chunk, "module"):  # DDP, then Float16Module with --bf16/--fp16
+        chunk = chunk.module
+    return chunk
 
 
 def sequential_reference(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False, **_):

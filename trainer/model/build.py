@@ -8,6 +8,7 @@ only at the last virtual stage. Layer placement is megatron-core's own (each lay
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 
@@ -19,12 +20,16 @@ from trainer.topology import Topology
 log = logging.getLogger(__name__)
 
 
-def _te_available() -> bool:
+def _importable(module: str) -> bool:
     try:
-        import transformer_engine  # noqa: F401
+        importlib.import_module(module)
     except Exception:
         return False
     return True
+
+
+def _te_available() -> bool:
+    return _importable("transformer_engine")
 
 
 def use_transformer_engine(cfg: TrainConfig) -> bool:
@@ -66,11 +71,13 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         use_cpu_initialization=on_cpu,
         # Megatron frees a sent activation's storage and keeps its graph (deallocate_output_tensor).
         deallocate_pipeline_outputs=True,
-        masked_softmax_fusion=not on_cpu,
+        # Megatron's own softmax kernels ship with Megatron-LM builds, not the pip wheel: only use
+        # them when they import (TE's attention does not need them).
+        masked_softmax_fusion=not on_cpu and _importable("scaled_upper_triang_masked_softmax_cuda"),
         bias_activation_fusion=not on_cpu,
         bias_dropout_fusion=not on_cpu,
         gradient_accumulation_fusion=False,
-        persist_layer_norm=not on_cpu,
+        persist_layer_norm=False,  # Apex-only; torch's LayerNorm (local spec without Apex) refuses it
         apply_rope_fusion=False,
     )
 
@@ -123,8 +130,17 @@ def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int) ->
 
 
 def wrap_ddp(cfg: TrainConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """megatron-core DistributedDataParallel per chunk (bucketing only on chunk 0, as Megatron does)."""
+    """megatron-core DistributedDataParallel per chunk (bucketing only on chunk 0, as Megatron does).
+
+    With --bf16/--fp16 each chunk is first wrapped in megatron's Float16Module (half-precision
+    weights, fp32 logits/loss), exactly as Megatron-LM's get_model does; the optimizer keeps fp32
+    main weights.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if cfg.optim.bf16 or cfg.optim.fp16:
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optim.bf16 or cfg.optim.fp16,
