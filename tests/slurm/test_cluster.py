@@ -131,6 +131,22 @@ def test_up_names_the_daemon_that_cannot_start(spare_cluster_dir):
     assert f"cluster: error: mariadb: port {port} on 127.0.0.1 is taken" in proc.stderr, proc.stderr
 
 
+@pytest.mark.timeout(120)
+def test_up_names_the_daemon_that_died_and_shows_its_log(spare_cluster_dir):
+    folder, env = spare_cluster_dir
+    # Hold node2's port on node2's own address: the check on 127.0.0.1 passes, slurmd's bind fails.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.12", 0))
+        squatter.listen()
+        node2_port = squatter.getsockname()[1]
+        proc = run_command([str(CLUSTER_SCRIPT), "up"], timeout=100,
+                           env={**env, "MDPP_CLUSTER_PORT_BASE": str(node2_port - 4)})
+    assert proc.returncode != 0
+    assert proc.stderr.rstrip().endswith("cluster: error: slurmd-node2 exited during start-up (logs above)"), proc.stderr
+    assert f"---- last lines of {folder}/log/slurmd-node2.log" in proc.stderr
+    assert f"Unable to bind listen port ({node2_port})" in proc.stderr
+
+
 def test_usage_error_names_the_commands():
     proc = subprocess.run([str(CLUSTER_SCRIPT), "sideways"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
