@@ -12,10 +12,11 @@ from trainer.profiling.clock import RoundTrip, best_offset
 
 # Seconds-scale skews, far beyond the loopback round trip, in both directions.
 SKEW_US = (0.0, 5_000_000.0, -3_250_000.0)
-# A loopback gloo round trip takes ~0.1 ms; on a loaded 2-core machine the best of 8 trips can
-# still be a few ms (the error bound is RTT/2). 20 ms is far below the skews, so a sign or
-# bookkeeping error cannot pass.
-TOLERANCE_US = 20_000.0
+# The error of a min-RTT estimate is at most half the best round trip: ~0.1 ms over loopback gloo
+# on an idle machine, tens of ms when the 2 cores are shared with other jobs. 50 ms is still 65x
+# below the smallest skew, so a sign or bookkeeping error cannot pass.
+TOLERANCE_US = 50_000.0
+JOIN_TIMEOUT_S = 180
 
 
 def _free_port() -> int:
@@ -37,10 +38,10 @@ def _worker(rank: int, world_size: int, port: int, skews: tuple[float, ...], res
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
         skew = skews[rank]
-        offset = measure_clock_offset(rounds=8, timeout_s=60, clock_us=lambda: now_us() + skew)
+        offset = measure_clock_offset(rounds=8, timeout_s=120, clock_us=lambda: now_us() + skew)
         results.put((rank, offset))
     finally:
         dist.destroy_process_group()
@@ -55,19 +56,21 @@ def _run_ranks(world_size: int, backend: str) -> dict[int, float]:
              for r in range(world_size)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 75
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
     for p in procs:
         p.join(timeout=max(deadline - time.monotonic(), 1))
     alive = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
-    assert not alive, f"ranks {alive} did not finish the clock sync in 75 s"
+    assert not alive, f"ranks {alive} did not finish the clock sync in {JOIN_TIMEOUT_S} s"
     assert [p.exitcode for p in procs] == [0] * len(procs)
     return dict(results.get(timeout=5) for _ in procs)
 
 
-@pytest.mark.timeout(90)
+# ~5 s on an idle 2-core machine (three spawned interpreters import torch); the limits leave room
+# for a machine shared with other jobs.
+@pytest.mark.timeout(200)
 def test_offsets_undo_injected_skew():
     offsets = _run_ranks(len(SKEW_US), "gloo")
     assert offsets[0] == 0.0
@@ -77,7 +80,7 @@ def test_offsets_undo_injected_skew():
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_offsets_undo_injected_skew_over_nccl():
     """The CUDA path (NCCL moves only GPU tensors; the host must sync before reading its clock)."""
     import torch
