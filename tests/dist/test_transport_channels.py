@@ -169,6 +169,35 @@ def test_credit_exhaustion_sender_waits_nothing_lost(transport):
         assert send_returned[1] < 0.5 and send_returned[2] >= 0.8, send_returned
 
 
+def _close_while_blocked_scenario(rank: int, world: int, transport: str) -> float:
+    """Both ranks stream more than their credits and never consume, then close."""
+    links = _links(rank, world, transport, credits=2)
+    t = torch.ones(64 << 10)  # 256 KiB
+
+    def flood():
+        try:
+            for m in range(8):
+                links.send("next", t, header_for(t, "act", m, 0))
+        except TransportError:
+            pass  # the peer closed its end while we were blocked on its credits: expected
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    time.sleep(1.0)  # both senders are now blocked on credits held by undelivered messages
+    start = time.monotonic()
+    links.close()
+    thread.join(20)
+    assert not thread.is_alive()
+    return time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_close_with_undelivered_messages_and_blocked_senders(transport):
+    for elapsed in check_all_ok(run_processes(_close_while_blocked_scenario, 2, transport)):
+        assert elapsed < 5.0, f"close took {elapsed:.1f}s (timeout is 20s): it waited on a blocked peer"
+
+
 # ---- payload larger than a slot, non-contiguous input --------------------------------------------------
 def _big_and_strided_scenario(rank: int, world: int, transport: str) -> bool:
     links = _links(rank, world, transport, shm_slot_bytes=64 << 10, credits=2)

@@ -77,6 +77,9 @@ class RecvChannel(Protocol):
 
     def release(self, message: Message) -> None: ...
 
+    def begin_close(self) -> None:
+        """Stop delivering: later arrivals are dropped and their slots freed at once."""
+
     def close(self, timeout_s: float) -> None:
         """Wait for the peer's end of stream (or its death), then free resources."""
 
@@ -141,6 +144,9 @@ class ThreadedReceiver:
                 message = self._receive_one()
                 if message is None:
                     return
+                if self._closing.is_set():  # nobody will consume it: free its slot at once
+                    self.release(message)
+                    continue
                 self._inbox.put(message)
         except TransportError as exc:
             self._inbox.put(ChannelFailure(exc))
@@ -149,6 +155,13 @@ class ThreadedReceiver:
 
     def on_delivered(self, message: Message) -> None:
         self._credits.release()  # the message is the consumer's now: receive the next one
+
+    def release(self, message: Message) -> None:
+        raise NotImplementedError
+
+    def begin_close(self) -> None:
+        """From now on arrivals are dropped (their slots freed), so a blocked sender can finish."""
+        self._closing.set()
 
     def close(self, timeout_s: float) -> None:
         """Wait for the peer's end of stream (or its death) for up to ``timeout_s``."""
@@ -230,6 +243,11 @@ class ChannelStageLinks(StageLinks):
         if isinstance(token, Delivery):
             token.channel.release(message)
 
+    def _release_undelivered(self) -> None:
+        for item in self._inbox.drain():
+            if isinstance(item, Message):
+                item.token.channel.release(item)
+
     def _deliver(self, item: Message | ChannelFailure | None) -> Message | None:
         if isinstance(item, ChannelFailure):
             self._failure = item.error
@@ -255,13 +273,16 @@ class ChannelStageLinks(StageLinks):
         # After a failure (a peer died) its other channels may never see end-of-stream: a gloo
         # receive on a connection that was never used does not notice the death. Do not wait long.
         wait_s = self.timeout_s if self._failure is None else min(self.timeout_s, _CLOSE_AFTER_FAILURE_S)
+        # Receivers first: undelivered messages are dropped and their slots freed, so a peer that is
+        # blocked on our credits (or closing at the same time) can finish and send end-of-stream.
+        for receiver in self._receivers:
+            receiver.begin_close()
+        self._release_undelivered()
         for channel in [*self._senders.values(), *self._receivers]:
             try:
                 channel.close(wait_s)
             except TransportError as exc:  # keep closing the others: free every resource we can
                 errors.append(str(exc))
-        for item in self._inbox.drain():  # undelivered slots go back before the memory goes away
-            if isinstance(item, Message):
-                item.token.channel.release(item)
+        self._release_undelivered()
         if errors:
             logger.warning("rank %d: stage links closed with errors: %s", self.rank, "; ".join(errors))

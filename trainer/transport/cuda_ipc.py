@@ -68,6 +68,8 @@ class CudaIpcSender:
         wire = pack(encode(header, self._sequence))
         slot_bytes, nbytes = self._remote_slots.shape[1], data.numel()
         with self._lock:
+            if self._closed:
+                raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
             self._stream.wait_stream(producer)  # copy only what the producer has finished writing
             offset = 0
             while True:
@@ -89,9 +91,10 @@ class CudaIpcSender:
             self._sequence += 1
 
     def close(self, timeout_s: float) -> None:
-        if not self._closed:
-            self._closed = True
-            self._control.close()
+        with self._lock:  # after any send in progress on another thread
+            if not self._closed:
+                self._closed = True
+                self._control.close()
 
 
 class CudaIpcReceiver(ThreadedReceiver):

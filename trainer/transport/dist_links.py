@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import threading
 import time
 
 import torch
@@ -51,6 +52,7 @@ class ProcessGroupSender:
         self._pending: collections.deque[tuple[list[dist.Work], list[torch.Tensor]]] = collections.deque()
         self._sequence = 0
         self._closed = False
+        self._lock = threading.Lock()
 
     def send(self, tensor: torch.Tensor, header: Header, timeout_s: float) -> None:
         check_matches(tensor, header)
@@ -59,9 +61,13 @@ class ProcessGroupSender:
                 f"rank {self.rank}: {self.direction} channel to rank {self.peer} carries "
                 f"{self._device.type} tensors, got one on {tensor.device}"
             )
-        self._post(encode(header, self._sequence), as_bytes(tensor.detach()))
-        self._sequence += 1
-        self._bound_in_flight(self._max_in_flight, timeout_s)
+        payload = as_bytes(tensor.detach())
+        with self._lock:  # one message's header and payload must not interleave with another's
+            if self._closed:
+                raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
+            self._post(encode(header, self._sequence), payload)
+            self._sequence += 1
+            self._bound_in_flight(self._max_in_flight, timeout_s)
 
     def _post(self, words: list[int], payload: torch.Tensor | None) -> None:
         wire = torch.tensor(words, dtype=torch.int64)
@@ -106,11 +112,12 @@ class ProcessGroupSender:
         )
 
     def close(self, timeout_s: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._post(encode(None, self._sequence), None)
-        self._bound_in_flight(0, timeout_s)
+        with self._lock:  # after any send in progress on another thread
+            if self._closed:
+                return
+            self._closed = True
+            self._post(encode(None, self._sequence), None)
+            self._bound_in_flight(0, timeout_s)
 
 
 class ProcessGroupReceiver(ThreadedReceiver):

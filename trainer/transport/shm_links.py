@@ -67,6 +67,8 @@ class ShmSender:
         wire = pack(encode(header, self._sequence))
         slot_bytes, nbytes, ptr = self._ring.slot_bytes, data.numel(), data.data_ptr()
         with self._lock:
+            if self._closed:
+                raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
             offset = 0
             while True:  # at least one slot, also for an empty payload
                 slot = self._ring.acquire(timeout_s, self._poll_s)
@@ -83,9 +85,10 @@ class ShmSender:
 
     def close(self, timeout_s: float) -> None:
         """End of stream: committed slots stay readable in the receiver's mapping."""
-        if not self._closed:
-            self._closed = True
-            self._ring.close()
+        with self._lock:  # after any send in progress on another thread
+            if not self._closed:
+                self._closed = True
+                self._ring.close()
 
 
 class ShmReceiver(ThreadedReceiver):
