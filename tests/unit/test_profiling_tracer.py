@@ -103,3 +103,13 @@ def test_span_overhead_is_microseconds(tmp_path):
     # ~1 µs on an idle core; 25 µs leaves room for a loaded CI machine and still catches a
     # regression to per-span JSON/dict work or I/O.
     assert per_span_us < 25.0, per_span_us
+
+
+def test_overhead_benchmark_reports_every_variant(capsys):
+    from trainer.profiling import overhead
+
+    assert overhead.main(["--calls", "2000"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split(":")[0].strip() for line in lines]
+    assert names == ["bare block", "NullTracer.span", "Tracer.span", "Tracer.record", "close() per event"]
+    assert all(float(line.split(":")[1].split()[0]) > 0 for line in lines)
