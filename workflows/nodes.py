@@ -241,6 +241,9 @@ def expand_builtin(nodelist: str) -> list[str]:
 
 def expand_scontrol(nodelist: str, scontrol: str = "scontrol") -> list[str]:
     """Ask `scontrol show hostnames`; it exits 0 even on bad input, so stderr decides."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # scontrol would retry for a minute before failing
+        raise SlurmCommandError(f"SLURM_CONF={conf} does not exist")
     try:
         proc = subprocess.run(
             [scontrol, "show", "hostnames", "--", nodelist],

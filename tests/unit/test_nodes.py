@@ -100,6 +100,14 @@ def test_auto_uses_the_builtin_parser_without_scontrol(monkeypatch, tmp_path):
     assert nodes.expand_nodelist("gpu[1-2]") == ["gpu1", "gpu2"]
 
 
+def test_a_missing_slurm_conf_falls_back_at_once(monkeypatch, tmp_path):
+    # scontrol itself would retry for a minute; the check before it answers at once.
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
+    with pytest.raises(nodes.SlurmCommandError, match=r"missing.conf does not exist"):
+        nodes.expand_scontrol("n[1-2]")
+    assert nodes.expand_nodelist("n[1-2]") == ["n1", "n2"]
+
+
 def test_master_port_follows_the_job_id():
     assert master_port(0) == 20000
     assert master_port(1234) == 21234
