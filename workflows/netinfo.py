@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import subprocess
@@ -211,6 +212,10 @@ def ib_address(node: str, sysfs: Path = Path("/sys")) -> NodeAddress | None:
 
 def slurm_node_addr(node: str) -> str | None:
     """The NodeAddr Slurm has for `node` (from `scontrol show node`), or None."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # scontrol would retry for a minute before failing
+        log.debug("SLURM_CONF=%s does not exist: not asking Slurm for %s", conf, node)
+        return None
     try:
         proc = subprocess.run(["scontrol", "show", "node", "-o", node],
                               capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
