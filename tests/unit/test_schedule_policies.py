@@ -116,3 +116,18 @@ def test_policies_wait_with_nothing_ready_and_never_mutate_state(name):
     before = (set(state.done), set(state.activations_arrived), state.inflight)
     assert policy.choose(state) == Action(Op.F, 0, 0)
     assert (set(state.done), set(state.activations_arrived), state.inflight) == before
+
+
+def test_state_rebuilt_from_prefilled_sets_matches_the_incremental_one():
+    """A StageState constructed mid-step (public sets pre-filled) derives the same bookkeeping."""
+    shape = PipelineShape(2, 3, 2)
+    live = StageState(shape, stage=0)
+    for action in (Action(Op.F, 0, 0), Action(Op.F, 1, 0)):
+        live.mark_done(action)
+    live.mark_activation_arrived(0, 1)
+    live.mark_done(Action(Op.F, 0, 1))
+    rebuilt = StageState(shape, stage=0, done=set(live.done),
+                         activations_arrived=set(live.activations_arrived), inflight=live.inflight)
+    assert rebuilt.ready_actions() == live.ready_actions()
+    assert rebuilt.open_microbatches() == live.open_microbatches() == {0: [2, 2], 1: [1, 1]}
+    assert rebuilt.reserved_forwards == live.reserved_forwards == 1

@@ -148,6 +148,8 @@ class StageState:
                 entry[1] += 1 if action.op is Op.F else -1
         self._open = {m: e for m, e in self._open.items()
                       if e[0] < self.shape.num_chunks or e[1] > 0}
+        if self.done:
+            self.reserved_forwards = sum(self.shape.num_chunks - e[0] for e in self._open.values())
 
     @property
     def backward_op(self) -> Op:

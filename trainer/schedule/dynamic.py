@@ -159,6 +159,11 @@ class DynamicPolicy:
             ready = [a for a in ready if a.chunk > 0]
             if not ready:
                 return None
+        if self.reserve_owed and state.inflight + state.reserved_forwards > self.cap:
+            # Started microbatches are owed more forwards than there are free slots: no newcomer.
+            ready = [a for a in ready if a.chunk > 0]
+            if not ready:
+                return None
         best = min(ready, key=self._forward_key)  # type: ignore[arg-type]
         if self._is_safe_after(state, best):
             return best
@@ -171,12 +176,10 @@ class DynamicPolicy:
         """Banker's check: after ``forward``, can every started microbatch still get the slots for
         its remaining chunks here, serving them oldest first (each one then releases all it
         holds)? Without it, interleaved microbatches can fill the cap with early-chunk activations
-        and deadlock waiting for later-chunk slots. Oldest-first is the order every stage
-        favours, so the microbatch served first here is also served first downstream."""
+        and deadlock waiting for later-chunk slots. Oldest first is the order in which upstream
+        stages (oldest first themselves) deliver, so it is the order to check."""
         free = self.cap - state.inflight - 1
         v = self._num_chunks
-        if self.reserve_owed and forward.chunk == 0 and state.inflight + state.reserved_forwards > self.cap:
-            return False  # started microbatches are owed more than the free slots: no newcomer
         owed = state.reserved_forwards + (v - 1 if forward.chunk == 0 else -1)
         if free >= owed:  # room for everything owed: the common, O(1) case (always when v == 1)
             return free >= 0
