@@ -113,3 +113,18 @@ def test_overhead_benchmark_reports_every_variant(capsys):
     names = [line.split(":")[0].strip() for line in lines]
     assert names == ["bare block", "NullTracer.span", "Tracer.span", "Tracer.record", "close() per event"]
     assert all(float(line.split(":")[1].split()[0]) > 0 for line in lines)
+
+
+def test_only_the_latest_iterations_are_kept(tmp_path):
+    tracer = make_tracer(tmp_path, rank=0, metadata=META, keep_iterations=3)
+    for iteration in range(7):
+        tracer.set_iteration(iteration)
+        tracer.record(f"F{iteration}.c0", "F", 0.0, 1.0, microbatch=iteration, chunk=0)
+        tracer.record(f"B{iteration}.c0", "B", 1.0, 2.0, microbatch=iteration, chunk=0)
+    assert tracer.num_events == 6
+    tracer.close()
+    document = json.loads((tmp_path / trace_file_name(0)).read_text())
+    assert [e["args"]["iteration"] for e in document["traceEvents"]] == [4, 4, 5, 5, 6, 6]
+    assert document["metadata"]["dropped_iterations"] == 4
+    with pytest.raises(ValueError, match="keep_iterations=0"):
+        make_tracer(tmp_path, rank=0, metadata=META, keep_iterations=0)

@@ -35,8 +35,14 @@ THREADS = ("compute", "comm", "wait")
 CATEGORIES = ("F", "B", "I", "W", "send", "recv", "wait")
 """Allowed ``cat`` values: the four compute operations, the two transfer directions, waiting."""
 
+DEFAULT_KEEP_ITERATIONS = 20
+"""Iterations a tracer keeps (the latest ones): enough to see steady state, bounded memory."""
+
 REQUIRED_METADATA = ("stage", "world_size", "pipeline_parallel", "num_chunks", "num_microbatches", "schedule")
 """Metadata keys the runtime must give :func:`make_tracer`; the aggregator relies on each one."""
+
+
+_EventTuple = tuple[str, str, str, float, float, int, dict[str, Any]]
 
 
 def trace_file_name(rank: int) -> str:
@@ -112,7 +118,7 @@ class _Span:
     def __exit__(self, *exc: object) -> None:
         end_us = time.time_ns() / 1000.0
         tracer = self._tracer
-        tracer._events.append(
+        tracer._current.append(
             (self._name, self._cat, self._tid, self._start_us, end_us, tracer._iteration, self._args)
         )
 
@@ -129,17 +135,22 @@ class Tracer:
 
     enabled = True
 
-    def __init__(self, path: Path, rank: int, metadata: Mapping[str, Any]) -> None:
+    def __init__(self, path: Path, rank: int, metadata: Mapping[str, Any],
+                 keep_iterations: int | None = DEFAULT_KEEP_ITERATIONS) -> None:
         self.path = Path(path)
         self.rank = rank
+        self.keep_iterations = keep_iterations
         self._metadata = dict(metadata, rank=rank, source="runtime")
         self._metadata.setdefault("tp_rank", 0)
         self._metadata.setdefault("dp_rank", 0)
         self._metadata.setdefault("clock_offset_us", 0.0)
         self._stage = int(self._metadata["stage"])
         self._iteration = 0
-        # (name, cat, tid, start_us, end_us, iteration, args): converted to dicts only at flush.
-        self._events: list[tuple[str, str, str, float, float, int, dict[str, Any]]] = []
+        # Per iteration, (name, cat, tid, start_us, end_us, iteration, args) in recording order:
+        # converted to dicts only at flush. _current is the list of the iteration being recorded.
+        self._current: list[_EventTuple] = []
+        self._by_iteration: dict[int, list[_EventTuple]] = {0: self._current}
+        self._dropped_iterations = 0
         self._closed = False
 
     # ---- recording (hot path) ------------------------------------------------------------------
@@ -150,11 +161,17 @@ class Tracer:
     def record(self, name: str, cat: str, start_us: float, end_us: float, tid: str = "compute",
                **args: Any) -> None:
         """Adds an event timed by the caller (µs on :func:`now_us`'s clock), e.g. an async send."""
-        self._events.append((name, cat, tid, start_us, end_us, self._iteration, args))
+        self._current.append((name, cat, tid, start_us, end_us, self._iteration, args))
 
     def set_iteration(self, iteration: int) -> None:
         """Tags every later event with ``iteration`` (the training step number)."""
         self._iteration = int(iteration)
+        self._current = self._by_iteration.setdefault(self._iteration, [])
+        if self.keep_iterations is not None and len(self._by_iteration) > self.keep_iterations:
+            # Bounded memory on long runs: ~250 events a step would otherwise grow without end.
+            for old in sorted(self._by_iteration)[:-self.keep_iterations]:
+                del self._by_iteration[old]
+                self._dropped_iterations += 1
 
     def set_clock_offset(self, offset_us: float) -> None:
         """µs to add to this rank's timestamps to read rank 0's clock (see clock.py)."""
@@ -162,21 +179,23 @@ class Tracer:
 
     @property
     def num_events(self) -> int:
-        return len(self._events)
+        return sum(len(events) for events in self._by_iteration.values())
 
     # ---- output --------------------------------------------------------------------------------
     def to_chrome(self) -> dict[str, Any]:
         """The trace as the contract's JSON document (events in recording order)."""
         stage, rank = self._stage, self.rank
         events = []
-        for name, cat, tid, start_us, end_us, iteration, args in self._events:
+        recorded = (event for it in sorted(self._by_iteration) for event in self._by_iteration[it])
+        for name, cat, tid, start_us, end_us, iteration, args in recorded:
             event_args = {"iteration": iteration, "stage": stage}
             event_args.update(args)
             events.append({
                 "name": name, "ph": "X", "ts": start_us, "dur": max(end_us - start_us, 0.0),
                 "pid": rank, "tid": tid, "cat": cat, "args": event_args,
             })
-        return {"traceEvents": events, "metadata": dict(self._metadata)}
+        return {"traceEvents": events,
+                "metadata": dict(self._metadata, dropped_iterations=self._dropped_iterations)}
 
     def flush(self) -> None:
         """Writes everything recorded so far, atomically: readers see the old or the new file."""
@@ -188,7 +207,8 @@ class Tracer:
             return
         self._closed = True
         self.flush()
-        logger.info("rank %d: wrote %d trace events to %s", self.rank, len(self._events), self.path)
+        logger.info("rank %d: wrote %d trace events to %s%s", self.rank, self.num_events, self.path,
+                    f" ({self._dropped_iterations} earlier iterations dropped)" if self._dropped_iterations else "")
 
 
 def write_json_atomic(path: Path, document: Any) -> None:
@@ -209,22 +229,25 @@ def write_json_atomic(path: Path, document: Any) -> None:
         raise
 
 
-def make_tracer(profile_dir: str | os.PathLike[str] | None, rank: int,
-                metadata: Mapping[str, Any]) -> Tracer | NullTracer:
+def make_tracer(profile_dir: str | os.PathLike[str] | None, rank: int, metadata: Mapping[str, Any],
+                keep_iterations: int | None = DEFAULT_KEEP_ITERATIONS) -> Tracer | NullTracer:
     """A :class:`Tracer` writing ``<profile_dir>/trace_rank<RANK>.json``, or a :class:`NullTracer`
     when ``profile_dir`` is None (profiling off).
 
     ``metadata`` must hold the keys of :data:`REQUIRED_METADATA`; ``tp_rank``/``dp_rank`` default
-    to 0; ``rank``, ``source`` and ``clock_offset_us`` are filled in here.
+    to 0; ``rank``, ``source``, ``clock_offset_us`` and ``dropped_iterations`` are filled in here.
+    The tracer keeps the latest ``keep_iterations`` iterations (None: all of them).
     """
     if profile_dir is None:
         return NullTracer()
     problems = [f"missing metadata key {key!r}" for key in REQUIRED_METADATA if key not in metadata]
     if not isinstance(rank, int) or rank < 0:
         problems.append(f"rank={rank!r} must be an int >= 0")
+    if keep_iterations is not None and (not isinstance(keep_iterations, int) or keep_iterations < 1):
+        problems.append(f"keep_iterations={keep_iterations!r} must be None or an int >= 1")
     if problems:
         raise ValueError("make_tracer: " + "; ".join(problems))
     # Created now rather than at close so that an unwritable folder fails at start-up, not
     # after hours of training.
     Path(profile_dir).mkdir(parents=True, exist_ok=True)
-    return Tracer(Path(profile_dir) / trace_file_name(rank), rank, metadata)
+    return Tracer(Path(profile_dir) / trace_file_name(rank), rank, metadata, keep_iterations)
