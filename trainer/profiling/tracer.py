@@ -165,6 +165,8 @@ class Tracer:
 
     def set_iteration(self, iteration: int) -> None:
         """Tags every later event with ``iteration`` (the training step number)."""
+        if not self._current:  # e.g. iteration 0 of a resumed run: never recorded, not kept
+            self._by_iteration.pop(self._iteration, None)
         self._iteration = int(iteration)
         self._current = self._by_iteration.setdefault(self._iteration, [])
         if self.keep_iterations is not None and len(self._by_iteration) > self.keep_iterations:
