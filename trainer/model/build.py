@@ -87,8 +87,11 @@ def _layer_spec(cfg: TrainConfig):
     if cfg.model.model == "bert":
         from megatron.core.models.bert import bert_layer_specs
 
-        return bert_layer_specs.get_bert_layer_with_transformer_engine_spec() if te \
-            else bert_layer_specs.bert_layer_local_spec
+        if te:
+            return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+        # 0.16 exports a module-level spec; guard for releases that turn it into a function.
+        local = getattr(bert_layer_specs, "bert_layer_local_spec", None)
+        return local if local is not None else bert_layer_specs.get_bert_layer_local_spec()
     from megatron.core.models.gpt import gpt_layer_specs
 
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if te \

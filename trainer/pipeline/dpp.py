@@ -108,9 +108,13 @@ def _model_config(chunk: torch.nn.Module):
 def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Backward through ``output``; uses the C++ engine when its data was freed after sending."""
     if grad is not None and output.numel() != grad.numel():
-        from megatron.core.pipeline_parallel.schedules import custom_backward
+        # torch.autograd.backward would reject the freed shape; call the C++ engine directly, as
+        # megatron's custom_backward does (not imported: its module path moves between releases).
+        from torch.autograd import Variable
 
-        custom_backward(output, grad)  # torch.autograd.backward would reject the freed shape
+        Variable._execution_engine.run_backward(
+            tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+            allow_unreachable=True, accumulate_grad=True)
     else:
         torch.autograd.backward(output, grad_tensors=grad)
 
