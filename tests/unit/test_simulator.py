@@ -13,20 +13,21 @@ import numpy as np
 import pytest
 
 from trainer.profiling.validate import validate_trace
-from trainer.schedule import Op, PipelineShape, make_policy
+from trainer.schedule import Action, Op, PipelineShape, make_policy
 from trainer.schedule.compare import ScheduleSpec, compare, run_once
 from trainer.schedule.costs import CostModel
 from trainer.schedule.simulate import main as simulate_main
 from trainer.schedule.simulator import DeadlockError, simulate
+from trainer.schedule.trace import trace_events
 
 UNIFORM = CostModel()  # F = I = W = 1: B = 2F
 SEEDS = list(range(20))
 
 
-def _dependencies_respected(result, transfer: float) -> None:
-    """Every action ran once, after what it needs: F after the upstream F (+ transfer), B/I after
-    this stage's F and the downstream B/I (+ transfer), W after I."""
-    shape = result.shape
+def _dependencies_respected(result) -> None:
+    """Every action ran once, after what it needs: F after the upstream F (+ that edge's
+    transfer), B/I after this stage's F and the downstream B/I (+ transfer), W after I."""
+    shape, edges = result.shape, result.edge_transfer
     end = {}
     for r in result.timeline:
         key = (r.stage, r.action)
@@ -41,24 +42,41 @@ def _dependencies_respected(result, transfer: float) -> None:
         if a.op is Op.F:
             up = shape.upstream(s, c)
             if up is not None:
-                assert r.start >= end[(up[0], a.__class__(Op.F, m, up[1]))] + transfer - tol
+                assert r.start >= end[(up[0], Action(Op.F, m, up[1]))] + edges[up[0]] - tol
         elif a.op in (Op.B, Op.I):
-            assert r.start >= end[(s, a.__class__(Op.F, m, c))] - tol
+            assert r.start >= end[(s, Action(Op.F, m, c))] - tol
             down = shape.downstream(s, c)
             if down is not None:
-                assert r.start >= end[(down[0], a.__class__(a.op, m, down[1]))] + transfer - tol
+                assert r.start >= end[(down[0], Action(a.op, m, down[1]))] + edges[s] - tol
         else:
-            assert r.start >= end[(s, a.__class__(Op.I, m, c))] - tol
+            assert r.start >= end[(s, Action(Op.I, m, c))] - tol
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved", 2),
                                     ("interleaved", 4), ("zb-h1", 1), ("dpp", 1), ("dpp", 3),
                                     ("dpp-zb", 1), ("dpp-zb", 2)])
 def test_every_action_runs_once_in_dependency_order(name, v):
-    costs = CostModel(jitter=0.5, seq_len_sigma=0.4, transfer=0.05)
+    costs = CostModel(jitter=0.5, seq_len_sigma=0.4, edge_transfer=(0.05, 0.4, 0.05, 0.2))
     m_count = 8 if name == "interleaved" else 7
     result = run_once(ScheduleSpec(name, v), 4, m_count, costs, seed=3, record=True)
-    _dependencies_respected(result, transfer=0.05)
+    assert result.edge_transfer == [0.05, 0.4, 0.05, 0.2]
+    _dependencies_respected(result)
+
+
+def test_a_slow_edge_costs_time_but_never_breaks_dependencies():
+    """Per-edge transfer: a slow middle edge (e.g. across nodes) delays the step by about twice
+    its latency per pipeline fill/drain, and the trace's send events carry each edge's time."""
+    fast = run_once(ScheduleSpec("1f1b"), 4, 8, UNIFORM, seed=0)
+    slow_costs = CostModel(edge_transfer=(0.0, 0.5, 0.0, 0.0))
+    slow = run_once(ScheduleSpec("1f1b"), 4, 8, slow_costs, seed=0, record=True)
+    assert slow.step_time >= fast.step_time + 2 * 0.5 - 1e-9
+    _dependencies_respected(slow)
+    sends = [e for e in trace_events(slow) if e["cat"] == "send"]
+    assert {e["dur"] for e in sends if e["pid"] == 1 and e["name"].startswith("send act")} == {500.0}
+    assert {e["dur"] for e in sends if e["pid"] == 2 and e["name"].startswith("send grad")} == {500.0}
+    assert {e["dur"] for e in sends if e["pid"] == 0} == {0.0}
+    with pytest.raises(ValueError, match="edge_transfer has 2 entries, need one per edge: num_stages=4"):
+        CostModel(edge_transfer=(0.1, 0.1)).draw(PipelineShape(4, 8), np.random.default_rng(0))
 
 
 def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
@@ -87,7 +105,8 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
                            "cap_basis": str(rng.choice(["stage", "peak"])),
                            "reserve_owed": bool(rng.choice([True, False]))}
             costs = CostModel(forward=float(rng.uniform(0.3, 2)), input_grad=float(rng.uniform(0.3, 2)),
-                              weight_grad=float(rng.uniform(0.3, 2)), transfer=float(rng.uniform(0, 0.5)),
+                              weight_grad=float(rng.uniform(0.3, 2)),
+                              edge_transfer=tuple(rng.uniform(0, 0.5, p).tolist()),
                               jitter=float(rng.uniform(0, 0.8)), seq_len_sigma=float(rng.uniform(0, 0.8)),
                               straggler_stage=int(rng.integers(p)), straggler_factor=float(rng.uniform(1, 2)))
             shape = PipelineShape(p, m_count, v)

@@ -35,6 +35,10 @@ class CostModel:
     transfer: float = 0.0
     """Time for an activation or gradient to cross one pipeline edge (compute never waits on a
     send: transfers overlap with compute, as with a dedicated copy engine)."""
+    edge_transfer: tuple[float, ...] = ()
+    """Per-edge override of ``transfer``: entry ``s`` is the time to cross edge s -> s+1 (the
+    last one is the wrap-around p-1 -> 0 of interleaving), both directions. Empty: ``transfer``
+    everywhere. E.g. a slower inter-node edge in the middle of the pipeline."""
     jitter: float = 0.0
     """Coefficient of variation of the independent per-op log-normal noise (0 = none)."""
     seq_len_sigma: float = 0.0
@@ -56,6 +60,10 @@ class CostModel:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 problems.append(f"{name}={value} must be a finite number >= 0")
+        bad_edges = [t for t in self.edge_transfer if not (math.isfinite(t) and t >= 0)]
+        if bad_edges:
+            problems.append(f"edge_transfer={self.edge_transfer} has values that are not finite"
+                            f" numbers >= 0: {bad_edges}")
         if not 0 <= self.attention_fraction <= 1:
             problems.append(f"attention_fraction={self.attention_fraction} must lie in [0, 1]")
         if not (math.isfinite(self.straggler_factor) and self.straggler_factor > 0):
@@ -74,6 +82,9 @@ class CostModel:
         p, v, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
         if self.straggler_stage is not None and self.straggler_stage >= p:
             raise ValueError(f"straggler_stage={self.straggler_stage} outside [0, num_stages={p})")
+        if self.edge_transfer and len(self.edge_transfer) != p:
+            raise ValueError(f"edge_transfer has {len(self.edge_transfer)} entries, need one per edge:"
+                             f" num_stages={p}")
         scale = np.ones((p, v, m))
         if self.seq_len_sigma > 0:
             ratio = _mean_one_lognormal(rng, self.seq_len_sigma, m)
@@ -91,7 +102,8 @@ class CostModel:
 
         forward, input_grad, weight_grad = (op_times(x) for x in
                                             (self.forward, self.input_grad, self.weight_grad))
-        return CostTable(forward, input_grad, weight_grad, self.transfer)
+        edges = list(self.edge_transfer) if self.edge_transfer else [self.transfer] * p
+        return CostTable(forward, input_grad, weight_grad, edges)
 
 
 def _mean_one_lognormal(rng: np.random.Generator, sigma: float, size) -> np.ndarray:
@@ -103,8 +115,9 @@ class CostTable:
     lists: the event loop reads single items, where lists beat numpy indexing by ~10x)."""
 
     def __init__(self, forward: np.ndarray, input_grad: np.ndarray, weight_grad: np.ndarray,
-                 transfer: float) -> None:
-        self.transfer = transfer
+                 edge_transfer: list[float]) -> None:
+        self.edge_transfer = edge_transfer
+        """Time to cross edge s -> s+1 (mod p), both directions."""
         self.durations = {
             Op.F: forward.tolist(),
             Op.I: input_grad.tolist(),

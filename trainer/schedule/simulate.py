@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--weight-grad", type=float, default=1.0,
         help="weight-gradient (W) cost of one stage (default 1); B = I + W")
     add("--transfer", type=float, default=0.0, help="time to cross one pipeline edge (default 0)")
+    add("--edge-transfer", default=None,
+        help="comma-separated time per edge s->s+1 (last = wrap-around p-1->0), overriding --transfer")
     add("--cap-factor", type=float, default=1.0,
         help="dpp/dpp-zb activation cap as a multiple of 1F1B's bound (default 1)")
     add("--cap-basis", choices=("stage", "peak"), default=None,
@@ -96,9 +98,17 @@ def _parse_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
             parser.error(f"--straggler={args.straggler!r}: expected STAGE:FACTOR, e.g. 1:1.2")
         if not 0 <= straggler_stage < args.pp:
             parser.error(f"--straggler={args.straggler!r}: stage outside [0, --pp={args.pp})")
+    edge_transfer: tuple[float, ...] = ()
+    if args.edge_transfer:
+        try:
+            edge_transfer = tuple(float(t) for t in args.edge_transfer.split(","))
+        except ValueError:
+            parser.error(f"--edge-transfer={args.edge_transfer!r}: expected comma-separated numbers")
+        if len(edge_transfer) != args.pp:
+            parser.error(f"--edge-transfer has {len(edge_transfer)} values, need --pp={args.pp}")
     try:
         return CostModel(
-            forward=args.forward, input_grad=args.input_grad, weight_grad=args.weight_grad,
+            forward=args.forward, edge_transfer=edge_transfer, input_grad=args.input_grad, weight_grad=args.weight_grad,
             transfer=args.transfer, jitter=args.jitter, seq_len_sigma=seq_sigma,
             attention_fraction=args.attention_fraction, straggler_stage=straggler_stage,
             straggler_factor=straggler_factor,
@@ -172,7 +182,7 @@ def _write_traces(args, specs: list[ScheduleSpec], costs: CostModel) -> list[Pat
     for spec in specs:
         path = target if len(specs) == 1 else target.with_name(f"{target.stem}.{spec.name}{target.suffix}")
         result = run_once(spec, args.pp, args.microbatches, costs, args.seed, record=True)
-        written.append(write_trace(path, result, costs.transfer))
+        written.append(write_trace(path, result))
     return written
 
 

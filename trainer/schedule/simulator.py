@@ -2,7 +2,8 @@
 
 Every stage is one compute resource. When it is idle it asks its policy for an action; an action
 occupies it for the action's drawn duration; a finished forward sends its activation downstream
-and a finished backward (B or I) sends its gradient upstream, each arriving ``transfer`` later.
+and a finished backward (B or I) sends its gradient upstream, each arriving after the transfer
+time of the edge it crosses.
 Arrivals and completions at the same instant are all applied before any stage decides, so a
 policy sees everything that has happened "by now" (as the runtime's drain-then-choose loop does).
 
@@ -53,6 +54,8 @@ class SimResult:
     """Peak activations held per stage, in chunk units (one chunk = 1/v of a stage)."""
     timeline: list[OpRecord] | None = None
     """Every executed action, when the run was asked to record them."""
+    edge_transfer: list[float] | None = None
+    """Transfer time of each edge s -> s+1 (mod p) the run used."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -74,7 +77,7 @@ def simulate(
     if len(policies) != p:
         raise ValueError(f"need one policy per stage: got {len(policies)} for num_stages={p}")
     states = [StageState(shape, s, split_backward=pol.split_backward) for s, pol in enumerate(policies)]
-    durations, transfer = costs.durations, costs.transfer
+    durations, edge_transfer = costs.durations, costs.edge_transfer
     busy = [0.0] * p
     running = [False] * p
     decide_pending = [False] * p
@@ -109,7 +112,7 @@ def simulate(
             finish = max(finish, now)
             if timeline is not None:
                 timeline.append(OpRecord(s, action, started_at[s], now, state.inflight))
-            _send_outputs(shape, s, action, now + transfer, push)
+            _send_outputs(shape, s, action, now, edge_transfer, push)
         else:  # _DECIDE
             decide_pending[s] = False
             if running[s]:
@@ -131,20 +134,22 @@ def simulate(
     return SimResult(
         schedule=policies[0].name, shape=shape, step_time=finish, busy=busy,
         peak_inflight=[st.peak_inflight for st in states], timeline=timeline,
+        edge_transfer=list(edge_transfer),
     )
 
 
-def _send_outputs(shape: PipelineShape, stage: int, action: Action, arrival: float, push) -> None:
+def _send_outputs(shape: PipelineShape, stage: int, action: Action, now: float,
+                  edge_transfer: list[float], push) -> None:
     """Schedule the arrival of what ``action`` produced at the stage that consumes it."""
     m, c = action.microbatch, action.chunk
     if action.op is Op.F:
         target = shape.downstream(stage, c)
         if target is not None:
-            push(arrival, _ACTIVATION, target[0], m, target[1])
+            push(now + edge_transfer[stage], _ACTIVATION, target[0], m, target[1])
     elif action.op in (Op.B, Op.I):
         source = shape.upstream(stage, c)
-        if source is not None:
-            push(arrival, _GRADIENT, source[0], m, source[1])
+        if source is not None:  # the gradient crosses the edge source -> stage backwards
+            push(now + edge_transfer[source[0]], _GRADIENT, source[0], m, source[1])
 
 
 def _describe_deadlock(policies: Sequence[Policy], stuck: list[StageState]) -> str:

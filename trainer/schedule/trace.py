@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,15 @@ def _event(name: str, cat: str, tid: str, start: float, end: float, stage: int, 
     }
 
 
-def trace_events(result: SimResult, transfer: float = 0.0) -> list[dict]:
-    """Compute, send and wait events of every stage of ``result`` (which must have a timeline)."""
+def trace_events(result: SimResult, transfer: float | Sequence[float] | None = None) -> list[dict]:
+    """Compute, send and wait events of every stage of ``result`` (which must have a timeline).
+    ``transfer``: one time for every edge or one per edge; None: what the run used."""
     if result.timeline is None:
         raise ValueError("the simulation was run without record=True: it has no timeline to export")
     shape = result.shape
+    if transfer is None:
+        transfer = result.edge_transfer or 0.0
+    edges = [float(transfer)] * shape.num_stages if isinstance(transfer, int | float) else list(transfer)
     events: list[dict] = []
     last_end = [0.0] * shape.num_stages
     for record in sorted(result.timeline, key=lambda r: (r.stage, r.start)):
@@ -42,24 +47,24 @@ def trace_events(result: SimResult, transfer: float = 0.0) -> list[dict]:
         m, c = action.microbatch, action.chunk
         events.append(_event(str(action), action.op.value, "compute", record.start, record.end, s,
                              microbatch=m, chunk=c, inflight=record.inflight))
-        events.extend(_send_event(shape, record, transfer))
+        events.extend(_send_event(shape, record, edges))
     return events
 
 
-def _send_event(shape, record: OpRecord, transfer: float) -> list[dict]:
+def _send_event(shape, record: OpRecord, edges: list[float]) -> list[dict]:
     action, s = record.action, record.stage
     m, c = action.microbatch, action.chunk
     if action.op is Op.F and shape.downstream(s, c) is not None:
-        kind = "act"
+        kind, transfer = "act", edges[s]
     elif action.op in (Op.B, Op.I) and shape.upstream(s, c) is not None:
-        kind = "grad"
+        kind, transfer = "grad", edges[shape.upstream(s, c)[0]]
     else:
         return []
     return [_event(f"send {kind} m{m}.c{c}", "send", "comm", record.end, record.end + transfer, s,
                    microbatch=m, chunk=c)]
 
 
-def trace_document(result: SimResult, transfer: float = 0.0) -> dict:
+def trace_document(result: SimResult, transfer: float | Sequence[float] | None = None) -> dict:
     shape = result.shape
     return {
         "traceEvents": trace_events(result, transfer),
@@ -72,7 +77,8 @@ def trace_document(result: SimResult, transfer: float = 0.0) -> dict:
     }
 
 
-def write_trace(path: str | os.PathLike, result: SimResult, transfer: float = 0.0) -> Path:
+def write_trace(path: str | os.PathLike, result: SimResult,
+                transfer: float | Sequence[float] | None = None) -> Path:
     """Write ``result``'s trace to ``path`` atomically (temporary file, then rename)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
