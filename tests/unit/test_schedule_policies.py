@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from trainer.schedule import Action, Op, PipelineShape, StageState, make_policy, one_f_one_b_cap
+from trainer.schedule import Action, Op, PipelineShape, Policy, StageState, make_policy, one_f_one_b_cap
 from trainer.schedule.registry import POLICY_NAMES
 from trainer.schedule.static import interleaved_order, megatron_schedule_table, zb_h1_order
 
@@ -111,6 +111,7 @@ def test_policies_wait_with_nothing_ready_and_never_mutate_state(name):
     shape = PipelineShape(3, 6, v)
     state = StageState(shape, stage=1, split_backward=name in ("zb-h1", "dpp-zb"))
     policy = make_policy(name, shape, 1)
+    assert isinstance(policy, Policy) and policy.name == name
     assert policy.choose(state) is None  # stage 1: nothing has arrived yet
     state.mark_activation_arrived(0, 0)
     before = (set(state.done), set(state.activations_arrived), state.inflight)
