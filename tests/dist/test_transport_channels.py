@@ -39,6 +39,8 @@ def payload(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _links(rank: int, world: int, transport: str, **options) -> object:
     topo = Topology(world_size=world, rank=rank, pipeline_parallel=world)
+    # Small slots: CI containers may have a small /dev/shm (Docker's default is 64 MiB).
+    options = {"shm_slot_bytes": 1 << 20, **options}
     return make_stage_links(topo, transport, "cpu", timeout_s=20.0, options=LinkOptions(**options))
 
 
@@ -292,7 +294,7 @@ def test_idle_wait_times_out_naming_rank_and_peers_without_spinning(transport):
 def _auto_scenario(rank: int, world: int, job: str) -> tuple[str, list]:
     # Four stages on two nodes of one host: edges 0-1 and 2-3 stay on a node, 1-2 and 3-0 cross.
     topo = Topology(world_size=world, rank=rank, pipeline_parallel=world, node_of_rank=(0, 0, 1, 1))
-    links = make_stage_links(topo, "auto", "cpu", timeout_s=20.0, job_id=job)
+    links = make_stage_links(topo, "auto", "cpu", timeout_s=20.0, job_id=job, options=LinkOptions(shm_slot_bytes=1 << 20))
     # Every ring is unlinked as soon as both ends mapped it: none is visible while links are open.
     visible = [n for n in os.listdir("/dev/shm") if n.startswith(f"mdpp-{job}")]
     links.send("next", torch.full((3,), float(rank)), header_for(torch.empty(3), "act", rank, 0))
