@@ -315,3 +315,25 @@ def test_auto_uses_shm_within_a_node_and_gloo_across():
         for direction, peer in (("next", nxt), ("prev", prev)):
             expected = "shm" if peer == same_node_peer else "gloo"
             assert f"{direction}:{rank}->{peer}:{expected}" in description, description
+
+
+# ---- set-up failure on one rank: every rank raises, nothing is left behind ------------------------------
+def _stale_name_scenario(rank: int, world: int, job: str) -> str:
+    topo = Topology(world_size=world, rank=rank, pipeline_parallel=world)
+    with pytest.raises(TransportError) as info:
+        make_stage_links(topo, "shm", "cpu", timeout_s=20.0, job_id=job, options=LinkOptions(shm_slot_bytes=4096))
+    return str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_setup_failure_on_one_rank_fails_every_rank_cleanly():
+    job = f"stale{os.getpid()}"
+    stale = f"/dev/shm/mdpp-{job}-1-0-next"  # what rank 0 would create for its incoming ring
+    with open(stale, "w"):
+        pass
+    try:
+        messages = check_all_ok(run_processes(_stale_name_scenario, 2, job))
+    finally:
+        os.unlink(stale)
+    for message in messages:
+        assert "set-up (create) failed" in message and "rank 0" in message and "File exists" in message, message

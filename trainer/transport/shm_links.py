@@ -210,6 +210,8 @@ def open_rings(
             work()
         except (OSError, RuntimeError, ValueError) as exc:
             error = f"rank {rank}: {exc}"
+            if "No space" in error:
+                error += " (/dev/shm too small? lower LinkOptions.shm_slot_bytes or credits)"
         errors = all_gather(error, group)
         if any(errors):
             for ring in rings.values():
