@@ -54,6 +54,7 @@ def test_cli_merges_validates_and_summarises(tmp_path, capsys):
     assert summary["median_op_ms"] == {"F": 1.0, "B": 2.0}
     table = capsys.readouterr().out
     assert "bubble fraction: 0.2727" in table and "merged 4 of 4 ranks" in table
+    assert "dropped" not in table and merged["metadata"]["dropped_iterations"] == 0
 
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(4, 8), (4, 4), (2, 7), (8, 3), (1, 5)])

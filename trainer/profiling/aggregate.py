@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     if compare_summary is not None:
         print(f"simulated ({compare_summary.schedule}): iteration {compare_iteration} "
               f"{compare_summary.mean_iteration_time_ms:.2f} ms, bubble {compare_summary.bubble_fraction:.4f}")
+    if merged["metadata"]["dropped_iterations"]:
+        print(f"note: the tracers kept the latest iterations only "
+              f"({merged['metadata']['dropped_iterations']} earlier ones dropped)")
     merged_ranks = len(run.traces)
     print(f"merged {merged_ranks} of {run.world_size} ranks"
           + (f"; missing or unreadable: {', '.join(map(str, run.missing_ranks))}" if run.missing_ranks else ""))

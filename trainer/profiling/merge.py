@@ -108,5 +108,6 @@ def merge_traces(traces: Sequence[RankTrace], missing_ranks: Sequence[int] = (),
         missing_ranks=list(missing_ranks),
         clock_offsets_us={str(t.rank): t.clock_offset_us for t in traces if t.rank >= 0},
         problems=list(problems),
+        dropped_iterations=max(int(t.metadata.get("dropped_iterations", 0)) for t in traces),
     )
     return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
