@@ -9,7 +9,10 @@ so ``python -m trainer.train`` can exit 2 with one readable message and no trace
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -333,14 +336,27 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
             if vp_layers is not None and not par.use_dpp and cfg.run.device == "cuda" and microbatches % pp:
                 p.append(f"megatron-core's interleaved 1F1B needs microbatches ({microbatches}) divisible "
                          f"by --pipeline-model-parallel-size={pp}; use --use-dpp or change the batch")
-    if cfg.run.multi_node and tp > 1 and cfg.run.node_ips and world_size % len(cfg.run.node_ips):
-        p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips")
+    if cfg.run.node_ips and world_size % len(cfg.run.node_ips):
+        p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips "
+                 "(every node runs the same number of ranks)")
     return p
 
 
 # ---- command line ------------------------------------------------------------------------------
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def field_docs(section: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (shown by --help), read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(section)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,18 +367,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     renames = {"dpp_timeout_s": "--dpp-timeout"}
     for section in (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig):
-        group = parser.add_argument_group(section.__name__)
+        group = parser.add_argument_group(section.__name__, (section.__doc__ or "").strip())
+        docs = field_docs(section)
         for f in dataclasses.fields(section):
             flag = renames.get(f.name, _flag(f.name))
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            helptext = (f.metadata or {}).get("help")
+            helptext = docs.get(f.name, "").replace("%", "%%")
             kwargs: dict = {"dest": f"{section.__name__}.{f.name}", "default": default, "help": helptext}
             if f.type in ("bool",):
                 group.add_argument(flag, action="store_true", **kwargs)
             elif f.name == "node_ips":
-                group.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), **kwargs)
+                group.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), metavar="IP,IP,...",
+                                   **kwargs)
             else:
-                group.add_argument(flag, type=_parse_type(f.type), **kwargs)
+                group.add_argument(flag, type=_parse_type(f.type), metavar=f.name.upper(), **kwargs)
     return parser
 
 

@@ -355,10 +355,21 @@ class TrainingSession:
                      else "none", vocab_size, cfg.model.padded_vocab_size(vocab_size, t.tensor_parallel),
                      float(params.item()) / 1e6, self.state.iteration)
 
+    def _peak_memory_gib(self) -> float | None:
+        """Largest peak of allocated GPU memory over all ranks (stage 0 usually holds the most
+        activations). COLLECTIVE on CUDA; None on CPU."""
+        if self.cfg.run.device != "cuda":
+            return None
+        peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak.item())
+
     def _log_iteration(self, losses: dict[str, float], grad_norm, lr: float, seconds: float, success: bool) -> None:
+        peak = self._peak_memory_gib()  # every rank takes part, so before the logger check
         if not self._is_logger:
             return
         cfg = self.cfg
+        memory = f" | peak memory (GiB, max over ranks): {peak:.2f}" if peak is not None else ""
         tokens = cfg.optim.global_batch_size * cfg.model.seq_length
         loss_text = " | ".join(f"{k}: {v:.6E}" for k, v in losses.items())
         norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
@@ -366,7 +377,7 @@ class TrainingSession:
                  "learning rate: %.6E | %s | grad norm: %s | tokens/s: %.0f%s",
                  self.state.iteration, cfg.optim.train_iters, self.state.consumed_samples, seconds * 1e3,
                  lr, loss_text, norm, tokens / max(seconds, 1e-9),
-                 "" if success else " | skipped (inf/nan grads)")
+                 memory + ("" if success else " | skipped (inf/nan grads)"))
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _save(self) -> None:

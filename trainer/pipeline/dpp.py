@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -375,9 +376,7 @@ _NULL_SPAN = _NullSpanCM()
 
 
 def _now_us() -> float:
-    import time
-
-    return time.time_ns() / 1000.0
+    return time.time_ns() / 1000.0  # the tracer's clock (trainer.profiling.tracer.now_us)
 
 
 def _device_type(chunk: torch.nn.Module) -> str:
@@ -385,9 +384,3 @@ def _device_type(chunk: torch.nn.Module) -> str:
         return next(chunk.parameters()).device.type
     except StopIteration:
         return "cpu"
-
-
-def iterate_microbatches(getter: MicrobatchData, num_microbatches: int, chunk: int = 0) -> Iterator[Any]:
-    """A Megatron-style iterator over this step's microbatches, for megatron-core's own schedules."""
-    for m in range(num_microbatches):
-        yield getter(m, chunk)
