@@ -1,9 +1,24 @@
-"""`python -m workflows.submit` on the real local cluster: whole chains, failures, status.
+"""`python -m workflows.submit` on the real local cluster: whole chains, failures, status, requeue.
 
-The chains of this module are submitted together when the first test asks for one (they share
-the cluster's 2 x 8 declared CPUs; sequential submission would only add scheduling latency), and
-each test then waits for its own. Every chain tokenizes a small slice of the shipped corpus so
-that preprocessing takes seconds; the slice is what every chain of the session trains on.
+All chains of this module are submitted together when the first test asks for one (they share the
+cluster's 2 x 8 declared CPUs; one after the other would only add scheduling latency and start-up
+time), and each test then waits for its own. Every chain tokenizes the same small slice of the
+shipped corpus, so preprocessing takes seconds and the uninterrupted GPT chain is the reference
+the interrupted ones must match.
+
+Two interruptions of a training job, each on its own chain, once it has logged iteration 8 (past
+the first periodic checkpoint at 5):
+
+* `scontrol requeue` (abrupt, like preemption without warning): Slurm sends SIGTERM to every
+  process and SIGKILL after KillWait; the job restarts under the same id and resumes from its last
+  checkpoint.
+* `scancel --batch --signal=USR1` (what `#SBATCH --signal=B:USR1@60` sends before a time limit):
+  the sbatch file passes it to the ranks, which checkpoint and exit 0, then requeues its own job.
+
+Slurm holds a requeued batch job for about two minutes before it may start again (EligibleTime);
+the tests move that to now with `scontrol update StartTime=now` once the old run's processes are
+gone (release_when_held says why it waits a little), which changes nothing about how the job
+resumes and keeps CI from idling.
 """
 
 from __future__ import annotations
@@ -14,17 +29,23 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from workflows import slurm
+from workflows import chain, slurm
 
 REPO = Path(__file__).resolve().parents[2]
-CHAIN_TIMEOUT_S = 420  # one chain alone takes ~1 min here; several share 2 cores
+CHAIN_TIMEOUT_S = 600  # one chain alone takes ~1 min here; the module runs six at once on 2 cores
 CORPUS_DOCUMENTS = 300
+INTERRUPT_AFTER = 8  # iterations logged before an interruption: past the first checkpoint (5)
+INTERRUPTIONS = {
+    "requeue": ["scontrol", "requeue"],
+    "usr1": ["scancel", "--batch", "--signal=USR1"],
+}
 ITERATION_LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.eE+-]+)")
 
 
@@ -89,6 +110,67 @@ def final_loss(train_log: str) -> tuple[int, str]:
     return int(iteration), loss
 
 
+def submit_without_wait(runs_dir: Path, corpus: Path) -> chain.Chain:
+    done = subprocess.run([sys.executable, "-m", "workflows.submit", "gpt", "--nodes", "2",
+                           "--runs-dir", str(runs_dir), "--env", f"INPUT={corpus}"], cwd=REPO,
+                          env=dict(os.environ), capture_output=True, text=True, timeout=60, check=True)
+    ids = dict(re.findall(r"^(preprocess|train|aggregate)\s+job (\d+)$", done.stdout, re.M))
+    run_dir = Path(re.search(r"^logs:\s+(\S+)$", done.stdout, re.M).group(1)).parent
+    return chain.Chain(ids, run_dir)
+
+
+def train_log(submitted: chain.Chain) -> Path:
+    return submitted.run_dir / "logs" / f"mdpp-{submitted.run_dir.name}-train_{submitted.job_ids['train']}.out"
+
+
+def wait_for_iteration(log: Path, iteration: int, timeout_s: float) -> None:
+    deadline, text = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        done = [int(i) for i in re.findall(r"iteration\s+(\d+)/\s*\d+ \|", text)]
+        if done and max(done) >= iteration:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"training never logged iteration {iteration} within {timeout_s:.0f} s:\n{text[-3000:]}")
+
+
+def release_when_held(job_id: str, timeout_s: float) -> None:
+    """Wait until the requeued job is pending again and its nodes are free, then make it eligible.
+
+    Slurm's hold exists because the nodes revoke the old run's job credential, with one-second
+    resolution, when it ends; a new run whose credential is stamped in that same second is killed
+    as "credential revoked". Releasing two seconds after the nodes are idle stays clear of that.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pending = "JobState=PENDING" in slurm.run(["scontrol", "show", "job", job_id])
+        node_states = slurm.run(["sinfo", "-h", "-N", "-o", "%T"]).split()
+        if pending and not any(state.startswith("completing") for state in node_states):
+            time.sleep(2)
+            slurm.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"requeued job {job_id} never became PENDING on idle nodes within {timeout_s:.0f} s")
+
+
+class Interrupter(threading.Thread):
+    """Interrupts a chain's training job once it is past INTERRUPT_AFTER, then lets it restart."""
+
+    def __init__(self, submitted: chain.Chain, command: list[str]):
+        super().__init__(daemon=True)
+        self.submitted, self.command = submitted, command
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        train_id = self.submitted.job_ids["train"]
+        try:
+            wait_for_iteration(train_log(self.submitted), INTERRUPT_AFTER, timeout_s=CHAIN_TIMEOUT_S)
+            slurm.run([*self.command, train_id])
+            release_when_held(train_id, timeout_s=120)
+        except BaseException as exc:  # re-raised by the test in the main thread
+            self.error = exc
+
+
 CHAINS = {
     "gpt": ["gpt", "--nodes", "2"],
     "bert": ["bert", "--nodes", "2"],
@@ -99,22 +181,33 @@ CHAINS = {
 
 @pytest.fixture(scope="module")
 def chains(tmp_path_factory):
-    """Start every chain of this module at once; ``chains(name)`` waits for one and caches it."""
+    """Start every chain of this module at once.
+
+    Yields ``(result, interrupted)``: ``result(name)`` waits for a `submit --wait` chain and caches
+    it; ``interrupted[name]`` is (chain, its Interrupter thread) for each INTERRUPTIONS entry.
+    """
     root = tmp_path_factory.mktemp("chains")
     corpus = small_corpus(root / "corpus.jsonl")
     procs = {name: start_submit(root / "runs", corpus, *args) for name, args in CHAINS.items()}
+    interrupted = {}
+    for name, command in INTERRUPTIONS.items():
+        submitted = submit_without_wait(root / name, corpus)
+        interrupted[name] = (submitted, Interrupter(submitted, command))
+        interrupted[name][1].start()
     results: dict[str, SubmitResult] = {}
 
-    def get(name: str) -> SubmitResult:
+    def result(name: str) -> SubmitResult:
         if name not in results:
             results[name] = finish_submit(procs[name])
         return results[name]
 
-    yield get
+    yield result, interrupted
     for proc in procs.values():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    for submitted, _thread in interrupted.values():
+        subprocess.run(["scancel", *submitted.ids], timeout=30, check=False)
 
 
 def assert_trained_chain(result: SubmitResult, model: str) -> None:
@@ -142,12 +235,13 @@ def assert_trained_chain(result: SubmitResult, model: str) -> None:
 @pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
 @pytest.mark.parametrize("model", ["gpt", "bert"])
 def test_submit_wait_completes_the_whole_chain(chains, model):
-    assert_trained_chain(chains(model), model)
+    result, _ = chains
+    assert_trained_chain(result(model), model)
 
 
 @pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
 def test_status_shows_the_chain_from_any_job_id(chains):
-    result = chains("gpt")
+    result = chains[0]("gpt")
     assert result.returncode == 0, result.describe()
     for step in ("preprocess", "aggregate"):
         status = subprocess.run([sys.executable, "-m", "workflows.status", result.job_ids[step]], cwd=REPO,
@@ -161,7 +255,7 @@ def test_status_shows_the_chain_from_any_job_id(chains):
 
 @pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
 def test_a_failing_training_job_fails_the_chain_fast_and_aggregation_still_reports(chains):
-    result = chains("bad_train_flag")
+    result = chains[0]("bad_train_flag")
     assert result.returncode == 1, result.describe()
     states = result.states()
     assert (states["preprocess"], states["train"]) == ("COMPLETED", "FAILED"), result.describe()
@@ -176,7 +270,7 @@ def test_a_failing_training_job_fails_the_chain_fast_and_aggregation_still_repor
 
 @pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
 def test_a_failing_preprocessing_job_cancels_training_and_aggregation_still_runs(chains):
-    result = chains("bad_tokenizer")
+    result = chains[0]("bad_tokenizer")
     assert result.returncode == 1, result.describe()
     states = result.states()
     assert states["preprocess"] == "FAILED" and states["train"] == "CANCELLED", result.describe()
@@ -192,3 +286,33 @@ def test_status_of_an_unknown_job_is_one_line_and_status_2():
     assert (status.returncode, status.stderr.strip()) == (
         2, "python -m workflows.status: error: job 999999: not found in sacct")
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(2 * CHAIN_TIMEOUT_S)
+@pytest.mark.parametrize("interruption", list(INTERRUPTIONS))
+def test_interrupted_training_resumes_and_matches_an_uninterrupted_run(chains, interruption):
+    result, interrupted = chains
+    submitted, interrupter = interrupted[interruption]
+    train_id = submitted.job_ids["train"]
+    interrupter.join(timeout=CHAIN_TIMEOUT_S)
+    assert not interrupter.is_alive(), "the interrupter thread did not finish"
+    if interrupter.error is not None:
+        raise interrupter.error
+    final = chain.wait(submitted, CHAIN_TIMEOUT_S, on_change=lambda record, step: None)
+    log = train_log(submitted).read_text()
+    assert [r.state for r in final] == ["COMPLETED"] * 3, log[-4000:]
+
+    first_run, _, second_run = log.partition(", restart 1\n")
+    assert second_run, f"the job did not run a second time:\n{log[-4000:]}"
+    checkpoints = [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", first_run)]
+    resumed = [int(i) for i in re.findall(r"resuming at iteration (\d+)", second_run)]
+    assert checkpoints and resumed and resumed[0] == max(checkpoints) >= 5, log[-4000:]
+    if interruption == "usr1":  # the warning path must checkpoint on the signal itself
+        assert re.search(r"saved checkpoint at iteration \d+ on signal", first_run), first_run[-3000:]
+        assert f"requeueing job {train_id}" in first_run
+    history = slurm.run(["sacct", "-D", "-X", "-n", "-P", "-j", train_id, "--format=State"]).split()
+    assert history[0] == "REQUEUED" and history[-1] == "COMPLETED", history
+    reference = result("gpt")
+    assert reference.returncode == 0, reference.describe()
+    assert final_loss(second_run) == final_loss(reference.log("train"))
+    assert final_loss(second_run)[0] == 20
