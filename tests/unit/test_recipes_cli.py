@@ -13,10 +13,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(module: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    # An empty PATH for Slurm commands proves validation happens before any submission.
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
-    return subprocess.run([sys.executable, "-m", module, *args, *(["--runs-dir", str(tmp_path)]
-                          if module.endswith("submit") else [])],
+    # A PATH without Slurm's commands: nothing can be submitted even when a cluster is up (the
+    # slurm tier exports SLURM_CONF for the whole session), and bad input must fail before sbatch.
+    empty = tmp_path / "empty-path"
+    empty.mkdir(exist_ok=True)
+    env = {**os.environ, "PATH": str(empty)}
+    runs = ["--runs-dir", str(tmp_path / "runs")] if module.endswith("submit") else []
+    return subprocess.run([sys.executable, "-m", module, *args, *runs],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -36,7 +39,7 @@ def test_submit_bad_input_is_one_line_and_status_2(tmp_path, args, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m workflows.submit: error: "), result.stderr
     assert message in lines[0]
-    assert result.stdout == "" and list(tmp_path.iterdir()) == []
+    assert result.stdout == "" and not (tmp_path / "runs").exists()
 
 
 def test_submit_without_slurm_says_how_to_get_it(tmp_path):

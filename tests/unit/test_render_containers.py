@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -66,7 +67,11 @@ def test_build_script_imports_into_enroot_and_fails_clearly_without_docker(tmp_p
     assert "docker build" in text and 'enroot import -o "$OUTPUT" "dockerd://$NAME:latest"' in text
     assert os.access(BUILD, os.X_OK)
     subprocess.run(["bash", "-n", str(BUILD)], check=True)
-    result = subprocess.run([str(BUILD)], env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    # A PATH holding only what build.sh needs before its checks: no docker, whatever the machine has.
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "dirname").symlink_to(shutil.which("dirname"))
+    result = subprocess.run([shutil.which("bash"), str(BUILD)], env={"PATH": str(tools), "HOME": str(tmp_path)},
                             capture_output=True, text=True, timeout=30, check=False)
     assert (result.returncode, result.stderr.strip()) == (
         2, "build.sh: error: docker not found: build on a machine with the Docker engine")
