@@ -10,7 +10,7 @@ setup:
 ## Main job: start the built-in two-node Slurm cluster and run the whole GPT chain on it.
 demo: setup
 	scripts/cluster.sh up
-	$(PYTHON) -m workflows.submit gpt --nodes 2 --wait
+	. $${MDPP_CLUSTER_DIR:-.cluster}/env && $(PYTHON) -m workflows.submit gpt --nodes 2 --wait
 
 ## Every CPU test tier (unit, dist, slurm) plus the golden sbatch check. CI runs exactly this.
 test: setup
