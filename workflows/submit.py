@@ -10,6 +10,7 @@ Bad input (unknown recipe, --nodes < 1, a missing data file) exits 2 with one li
 
 from __future__ import annotations
 
+import argparse
 import logging
 import shlex
 import sys
@@ -43,7 +44,14 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def spec_from_args(args) -> chain.ChainSpec:
+def image_reference(image: str | None) -> str | None:
+    """A local .sqsh file as an absolute path (the jobs run elsewhere); registry names unchanged."""
+    if image and Path(image).is_file():
+        return str(Path(image).resolve())
+    return image
+
+
+def spec_from_args(args: argparse.Namespace) -> chain.ChainSpec:
     """Validated ChainSpec; ValueError naming the bad value otherwise."""
     if args.gpus_per_node < 0:
         raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be >= 0")
@@ -60,7 +68,7 @@ def spec_from_args(args) -> chain.ChainSpec:
         run_dir=chain.new_run_dir(args.runs_dir.resolve(), recipe),
         gpus_per_node=args.gpus_per_node,
         partition=args.partition,
-        image=args.image,
+        image=image_reference(args.image),
         overrides=overrides,
     )
     missing = spec.missing_inputs()
