@@ -127,7 +127,8 @@ def chain_names(name: str) -> list[str] | None:
     return None
 
 
-def _options(spec: ChainSpec, step: str, logs: Path, after: str | None) -> list[str]:
+def sbatch_options(spec: ChainSpec, step: str, logs: Path, after: str | None) -> list[str]:
+    """sbatch flags of one step: name, log file, directory, partition; nodes/GPUs and the dependency."""
     options = [
         f"--job-name={job_name(spec.run_dir, step)}",
         f"--output={logs}/%x_%j.out",
@@ -162,7 +163,7 @@ def submit(spec: ChainSpec) -> Chain:
     try:
         for job in jobs.JOBS:
             after = f"{dependency[job.key]}:{previous}" if previous else None
-            previous = slurm.sbatch(str(scripts[job.filename]), _options(spec, job.key, logs, after), env)
+            previous = slurm.sbatch(str(scripts[job.filename]), sbatch_options(spec, job.key, logs, after), env)
             job_ids[job.key] = previous
     except slurm.SlurmError:
         slurm.scancel(list(job_ids.values()))

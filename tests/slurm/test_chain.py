@@ -172,7 +172,7 @@ class Interrupter(threading.Thread):
 
 
 CHAINS = {
-    "gpt": ["gpt", "--nodes", "2"],
+    "gpt": ["gpt", "--nodes", "2", "--partition", "debug"],
     "bert": ["bert", "--nodes", "2"],
     "bad_train_flag": ["gpt", "--nodes", "2", "--env", "EXTRA_TRAIN_ARGS=--no-such-flag"],
     "bad_tokenizer": ["gpt", "--nodes", "2", "--env", "TOKENIZER_TYPE=NoSuchTokenizer"],

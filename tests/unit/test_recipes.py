@@ -131,3 +131,17 @@ def test_sacct_parsing_keeps_the_state_word_and_skips_noise():
                                                        "node[1-2]")]
     assert slurm.parse_sacct(text)[0].finished
     assert not slurm.JobRecord("1", "n", "REQUEUED", "0:0", "", "").finished
+
+
+def test_sbatch_options_chain_the_jobs_and_request_gpus_only_for_training(tmp_path):
+    spec = make_spec(tmp_path, recipe=recipes.get("bert", "gpu"), gpus_per_node=4, partition="gpu")
+    logs = tmp_path / "logs"
+    pre = chain.sbatch_options(spec, "preprocess", logs, after=None)
+    train = chain.sbatch_options(spec, "train", logs, after="afterok:11")
+    agg = chain.sbatch_options(spec, "aggregate", logs, after="afterany:12")
+    assert pre == ["--job-name=mdpp-run-preprocess", f"--output={logs}/%x_%j.out", f"--chdir={REPO}",
+                   "--partition=gpu"]
+    assert train[-4:] == ["--nodes=2", "--gpus-per-node=4", "--dependency=afterok:11", "--kill-on-invalid-dep=yes"]
+    assert agg[-2:] == ["--dependency=afterany:12", "--kill-on-invalid-dep=yes"]
+    assert not any(o.startswith(("--nodes", "--gpus")) for o in pre + agg)
+    assert spec.environment()["SIZE"] == "gpu" and spec.environment()["GPUS_PER_NODE"] == "4"
