@@ -136,6 +136,8 @@ def sbatch_options(spec: ChainSpec, step: str, logs: Path, after: str | None) ->
     ]
     if spec.partition:
         options.append(f"--partition={spec.partition}")
+    if step == "preprocess":  # one core per tokenizer worker (the file's directive is the CPU demo's)
+        options.append(f"--cpus-per-task={spec.overrides.get('WORKERS') or spec.recipe.preprocess_workers}")
     if step == "train":
         options.append(f"--nodes={spec.nodes}")
         if spec.gpus_per_node:

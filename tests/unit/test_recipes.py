@@ -140,7 +140,7 @@ def test_sbatch_options_chain_the_jobs_and_request_gpus_only_for_training(tmp_pa
     train = chain.sbatch_options(spec, "train", logs, after="afterok:11")
     agg = chain.sbatch_options(spec, "aggregate", logs, after="afterany:12")
     assert pre == ["--job-name=mdpp-run-preprocess", f"--output={logs}/%x_%j.out", f"--chdir={REPO}",
-                   "--partition=gpu"]
+                   "--partition=gpu", "--cpus-per-task=16"]
     assert train[-4:] == ["--nodes=2", "--gpus-per-node=4", "--dependency=afterok:11", "--kill-on-invalid-dep=yes"]
     assert agg[-2:] == ["--dependency=afterany:12", "--kill-on-invalid-dep=yes"]
     assert not any(o.startswith(("--nodes", "--gpus")) for o in pre + agg)
