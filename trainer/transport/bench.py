@@ -33,8 +33,8 @@ from trainer.transport.spawn import check_all_ok, run_processes
 from trainer.transport.tensors import header_for
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_BURST_BYTES = 512 << 20  # bytes streamed per bandwidth sample (bounded below by _MIN_BURST messages)
-_MIN_BURST, _MAX_BURST = 4, 100
+_BURST_BYTES = 256 << 20  # bytes streamed per bandwidth sample (bounded below by _MIN_BURST messages)
+_MIN_BURST, _MAX_BURST = 3, 100
 
 
 def parse_size(text: str) -> int:
