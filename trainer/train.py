@@ -12,6 +12,7 @@ because megatron's P2P communicator allocates on CUDA.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -441,7 +442,11 @@ def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> 
     session = TrainingSession(cfg, launch, hooks or TrainHooks())
     try:
         code = session.run()
+        # Tear-down waits on peers (end of stream on every link, group destruction). Should one
+        # never answer, dump every thread's stack and exit 1 rather than hang the job.
+        faulthandler.dump_traceback_later(cfg.parallel.dpp_timeout_s + 60, exit=True)
         session.close()
+        faulthandler.cancel_dump_traceback_later()
         return code
     except Exception:
         log.exception("rank %d failed", launch.rank)

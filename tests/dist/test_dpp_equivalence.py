@@ -26,13 +26,13 @@ LOSS_RTOL = 1e-5
 TINY = ["--device", "cpu", "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--dpp-timeout", "60"]
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--dpp-timeout", "120"]
 MODELS = {"gpt": ["--model", "gpt", "--num-layers", "8"], "bert": ["--model", "bert", "--num-layers", "4"]}
 
 
 def _run(out: Path, world: int, args: list[str], harness: list[str]) -> None:
     check_ok(launch(["tests.dist.train_harness", "--out", str(out), "--dump-grads", str(ITERS), *harness,
-                     "--", *args], world, timeout_s=240))
+                     "--", *args], world, timeout_s=420))
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +53,24 @@ LAYOUTS = {
     "gpt-pp2-tp2": ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     "gpt-pp2-dp2": ("gpt", 4, ["--pipeline-model-parallel-size", "2"]),
     "bert-pp2": ("bert", 2, ["--pipeline-model-parallel-size", "2"]),
+    # With the distributed optimizer finalize_model_grads reduce-SCATTERS: each DP rank's grad buffer
+    # is only reduced on the shard it owns, so full-gradient dumps are not comparable; equal losses
+    # at iterations 2 and 3 show the sharded Adam steps equal the reference's.
+    "gpt-pp2-dp2-distopt": ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
 }
+LOSSES_ONLY = {"gpt-pp2-dp2-distopt"}
+# Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
+LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2"])
+NO_DPP = {"gpt-pp2-no-dpp"}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dpp_matches_single_process_reference(layout: str, references, tmp_path: Path) -> None:
     model, world, flags = LAYOUTS[layout]
     ref = references[model]
-    _run(tmp_path, world, TINY + MODELS[model] + flags + ["--use-dpp"], ["--load-init", str(ref / "init.pt")])
+    schedule = [] if layout in NO_DPP else ["--use-dpp"]
+    _run(tmp_path, world, TINY + MODELS[model] + flags + schedule, ["--load-init", str(ref / "init.pt")])
 
     expected = json.loads((ref / "losses_rank0.json").read_text())
     assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]
@@ -72,6 +81,8 @@ def test_dpp_matches_single_process_reference(layout: str, references, tmp_path:
                 assert got[it][key] == pytest.approx(value, rel=LOSS_RTOL), f"{rank_file.name} it {it} {key}"
     assert len(list(tmp_path.glob("losses_rank*.json"))) == world
 
+    if layout in LOSSES_ONLY:
+        return
     for it in range(ITERS):
         reference_grads = load_rank_grads(ref, it)[0]
         ranks = load_rank_grads(tmp_path, it)
