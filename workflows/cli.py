@@ -9,10 +9,6 @@ from typing import NoReturn
 EXIT_BAD_INPUT = 2  # the argparse convention: the user's input is wrong, nothing was done
 
 
-class UsageError(Exception):
-    """Bad user input, reported as one line and exit status 2."""
-
-
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports bad input in one line (no usage dump) and exits 2."""
 
