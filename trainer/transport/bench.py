@@ -146,74 +146,75 @@ class _DistPair:
         dist.recv(like, src=self.peer, group=self.group)
 
 
-def _measure_pair(pair, rank: int, size: int, config: BenchConfig, device: torch.device) -> tuple[list, list]:
-    """(bandwidth samples in GB/s, one-way latency samples in us), valid on rank 1."""
-    data = torch.ones(size, dtype=torch.uint8, device=device)
-    sink = torch.empty_like(data)
-    burst, bandwidth, latency = _burst(size), [], []
-    for _ in range(config.repeats + 1):  # the first round warms up (page faults, lazy set-up)
-        dist.barrier()
-        _settle(device)
-        start = time.perf_counter()
-        for _ in range(burst):
-            pair.send("next", data) if rank == 0 else pair.recv(sink)
-        _settle(device)
-        bandwidth.append(burst * size / (time.perf_counter() - start) / 1e9)
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            pair.send("next", data)
-            pair.recv(sink)
-        else:
-            pair.recv(sink)
-            pair.send("prev", data)
-        _settle(device)
-        latency.append((time.perf_counter() - start) / 2 * 1e6)
-    return bandwidth[1:], latency[1:]
+def _pair_sample(pair, rank: int, size: int, data: torch.Tensor, sink: torch.Tensor, device) -> tuple[float, float]:
+    """One (bandwidth GB/s, one-way latency us) sample of a two-rank pair; valid on rank 1."""
+    burst = _burst(size)
+    dist.barrier()
+    _settle(device)
+    start = time.perf_counter()
+    for _ in range(burst):
+        pair.send("next", data) if rank == 0 else pair.recv(sink)
+    _settle(device)
+    bandwidth = burst * size / (time.perf_counter() - start) / 1e9
+    dist.barrier()
+    start = time.perf_counter()
+    if rank == 0:
+        pair.send("next", data)
+        pair.recv(sink)
+    else:
+        pair.recv(sink)
+        pair.send("prev", data)
+    _settle(device)
+    return bandwidth, (time.perf_counter() - start) / 2 * 1e6
 
 
-def _single_process_copy(size: int, config: BenchConfig, devices: tuple[torch.device, torch.device]) -> tuple[list, list]:
-    """memcpy (CPU) or a raw peer copy (GPU: device 0 -> device 1) of ``size`` bytes."""
-    src = torch.ones(size, dtype=torch.uint8, device=devices[0])
-    dst = torch.empty(size, dtype=torch.uint8, device=devices[1])
-    burst, samples = _burst(size), []
-    for _ in range(config.repeats + 1):
-        _settle(devices[0])
-        start = time.perf_counter()
-        for _ in range(burst):  # a burst, like the transports: one small copy is below timer noise
-            dst.copy_(src)
-        _settle(devices[0])
-        _settle(devices[1])
-        samples.append((time.perf_counter() - start) / burst)
-    samples = samples[1:]
-    return [size / s / 1e9 for s in samples], [s * 1e6 for s in samples]
+def _copy_sample(size: int, src: torch.Tensor, dst: torch.Tensor) -> tuple[float, float]:
+    """One sample of memcpy (CPU) or a raw peer copy (GPU) of ``size`` bytes, in one process."""
+    burst = _burst(size)
+    _settle(src.device)
+    start = time.perf_counter()
+    for _ in range(burst):  # a burst, like the transports: one small copy is below timer noise
+        dst.copy_(src)
+    _settle(src.device)
+    _settle(dst.device)
+    seconds = (time.perf_counter() - start) / burst
+    return size / seconds / 1e9, seconds * 1e6
 
 
 def _rank_main(rank: int, world: int, config: BenchConfig) -> list[dict]:
-    # One thread per process on CPU: the memcpy baseline is one thread, like the ring's copy.
-    torch.set_num_threads(1)
+    """Measure every transport and baseline, interleaved: each repeat samples all of them in turn,
+    so a load change on a shared machine hits transports and baselines alike."""
+    torch.set_num_threads(1)  # one thread per process: the memcpy baseline is one thread, like the ring's copy
     device = _device(config, rank)
     topo = Topology(world_size=2, rank=rank, pipeline_parallel=2)
-    rows: list[Row] = []
     options = LinkOptions(credits=config.credits, shm_slot_bytes=config.slot_bytes)
+    pairs, links = {}, []
     for transport in config.transports:
-        with make_stage_links(topo, transport, device, timeout_s=config.timeout_s, options=options) as links:
-            pair = _LinksPair(links)
-            for size in config.sizes:
-                bandwidth, latency = _measure_pair(pair, rank, size, config, device)
-                rows.append(Row(transport, size, statistics.median(bandwidth), statistics.median(latency)))
-    distinct_gpus = config.device == "cpu" or torch.cuda.device_count() > 1
-    if distinct_gpus:  # NCCL refuses two ranks on one GPU
-        group = dist.new_group([0, 1], backend="gloo" if config.device == "cpu" else "nccl")
-        for size in config.sizes:
-            bandwidth, latency = _measure_pair(_DistPair(group, rank), rank, size, config, device)
-            rows.append(Row("send/recv", size, statistics.median(bandwidth), statistics.median(latency)))
-    if rank == 1:
-        peer_device = _device(config, 0) if config.device == "cuda" else device
-        name = "memcpy" if config.device == "cpu" else "peer copy"
-        for size in config.sizes:
-            bandwidth, latency = _single_process_copy(size, config, (peer_device, device))
-            rows.append(Row(name, size, statistics.median(bandwidth), statistics.median(latency)))
+        links.append(make_stage_links(topo, transport, device, timeout_s=config.timeout_s, options=options))
+        pairs[transport] = _LinksPair(links[-1])
+    if config.device == "cpu" or torch.cuda.device_count() > 1:  # NCCL refuses two ranks on one GPU
+        pairs["send/recv"] = _DistPair(dist.new_group([0, 1], backend="gloo" if config.device == "cpu" else "nccl"), rank)
+    copy_name = "memcpy" if config.device == "cpu" else "peer copy"
+    copy_src_device = _device(config, 0) if config.device == "cuda" else device
+    rows = []
+    for size in config.sizes:
+        data = torch.ones(size, dtype=torch.uint8, device=device)
+        sink = torch.empty_like(data)
+        copy_src = torch.ones(size, dtype=torch.uint8, device=copy_src_device) if rank == 1 else None
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in [*pairs, copy_name]}
+        for _ in range(config.repeats + 1):  # the first round warms up (page faults, lazy set-up)
+            for name, pair in pairs.items():
+                samples[name].append(_pair_sample(pair, rank, size, data, sink, device))
+            if rank == 1:
+                samples[copy_name].append(_copy_sample(size, copy_src, sink))
+            dist.barrier()
+        for name, values in samples.items():
+            if rank == 1:
+                measured = values[1:]
+                rows.append(Row(name, size, statistics.median(b for b, _ in measured), statistics.median(t for _, t in measured)))
+        del data, sink, copy_src
+    for link in links:
+        link.close()
     dist.barrier()
     return [asdict(r) for r in rows] if rank == 1 else []
 
