@@ -232,7 +232,9 @@ def _killed_peer_scenario(rank: int, world: int, transport: str, victim: str) ->
     victim="receiver": rank 0 streams to rank 1, which stops releasing slots and is killed; rank 0
     is then blocked on credits (shm) or on an unfinished send (gloo).
     """
-    links = _links(rank, world, transport, shm_slot_bytes=64 << 10, credits=2)
+    topo = Topology(world_size=world, rank=rank, pipeline_parallel=world)
+    options = LinkOptions(shm_slot_bytes=64 << 10, credits=2)
+    links = make_stage_links(topo, transport, "cpu", timeout_s=KILL_TIMEOUT_S, options=options)
     big = torch.ones(4 << 20, dtype=torch.uint8)  # 64 slots of 64 KiB: the kill lands mid-message
     if rank == 1:
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
@@ -251,9 +253,11 @@ def _killed_peer_scenario(rank: int, world: int, transport: str, victim: str) ->
                 links.send("next", big, header_for(big, "act", 0, 0))
     except TransportError as exc:
         elapsed = time.monotonic() - start
-        assert not isinstance(exc, TransportTimeout), f"death not detected, only timed out: {exc}"
         links.close()
-        return str(exc), elapsed
+        return type(exc).__name__, str(exc), elapsed
+
+
+KILL_TIMEOUT_S = 6.0
 
 
 @pytest.mark.timeout(90)
@@ -262,9 +266,15 @@ def _killed_peer_scenario(rank: int, world: int, transport: str, victim: str) ->
 def test_peer_killed_mid_transfer_is_reported_naming_it(transport, victim):
     survivor, killed = run_processes(_killed_peer_scenario, 2, transport, victim)
     assert killed.exitcode == -signal.SIGKILL, killed
-    message, elapsed = check_all_ok([survivor])[0]
+    kind, message, elapsed = check_all_ok([survivor])[0]
     assert "rank 1" in message, message
-    assert elapsed < 10.0, f"took {elapsed:.1f}s to notice the dead peer"
+    if transport == "shm" or victim == "sender":
+        # The ring checks the peer's pid; a gloo receive fails as soon as the socket closes.
+        assert kind == "TransportError" and elapsed < KILL_TIMEOUT_S, (kind, message, elapsed)
+    else:
+        # A gloo send to a dead receiver fails when TCP notices, which it sometimes does not:
+        # then the send's timeout is what names the peer. Either way: within the timeout.
+        assert elapsed < KILL_TIMEOUT_S + 2.0, (kind, message, elapsed)
 
 
 def _silent_peer_scenario(rank: int, world: int, transport: str) -> tuple[str, float]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
 from trainer.transport.channels import Delivery, Inbox, ThreadedReceiver
-from trainer.transport.tensors import as_bytes, check_matches, empty_bytes, from_bytes
+from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import HEADER_WORDS, decode, encode, payload_nbytes
 
 logger = logging.getLogger(__name__)
@@ -130,9 +130,7 @@ class ProcessGroupReceiver(ThreadedReceiver):
         super().__init__(rank, peer, direction, inbox, credits)
         self._group, self._device = group, device
         self._expected = 0
-        self._pool: list[torch.Tensor] = []  # released receive buffers, reused by size
-        self._pool_lock = threading.Lock()
-        self._pool_limit = credits
+        self._pool = BufferPool(device, credits)
         self.start()
 
     def _on_thread_start(self) -> None:
@@ -154,21 +152,12 @@ class ProcessGroupReceiver(ThreadedReceiver):
         if frame.header is None:
             return None
         assert frame.nbytes == payload_nbytes(frame.header), frame
-        raw = self._recv(self._buffer(frame.nbytes)) if frame.nbytes else empty_bytes(0, self._device)
+        raw = self._recv(self._pool.take(frame.nbytes)) if frame.nbytes else empty_bytes(0, self._device)
         arrived = None
         if self._device.type == "cuda":
             arrived = torch.cuda.Event()
             arrived.record()  # on this thread's stream, after the payload receive
         return Message(frame.header, from_bytes(raw, frame.header), self.peer, Delivery(self, (arrived, raw)))
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """A receive buffer: a released one of the same size if any (a fresh multi-MiB allocation
-        costs page faults on every message), else a new one."""
-        with self._pool_lock:
-            for i, buffer in enumerate(self._pool):
-                if buffer.numel() == nbytes:
-                    return self._pool.pop(i)
-        return empty_bytes(nbytes, self._device)
 
     def _recv(self, buffer: torch.Tensor) -> torch.Tensor:
         work = dist.irecv(buffer, src=self.peer, group=self._group)
@@ -198,12 +187,8 @@ class ProcessGroupReceiver(ThreadedReceiver):
         )
 
     def release(self, message: Message) -> None:
-        """The tensor is the consumer's own copy; once released its buffer is reused (see _buffer)."""
-        raw = message.token.handle[1]
-        if raw.numel() == 0 or self._device.type == "cuda":
-            return  # CUDA buffers stay with the caching allocator, which is stream-aware
-        with self._pool_lock:
-            if any(buffer is raw for buffer in self._pool):
-                raise ValueError(f"rank {self.rank}: a message from rank {self.peer} was released twice")
-            self._pool.append(raw)
-            del self._pool[: -self._pool_limit]  # keep the newest few: sizes vary with sequence length
+        """The tensor is the consumer's own copy; once released its buffer is reused."""
+        try:
+            self._pool.give_back(message.token.handle[1])
+        except ValueError as exc:
+            raise ValueError(f"rank {self.rank}: from rank {self.peer}: {exc}") from None

@@ -20,7 +20,7 @@ import torch
 from trainer.transport import _shm_ring
 from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
 from trainer.transport.channels import Delivery, Inbox, ThreadedReceiver
-from trainer.transport.tensors import as_bytes, check_matches, empty_bytes, from_bytes
+from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import decode, encode, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class ShmReceiver(ThreadedReceiver):
         self._slots = torch.frombuffer(ring, dtype=torch.uint8)  # keeps the mapping alive
         self._held: dict[int, int] = {}  # slot -> sequence of the message viewing it
         self._held_lock = threading.Lock()
+        self._pool = BufferPool(torch.device("cpu"), credits)  # for payloads larger than a slot
         self._expected = 0
 
     def _interrupt(self) -> None:
@@ -140,11 +141,13 @@ class ShmReceiver(ThreadedReceiver):
             with self._held_lock:
                 self._held[slot] = frame.sequence
             view = from_bytes(self._slots[start : start + frame.nbytes], frame.header)
-            return Message(frame.header, view, self.peer, Delivery(self, (slot, frame.sequence)))
-        return Message(frame.header, self._reassemble(slot, frame.nbytes, frame.sequence, frame.header), self.peer, Delivery(self))
+            return Message(frame.header, view, self.peer, Delivery(self, ("slot", slot, frame.sequence)))
+        out = self._reassemble(slot, frame.nbytes, frame.sequence)
+        return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, ("copy", out)))
 
-    def _reassemble(self, slot: int, nbytes: int, sequence: int, header: Header) -> torch.Tensor:
-        out = empty_bytes(nbytes, torch.device("cpu"))
+    def _reassemble(self, slot: int, nbytes: int, sequence: int) -> torch.Tensor:
+        """Copy the chunks of one oversized message out of consecutive slots into one buffer."""
+        out = self._pool.take(nbytes)
         offset = 0
         while True:
             length = self._ring.slot_nbytes(slot)
@@ -152,7 +155,7 @@ class ShmReceiver(ThreadedReceiver):
             self._ring.release(slot)
             offset += length
             if offset >= nbytes:
-                return from_bytes(out, header)
+                return out
             slot = self._next_slot()
             if slot is None:
                 raise TransportError(
@@ -165,8 +168,14 @@ class ShmReceiver(ThreadedReceiver):
     def release(self, message: Message) -> None:
         handle = message.token.handle
         if handle is None:
-            return  # a copy (empty or reassembled payload): no slot behind it
-        slot, sequence = handle
+            return  # an empty payload: nothing behind it
+        if handle[0] == "copy":  # a reassembled payload: its buffer serves a later one
+            try:
+                self._pool.give_back(handle[1])
+            except ValueError as exc:
+                raise ValueError(f"rank {self.rank}: from rank {self.peer}: {exc}") from None
+            return
+        _, slot, sequence = handle
         with self._held_lock:
             if self._held.get(slot) != sequence:
                 raise ValueError(

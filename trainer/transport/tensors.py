@@ -6,6 +6,8 @@ gloo and numpy do not all support) crosses unchanged, and the header alone rebui
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from trainer.transport.base import Header
@@ -57,3 +59,34 @@ def from_bytes(raw: torch.Tensor, header: Header) -> torch.Tensor:
 
 def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class BufferPool:
+    """Receive buffers handed back by ``release``, reused for payloads of the same size.
+
+    A fresh multi-MiB CPU allocation costs a page fault per 4 KiB on first touch, on every message;
+    reusing released buffers removes that. Holds at most ``limit`` buffers (sizes vary with the
+    sequence length, so the newest are kept). CPU only: CUDA memory is the caching allocator's job.
+    """
+
+    def __init__(self, device: torch.device, limit: int) -> None:
+        self._device, self._limit = device, limit
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.numel() == nbytes:
+                    return self._free.pop(i)
+        return empty_bytes(nbytes, self._device)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """Return a buffer the consumer no longer uses; ValueError if it was returned already."""
+        if self._device.type != "cpu" or buffer.numel() == 0:
+            return
+        with self._lock:
+            if any(b is buffer for b in self._free):
+                raise ValueError("a received message was released twice")
+            self._free.append(buffer)
+            del self._free[: -self._limit]
