@@ -46,21 +46,24 @@ def references(tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
+GLOO = ["--transport", "gloo"]
+# Layouts alternate between the default transport (auto = shared memory on one host) and gloo, so
+# the runtime is checked over both kinds of StageLinks.
 LAYOUTS = {
     "gpt-pp2": ("gpt", 2, ["--pipeline-model-parallel-size", "2"]),
-    "gpt-pp4": ("gpt", 4, ["--pipeline-model-parallel-size", "4"]),
+    "gpt-pp4": ("gpt", 4, ["--pipeline-model-parallel-size", "4", *GLOO]),
     "gpt-pp4-vp2": ("gpt", 4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "gpt-pp2-tp2": ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
-    "gpt-pp2-dp2": ("gpt", 4, ["--pipeline-model-parallel-size", "2"]),
+    "gpt-pp2-dp2": ("gpt", 4, ["--pipeline-model-parallel-size", "2", *GLOO]),
     "bert-pp2": ("bert", 2, ["--pipeline-model-parallel-size", "2"]),
     # With the distributed optimizer finalize_model_grads reduce-SCATTERS: each DP rank's grad buffer
     # is only reduced on the shard it owns, so full-gradient dumps are not comparable; equal losses
     # at iterations 2 and 3 show the sharded Adam steps equal the reference's.
-    "gpt-pp2-dp2-distopt": ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
+    "gpt-pp2-dp2-distopt": ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", *GLOO]),
 }
 LOSSES_ONLY = {"gpt-pp2-dp2-distopt"}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
-LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2"])
+LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
 NO_DPP = {"gpt-pp2-no-dpp"}
 
 

@@ -42,7 +42,9 @@ def _train(out: Path, data: str, iters: int, *extra: str) -> dict[int, float]:
             "--micro-batch-size", "2", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
             "--use-dpp", "--lr", "3e-3", "--lr-warmup-iters", "5", "--lr-decay-iters", "50",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(iters),
-            "--log-interval", "10", *extra]
+            # gloo links: the result must not depend on the transport, and this keeps the test off
+            # /dev/shm, which concurrent test sessions on a shared machine clean up.
+            "--transport", "gloo", "--log-interval", "10", *extra]
     check_ok(launch(["tests.dist.train_harness", "--out", str(out), "--", *args], 2, timeout_s=420))
     losses = json.loads((out / "losses_rank0.json").read_text())
     return {int(it): v["lm loss"] for it, v in losses.items()}
