@@ -13,6 +13,7 @@ so gradients never wait behind activations. Peers always share tp and dp coordin
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -77,7 +78,7 @@ def plan_channels(topology: Topology, transport: str, device: torch.device) -> l
     remote = "nccl" if device.type == "cuda" else "gloo"
     plan = []
     for src in range(topology.world_size):
-        view = Topology(**{**topology.__dict__, "rank": src})
+        view = dataclasses.replace(topology, rank=src)
         for direction in DIRECTIONS:
             dst = view.next_stage_rank if direction == "next" else view.prev_stage_rank
             same_node = topology.same_node(src, dst)
