@@ -65,11 +65,11 @@ class CudaIpcSender:
             raise ValueError(f"rank {self.rank}: this channel carries tensors on {self._device}, got {tensor.device}")
         data = as_bytes(tensor.detach())  # on the producer's stream when a copy is needed
         producer = torch.cuda.current_stream(self._device)
-        wire = pack(encode(header, self._sequence))
         slot_bytes, nbytes = self._remote_slots.shape[1], data.numel()
         with self._lock:
             if self._closed:
                 raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
+            wire = pack(encode(header, self._sequence))
             self._stream.wait_stream(producer)  # copy only what the producer has finished writing
             offset = 0
             while True:

@@ -64,11 +64,11 @@ class ShmSender:
         if tensor.device.type != "cpu":
             raise ValueError(f"rank {self.rank}: the shm ring carries CPU tensors, got one on {tensor.device}")
         data = as_bytes(tensor.detach())
-        wire = pack(encode(header, self._sequence))
         slot_bytes, nbytes, ptr = self._ring.slot_bytes, data.numel(), data.data_ptr()
         with self._lock:
             if self._closed:
                 raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
+            wire = pack(encode(header, self._sequence))
             offset = 0
             while True:  # at least one slot, also for an empty payload
                 slot = self._ring.acquire(timeout_s, self._poll_s)
