@@ -261,7 +261,7 @@ def run(config: BenchConfig) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.transport.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64K,1M,8M,64M,256M", help="comma-separated, K/M/G binary units")
-    parser.add_argument("--transports", default=None, help="default: shm,gloo on cpu; shm,nccl on cuda")
+    parser.add_argument("--transports", default=None, help="default: shm,gloo on cpu; shm,nccl on cuda (shm on one GPU)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--credits", type=int, default=4)
@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     default_transports = "shm,gloo" if args.device == "cpu" else "shm,nccl"
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        default_transports = "shm"  # both ranks share the one GPU: CUDA IPC works, NCCL refuses
     try:
         config = BenchConfig(
             sizes=tuple(parse_size(s) for s in args.sizes.split(",")),
