@@ -44,7 +44,11 @@ def check_matches(tensor: torch.Tensor, header: Header) -> None:
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``tensor``'s elements (copied first only if it is not contiguous)."""
-    flat = tensor.contiguous().reshape(-1)
+    flat = tensor.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        # Not `.contiguous()`: a one-element tensor counts as contiguous whatever its stride, and a
+        # uint8 view of a dtype wider than one byte needs stride 1 (found on GPU with x[::2] of 2 elements).
+        flat = flat.new_empty(flat.shape).copy_(flat)
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
 
 
