@@ -227,9 +227,11 @@ class Ring {
         if (offset + nbytes > slot_bytes()) throw std::out_of_range("write past the end of a slot");
         std::memcpy(data() + slot_offset(slot) + offset, reinterpret_cast<const void*>(src), nbytes);
     }
-    void commit(uint32_t slot, uint64_t nbytes, const std::string& header) {
+    // `external`: the payload lives outside this ring (CUDA IPC slots on the receiver's GPU, of
+    // their own size); the ring then carries only the header and the byte count.
+    void commit(uint32_t slot, uint64_t nbytes, const std::string& header, bool external) {
         if (slot != head_ % num_slots()) throw std::logic_error("commit of a slot that was not acquired");
-        if (nbytes > slot_bytes() || header.size() != kHeaderBytes)
+        if ((!external && nbytes > slot_bytes()) || header.size() != kHeaderBytes)
             throw std::invalid_argument("commit: payload larger than a slot or header not 128 bytes");
         SlotMeta& m = meta(slot);
         m.nbytes = nbytes;
@@ -366,7 +368,8 @@ PYBIND11_MODULE(_shm_ring, m) {
         .def("wait_attached", &Ring::wait_attached, gil())
         .def("acquire", &Ring::acquire, gil())
         .def("write", &Ring::write, gil())
-        .def("commit", &Ring::commit)
+        .def("commit", &Ring::commit, py::arg("slot"), py::arg("nbytes"), py::arg("header"),
+             py::arg("external") = false)
         .def("wait_full", &Ring::wait_full, gil())
         .def("slot_nbytes", &Ring::slot_nbytes)
         .def("slot_header", &Ring::slot_header)

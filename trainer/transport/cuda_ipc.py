@@ -82,7 +82,7 @@ class CudaIpcSender:
                     if length:
                         self._remote_slots[slot, :length].copy_(data[offset : offset + length], non_blocking=True)
                     self._filled[slot].record(self._stream)
-                self._control.commit(slot, length, wire)
+                self._control.commit(slot, length, wire, external=True)  # payload is on the GPU
                 offset += length
                 if offset >= nbytes:
                     break
