@@ -119,6 +119,10 @@ class ParallelConfig:
     """Stage-to-stage transport (``--transport``): shm within a node, nccl/gloo across."""
     dpp_timeout_s: float = 300.0
     """Watchdog: a stage that can run nothing for this long fails naming what it waits for."""
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Backend of the default process group (Megatron-LM's ``--distributed-backend``): auto = nccl
+    on CUDA, gloo on CPU. gloo on CUDA lets several ranks share one GPU (NCCL refuses that), e.g. to
+    run the DPP runtime with the CUDA IPC transport on a single-GPU machine."""
 
     def __post_init__(self) -> None:
         p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
@@ -131,6 +135,8 @@ class ParallelConfig:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
         if self.transport not in TRANSPORTS:
             p.append(f"--transport={self.transport!r} must be one of {', '.join(TRANSPORTS)}")
+        if self.distributed_backend not in ("auto", "nccl", "gloo"):
+            p.append(f"--distributed-backend={self.distributed_backend!r} must be one of auto, nccl, gloo")
         if self.dpp_timeout_s <= 0:
             p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
         _check(p)

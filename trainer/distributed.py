@@ -96,15 +96,20 @@ def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str
     return LaunchInfo(rank, world, local_rank, node, addr, port, launcher)
 
 
-def init_process_group(launch: LaunchInfo, device: str, timeout_s: float = 600.0) -> torch.device:
-    """Create the default process group (NCCL on CUDA, gloo on CPU); returns this rank's device."""
+def init_process_group(
+    launch: LaunchInfo, device: str, timeout_s: float = 600.0, backend_choice: str = "auto"
+) -> torch.device:
+    """Create the default process group (NCCL on CUDA, gloo on CPU, unless ``backend_choice`` names
+    one); returns this rank's device."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise LaunchError("--device cuda but torch sees no CUDA device (use --device cpu)")
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
         dev = torch.device("cuda", torch.cuda.current_device())
-        backend = "nccl"
+        backend = "nccl" if backend_choice == "auto" else backend_choice
     else:
+        if backend_choice == "nccl":
+            raise LaunchError("--distributed-backend nccl needs --device cuda")
         dev, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(
         backend=backend,

@@ -117,3 +117,43 @@ def apply_cpu_shims() -> CpuShims:
     shims._mode.__enter__()
     log.debug("megatron-core CPU shims applied")
     return shims
+
+
+class _OneByOne:
+    """Stand-in for ``torch.distributed._coalescing_manager``: lets each collective run on its own.
+
+    ProcessGroupGloo has no ``allreduce_coalesced`` for CUDA tensors, but plain ``all_reduce`` of a
+    CUDA tensor works; megatron's DDP only coalesces for speed, so issuing the bucket all-reduces
+    one by one computes the same sums.
+    """
+
+    def __init__(self, group: Any = None, device: Any = None, async_ops: bool = False) -> None:
+        self.works: list[Any] = []
+
+    def __enter__(self) -> _OneByOne:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def append(self, work: Any) -> None:
+        self.works.append(work)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def apply_gloo_cuda_shims() -> CpuShims:
+    """Let megatron-core run on CUDA tensors over a gloo default group (``--distributed-backend gloo``).
+
+    That is how several ranks share ONE GPU (NCCL refuses two ranks on one device), which lets a
+    single-GPU machine run the pipeline runtime with the CUDA IPC transport. The only blocker found
+    (megatron-core 0.19.2, torch 2.11) is the coalesced grad all-reduce in its DDP buckets.
+    """
+    from megatron.core.distributed import param_and_grad_buffer
+
+    shims = CpuShims()
+    shims.patch(param_and_grad_buffer, "_coalescing_manager", _OneByOne)
+    log.debug("megatron-core gloo-on-CUDA shims applied")
+    return shims

@@ -100,11 +100,18 @@ class TrainingSession:
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, launch = self.cfg, self.launch
-        self.device = init_process_group(launch, cfg.run.device, timeout_s=max(600.0, cfg.parallel.dpp_timeout_s))
+        self.device = init_process_group(
+            launch, cfg.run.device, timeout_s=max(600.0, cfg.parallel.dpp_timeout_s),
+            backend_choice=cfg.parallel.distributed_backend,
+        )
         if cfg.run.device == "cpu":
             from trainer.megatron_compat import apply_cpu_shims
 
             self.shims = apply_cpu_shims()
+        elif cfg.parallel.distributed_backend == "gloo":  # CUDA tensors over gloo: ranks sharing a GPU
+            from trainer.megatron_compat import apply_gloo_cuda_shims
+
+            self.shims = apply_gloo_cuda_shims()
         par = cfg.parallel
         self.topology = build_topology(launch, par.tensor_model_parallel_size,
                                        par.pipeline_model_parallel_size, cfg.virtual_pipeline)

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 def _gpt_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(output.float().reshape(-1) * mask) / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
+    # clone(): megatron-core's schedules divide the returned loss by num_microbatches IN PLACE, and a
+    # bare detach() shares its storage, so the logged loss came out M times too small (seen on CUDA).
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def gpt_forward_step(data_iterator, model):
