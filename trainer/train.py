@@ -206,9 +206,15 @@ class TrainingSession:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
 
+    def _uses_megatron_schedule(self) -> bool:
+        """megatron-core's own schedule runs CUDA jobs without --use-dpp, except over gloo: its P2P
+        cannot send CUDA tensors through gloo, so ranks sharing a GPU run our runtime's 1f1b policy."""
+        par = self.cfg.parallel
+        return not par.use_dpp and self.cfg.run.device == "cuda" and par.distributed_backend != "gloo"
+
     def _schedule(self) -> Callable[..., list]:
         cfg, topo = self.cfg, self.topology
-        if not cfg.parallel.use_dpp and cfg.run.device == "cuda":
+        if self._uses_megatron_schedule():
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
             return get_forward_backward_func()
@@ -354,7 +360,7 @@ class TrainingSession:
             params = params.cuda()
         if self.launch.rank == 0 or self._is_logger:
             schedule = ("dpp" if cfg.parallel.use_dpp else
-                        "megatron-core" if cfg.run.device == "cuda" else "1f1b policy")
+                        "megatron-core" if self._uses_megatron_schedule() else "1f1b policy")
             log.info("workload %s: %s %s | %s | microbatches/iter %d x mbs %d | schedule %s | "
                      "transport %s | vocab %d (padded %d) | this rank holds %.2fM parameters | "
                      "resuming at iteration %d", cfg.run.workload, cfg.model.model.upper(),
