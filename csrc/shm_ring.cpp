@@ -128,6 +128,94 @@ std::runtime_error os_error(const std::string& what, const std::string& name) {
     return std::runtime_error(what + " " + name + ": " + std::strerror(errno));
 }
 
+// One futex word per receiving rank that every sender into that rank bumps on each commit and close
+// (and the rank's own receiver threads of other transports bump on each arrival), so the consumer
+// thread can sleep on a single word for "anything arrived on any incoming channel" and then read the
+// rings itself: no receiver thread, no hand-off between threads per message.
+struct alignas(64) DoorbellPage {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t reserved;
+    SeqWord bell;
+};
+
+class Doorbell {
+  public:
+    static Doorbell* create(const std::string& name) {
+        int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0) throw os_error("shm_open(create)", name);
+        int rc = posix_fallocate(fd, 0, static_cast<off_t>(kPage));
+        if (rc != 0) {
+            close(fd);
+            shm_unlink(name.c_str());
+            errno = rc;
+            throw os_error("posix_fallocate", name);
+        }
+        Doorbell* d = new Doorbell(name, fd);
+        d->page()->magic = kMagic;
+        d->page()->version = kVersion;
+        return d;
+    }
+    static Doorbell* attach(const std::string& name) {
+        int fd = shm_open(name.c_str(), O_RDWR, 0600);
+        if (fd < 0) throw os_error("shm_open(attach)", name);
+        Doorbell* d = new Doorbell(name, fd);
+        if (d->page()->magic != kMagic || d->page()->version != kVersion) {
+            delete d;
+            throw std::runtime_error("shared-memory segment " + name + " is not a doorbell");
+        }
+        return d;
+    }
+    ~Doorbell() {
+        if (base_ != nullptr) munmap(base_, kPage);
+    }
+    uint32_t seq() const { return page()->bell.seq.load(std::memory_order_seq_cst); }
+    void ring() { wake(page()->bell); }
+    // Sleep until the word differs from `seen` (something arrived since the caller last looked) or
+    // `timeout_s` passes. Returns true if it moved. A short spin first: a message that is already on
+    // its way (the sender is mid-copy) is picked up without a sleep/wake-up round trip.
+    bool wait(uint32_t seen, double timeout_s) {
+        SeqWord& w = page()->bell;
+        double spin_until = now_s() + std::min(timeout_s, kSpinS);
+        do {
+            if (w.seq.load(std::memory_order_seq_cst) != seen) return true;
+        } while (now_s() < spin_until);
+        if (timeout_s <= kSpinS) return false;
+        double slice = timeout_s - kSpinS;
+        timespec ts{static_cast<time_t>(slice), static_cast<long>((slice - static_cast<time_t>(slice)) * 1e9)};
+        w.waiters.fetch_add(1, std::memory_order_seq_cst);
+        if (w.seq.load(std::memory_order_seq_cst) == seen) futex(&w.seq, FUTEX_WAIT, seen, &ts);
+        w.waiters.fetch_sub(1, std::memory_order_seq_cst);
+        return w.seq.load(std::memory_order_seq_cst) != seen;
+    }
+    void unlink() {
+        if (!unlinked_) {
+            shm_unlink(name_.c_str());
+            unlinked_ = true;
+        }
+    }
+    SeqWord& word() { return page()->bell; }
+
+  private:
+    static constexpr double kSpinS = 5e-6;  // a few microseconds: never a busy core while idle
+
+    Doorbell(std::string name, int fd) : name_(std::move(name)) {
+        base_ = mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+        int saved = errno;
+        close(fd);
+        if (base_ == MAP_FAILED) {
+            base_ = nullptr;
+            errno = saved;
+            throw os_error("mmap", name_);
+        }
+    }
+    DoorbellPage* page() const { return static_cast<DoorbellPage*>(base_); }
+
+    std::string name_;
+    void* base_ = nullptr;
+    bool unlinked_ = false;
+};
+
 class Ring {
   public:
     // Receiver end: create and own the segment (O_EXCL: a stale or foreign one is an error).
@@ -205,6 +293,7 @@ class Ring {
         if (me.closed.exchange(1) == 0) {
             wake(control()->data);
             wake(control()->free);
+            if (doorbell_ != nullptr) wake(*doorbell_);  // the receiving consumer sees end of stream
         }
     }
     uint8_t* data() const { return static_cast<uint8_t*>(base_); }
@@ -239,7 +328,11 @@ class Ring {
         m.state.store(kFull, std::memory_order_release);
         ++head_;
         wake(control()->data);
+        if (doorbell_ != nullptr) wake(*doorbell_);
     }
+    // Sender: also ring the receiving rank's doorbell on every commit and on close. The Python
+    // binding keeps `bell` alive as long as this ring.
+    void set_doorbell(Doorbell& bell) { doorbell_ = &bell.word(); }
 
     // ---- receiver --------------------------------------------------------------------------------
     int wait_full(double timeout_s, double poll_s) {
@@ -269,6 +362,9 @@ class Ring {
         meta(slot).state.store(kEmpty, std::memory_order_release);
         wake(control()->free);
     }
+
+    // Receiver: 0 if the sender may still be alive, kPeerDead if it died (same test as the waits).
+    int peer_status() const { return peer_alive() ? 0 : kPeerDead; }
 
   private:
     Ring(std::string name, int fd, size_t size, bool is_sender)
@@ -340,18 +436,27 @@ class Ring {
     bool unlinked_ = false;
     uint64_t head_ = 0;  // sender: messages committed
     uint64_t tail_ = 0;  // receiver: messages taken
+    SeqWord* doorbell_ = nullptr;  // sender: the receiving rank's doorbell, if any
 };
 
 }  // namespace
 
 PYBIND11_MODULE(_shm_ring, m) {
     m.doc() = "POSIX shared-memory ring buffers for MegatronDPP's stage-to-stage transport";
-    m.attr("ABI_VERSION") = 2;
+    m.attr("ABI_VERSION") = 3;
     m.attr("HEADER_BYTES") = kHeaderBytes;
     m.attr("TIMEOUT") = kTimeout;
     m.attr("PEER_DEAD") = kPeerDead;
     m.attr("PEER_CLOSED") = kPeerClosed;
     using gil = py::call_guard<py::gil_scoped_release>;
+    py::class_<Doorbell>(m, "Doorbell")
+        .def_static("create", &Doorbell::create, py::arg("name"), "Receiving rank: create (mode 0600).")
+        .def_static("attach", &Doorbell::attach, py::arg("name"), "Sender: map an existing doorbell.")
+        .def_property_readonly("seq", &Doorbell::seq)
+        .def("ring", &Doorbell::ring)
+        .def("wait", &Doorbell::wait, py::arg("seen"), py::arg("timeout_s"), gil(),
+             "Sleep until seq != seen or the timeout passes; True if it moved.")
+        .def("unlink", &Doorbell::unlink);
     py::class_<Ring>(m, "Ring", py::buffer_protocol())
         .def_static("create", &Ring::create, py::arg("name"), py::arg("num_slots"), py::arg("slot_bytes"),
                     "Receiver end: create the segment (mode 0600, pages reserved).")
@@ -371,6 +476,10 @@ PYBIND11_MODULE(_shm_ring, m) {
         .def("commit", &Ring::commit, py::arg("slot"), py::arg("nbytes"), py::arg("header"),
              py::arg("external") = false)
         .def("wait_full", &Ring::wait_full, gil())
+        .def("poll_full", [](Ring& r) { return r.wait_full(0.0, 1.0); },
+             "Receiver: the next full slot now, else TIMEOUT (PEER_CLOSED at end of stream); no wait.")
+        .def("peer_status", &Ring::peer_status)
+        .def("set_doorbell", &Ring::set_doorbell, py::keep_alive<1, 2>())
         .def("slot_nbytes", &Ring::slot_nbytes)
         .def("slot_header", &Ring::slot_header)
         .def("read", &Ring::read, gil())

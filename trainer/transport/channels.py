@@ -1,10 +1,16 @@
 """One rank's channels bundled into a :class:`StageLinks`: sends by direction, one shared inbox.
 
-Every incoming channel has a receiver thread that blocks (in a futex wait or a process-group
-receive, with the GIL released) and puts each arrival into the rank's :class:`Inbox`. ``poll`` is
-then a non-blocking queue read and ``wait_any`` a condition-variable wait: no core spins, and
-channels of different transports (shm to a same-node neighbour, gloo/NCCL to a remote one) are
-waited on together.
+Two kinds of incoming channel:
+
+- *polled* (:class:`PolledReceiver`, the CPU shared-memory ring): the consumer's own thread reads
+  the ring in ``poll``/``wait_any``. Every sender into this rank bumps one futex word, the rank's
+  :class:`Doorbell`, on each commit, so ``wait_any`` sleeps on that single word for "something
+  arrived anywhere" — one wake-up per message and no hand-off between threads.
+- *threaded* (:class:`ThreadedReceiver`: gloo/NCCL, CUDA IPC): a receiver thread blocks (with the
+  GIL released) and puts each arrival into the rank's :class:`Inbox`, which rings the doorbell too
+  when there is one, so channels of different transports are still waited on together.
+
+No core spins while idle: every wait is a futex or condition-variable sleep.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from trainer.transport.base import Direction, Message, StageLinks, TransportError, TransportTimeout
 
@@ -31,14 +37,30 @@ class ChannelFailure:
     error: TransportError
 
 
+class Doorbell(Protocol):
+    """A counter that every arrival for this rank bumps (``trainer.transport._shm_ring.Doorbell``)."""
+
+    @property
+    def seq(self) -> int: ...
+
+    def ring(self) -> None: ...
+
+    def wait(self, seen: int, timeout_s: float) -> bool:
+        """Sleep until ``seq != seen`` or ``timeout_s`` passes (GIL released)."""
+
+
 class Inbox:
-    """Arrivals of all incoming channels of one rank, oldest first (thread-safe)."""
+    """Arrivals of the threaded incoming channels of one rank, oldest first (thread-safe)."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue[Message | ChannelFailure] = queue.Queue()
+        self.doorbell: Doorbell | None = None
+        """Rung after every put when the rank also has polled channels (its consumer sleeps on it)."""
 
     def put(self, item: Message | ChannelFailure) -> None:
         self._queue.put(item)
+        if self.doorbell is not None:
+            self.doorbell.ring()
 
     def get(self, timeout: float | None) -> Message | ChannelFailure | None:
         """Next arrival; None if none came within ``timeout`` (0 = do not wait)."""
@@ -82,6 +104,18 @@ class RecvChannel(Protocol):
 
     def close(self, timeout_s: float) -> None:
         """Wait for the peer's end of stream (or its death), then free resources."""
+
+
+@runtime_checkable
+class PolledReceiver(RecvChannel, Protocol):
+    """An incoming channel that the consumer's thread reads itself (no receiver thread)."""
+
+    def try_receive(self) -> Message | None:
+        """The next message if one has arrived, else None; never blocks on an empty channel.
+        Raises TransportError if the channel is broken."""
+
+    def check_peer(self) -> None:
+        """Raise TransportError if the sending process died (called every ``peer_check_s``)."""
 
 
 class ThreadedReceiver:
@@ -196,6 +230,7 @@ class ChannelStageLinks(StageLinks):
         inbox: Inbox,
         timeout_s: float,
         description: str = "",
+        peer_check_s: float = 0.05,
     ) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
@@ -204,6 +239,12 @@ class ChannelStageLinks(StageLinks):
         self._senders = senders
         self._receivers = receivers
         self._inbox = inbox
+        self._polled = [r for r in receivers if isinstance(r, PolledReceiver)]
+        if self._polled and inbox.doorbell is None:
+            raise ValueError(f"rank {rank}: polled receivers need the inbox's doorbell to wait on")
+        self._turn = 0  # the polled channel looked at first next time (round robin: none starves)
+        self._peer_check_s = peer_check_s
+        self._next_peer_check = time.monotonic() + peer_check_s
         self._failure: TransportError | None = None
         self._closed = False
 
@@ -220,23 +261,61 @@ class ChannelStageLinks(StageLinks):
     # ---- receiving -------------------------------------------------------------------------------
     def poll(self) -> Message | None:
         self._check_usable()
-        return self._deliver(self._inbox.get(0))
+        message = self._deliver(self._next_arrival())
+        if message is None:
+            self._check_polled_peers(time.monotonic())
+        return message
 
     def wait_any(self, timeout: float) -> Message:
         self._check_usable()
         if not self._receivers:
             raise TransportError(f"rank {self.rank} has no incoming channels to wait on")
         deadline = time.monotonic() + timeout
-        while True:  # loops only when an item was consumed without a message (never in practice)
-            remaining = deadline - time.monotonic()
+        doorbell = self._inbox.doorbell if self._polled else None
+        while True:  # the inbox-only path loops only when an item carried no message (never in practice)
+            seen = doorbell.seq if doorbell is not None else 0  # read BEFORE looking: no lost wake-up
+            if doorbell is not None and (message := self._deliver(self._next_arrival())) is not None:
+                return message
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 peers = sorted({r.peer for r in self._receivers})
                 raise TransportTimeout(
                     f"rank {self.rank} waited {timeout:.1f}s for a message from ranks {peers}; none came"
                 )
-            message = self._deliver(self._inbox.get(remaining))
+            if doorbell is None:
+                message = self._deliver(self._inbox.get(remaining))
+                if message is not None:
+                    return message
+                continue
+            self._check_polled_peers(now)
+            doorbell.wait(seen, min(remaining, self._peer_check_s))
+
+    def _next_arrival(self) -> Message | ChannelFailure | None:
+        """A message from a polled channel (round robin), else the inbox's next item, else None."""
+        count = len(self._polled)
+        for i in range(count):
+            receiver = self._polled[(self._turn + i) % count]
+            try:
+                message = receiver.try_receive()
+            except TransportError as exc:
+                return ChannelFailure(exc)
             if message is not None:
+                self._turn = (self._turn + i + 1) % count
                 return message
+        return self._inbox.get(0)
+
+    def _check_polled_peers(self, now: float) -> None:
+        """Dead-peer check of the polled channels (threaded ones check in their own threads)."""
+        if not self._polled or now < self._next_peer_check:
+            return
+        self._next_peer_check = now + self._peer_check_s
+        for receiver in self._polled:
+            try:
+                receiver.check_peer()
+            except TransportError as exc:
+                self._failure = exc
+                raise
 
     def release(self, message: Message) -> None:
         token = message.token

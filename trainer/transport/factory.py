@@ -158,7 +158,7 @@ def make_stage_links(
         receivers.extend(shm_receivers)
     description = " ".join(f"{s.direction}:{s.src}->{s.dst}:{s.transport}" for s in plan if rank in (s.src, s.dst))
     logger.info("rank %d: stage links %s", rank, description or "(none: pipeline_parallel == 1)")
-    return ChannelStageLinks(rank, senders, receivers, inbox, timeout_s, description)
+    return ChannelStageLinks(rank, senders, receivers, inbox, timeout_s, description, options.poll_interval_s)
 
 
 def _agreed_job_id(job_id: str | None, group: dist.ProcessGroup) -> str:

@@ -19,13 +19,13 @@ import torch
 
 from trainer.transport import _shm_ring
 from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
-from trainer.transport.channels import Delivery, Inbox, ThreadedReceiver
+from trainer.transport.channels import Delivery, Inbox
 from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import decode, encode, pack, unpack
 
 logger = logging.getLogger(__name__)
 
-_WAIT_SLICE_S = 1.0  # a receiver thread re-checks for close() at least this often while idle
+_WAIT_SLICE_S = 1.0  # a receiving/draining thread re-checks for close() at least this often while idle
 
 
 def ring_name(job: str, src: int, dst: int, direction: str) -> str:
@@ -91,41 +91,54 @@ class ShmSender:
                 self._ring.close()
 
 
-class ShmReceiver(ThreadedReceiver):
-    """Incoming half: the thread waits (futex) for the next full slot and hands out a view of it."""
+class ShmReceiver:
+    """Incoming half, read by the consumer's own thread (a :class:`PolledReceiver`): ``try_receive``
+    takes the next full slot if there is one and hands out a view of it. Waiting happens on the
+    rank's doorbell in :meth:`ChannelStageLinks.wait_any`, so no receiver thread and no hand-off.
+    The ring's K slots are the credits: nothing is read ahead of the consumer."""
 
     def __init__(
-        self, rank: int, peer: int, direction: Direction, ring: _shm_ring.Ring, credits: int,
-        inbox: Inbox, poll_s: float,
+        self, rank: int, peer: int, direction: Direction, ring: _shm_ring.Ring, poll_s: float, timeout_s: float,
     ) -> None:  # fmt: skip
-        super().__init__(rank, peer, direction, inbox, credits)
-        self._ring, self._poll_s = ring, poll_s
+        self.rank, self.peer, self.direction = rank, peer, direction
+        self._ring, self._poll_s, self._timeout_s = ring, poll_s, timeout_s
         self._status = _RingStatus(rank, peer, direction, ring)
         self._slots = torch.frombuffer(ring, dtype=torch.uint8)  # keeps the mapping alive
         self._held: dict[int, int] = {}  # slot -> sequence of the message viewing it
-        self._held_lock = threading.Lock()
-        self._pool = BufferPool(torch.device("cpu"), credits)  # for payloads larger than a slot
+        self._held_lock = threading.Lock()  # release() may come from another thread
+        self._pool = BufferPool(torch.device("cpu"), ring.num_slots)  # for payloads larger than a slot
         self._expected = 0
+        self._ended = False  # the sender's end of stream was seen
+        self._closing = False
+        self._drainer: threading.Thread | None = None  # frees arrivals from begin_close() on
 
-    def _interrupt(self) -> None:
-        self._ring.close()  # wakes wait_full, which then reports the end of the stream
-
-    def _next_slot(self) -> int | None:
-        """Index of the next full slot; None at end of stream or once close() gave up on the peer."""
-        while not self._abandon.is_set():
-            slot = self._ring.wait_full(_WAIT_SLICE_S, self._poll_s)
-            if slot >= 0:
-                return slot
-            if slot == _shm_ring.PEER_CLOSED:
-                return None
-            if slot != _shm_ring.TIMEOUT:  # an idle peer is fine; a dead one is not
-                raise self._status.error(slot, "the next message", _WAIT_SLICE_S)
-        return None
-
-    def _receive_one(self) -> Message | None:
-        slot = self._next_slot()
-        if slot is None:
+    def try_receive(self) -> Message | None:
+        if self._ended or self._closing:
             return None
+        slot = self._ring.poll_full()
+        if slot == _shm_ring.PEER_CLOSED:
+            self._ended = True
+            return None
+        if slot < 0:
+            return None
+        try:
+            return self._message_at(slot)
+        except TransportError:
+            raise
+        except Exception as exc:  # corrupt header etc.: one clear error naming the channel
+            detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            raise TransportError(
+                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed: {detail}"
+            ) from exc
+
+    def check_peer(self) -> None:
+        if not self._ended and self._ring.peer_status() == _shm_ring.PEER_DEAD:
+            raise self._status.error(_shm_ring.PEER_DEAD, "the next message", self._poll_s)
+
+    def on_delivered(self, message: Message) -> None:
+        """Nothing to do: the ring's slots are the credits."""
+
+    def _message_at(self, slot: int) -> Message:
         frame = decode(unpack(self._ring.slot_header(slot)))
         if frame.header is None or frame.sequence != self._expected:
             raise TransportError(
@@ -145,6 +158,18 @@ class ShmReceiver(ThreadedReceiver):
         out = self._reassemble(slot, frame.nbytes, frame.sequence)
         return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, ("copy", out)))
 
+    def _next_chunk(self, sequence: int, offset: int, nbytes: int) -> int:
+        """Slot of the next chunk of a message whose first chunk arrived (the sender is mid-send)."""
+        slot = self._ring.wait_full(self._timeout_s, self._poll_s)
+        if slot == _shm_ring.PEER_CLOSED:
+            raise TransportError(
+                f"rank {self.rank}: rank {self.peer} ended the stream in the middle of message "
+                f"{sequence} ({offset} of {nbytes} bytes received)"
+            )
+        if slot < 0:
+            raise self._status.error(slot, f"the rest of message {sequence}", self._timeout_s)
+        return slot
+
     def _reassemble(self, slot: int, nbytes: int, sequence: int) -> torch.Tensor:
         """Copy the chunks of one oversized message out of consecutive slots into one buffer."""
         out = self._pool.take(nbytes)
@@ -156,12 +181,7 @@ class ShmReceiver(ThreadedReceiver):
             offset += length
             if offset >= nbytes:
                 return out
-            slot = self._next_slot()
-            if slot is None:
-                raise TransportError(
-                    f"rank {self.rank}: rank {self.peer} ended the stream in the middle of message "
-                    f"{sequence} ({offset} of {nbytes} bytes received)"
-                )
+            slot = self._next_chunk(sequence, offset, nbytes)
             if decode(unpack(self._ring.slot_header(slot))).sequence != sequence:
                 raise TransportError(f"rank {self.rank}: chunks of message {sequence} from rank {self.peer} interleaved")
 
@@ -184,9 +204,39 @@ class ShmReceiver(ThreadedReceiver):
             del self._held[slot]
         self._ring.release(slot)
 
+    def begin_close(self) -> None:
+        """From now on arrivals are dropped (their slots freed) by a short-lived drain thread, so a
+        peer blocked on our credits can finish its sends and its close while ours are in progress."""
+        if self._drainer is None:
+            self._closing = True
+            self._drainer = threading.Thread(
+                target=self._drain_to_end, name=f"mdpp-drain-{self.peer}-{self.rank}-{self.direction}", daemon=True
+            )
+            self._drainer.start()
+
+    def _drain_to_end(self) -> None:
+        """Free every arriving slot until the peer's end of stream, its death, or our own ring close."""
+        while not self._ended:
+            slot = self._ring.wait_full(_WAIT_SLICE_S, self._poll_s)
+            if slot >= 0:
+                self._ring.release(slot)  # nobody will consume it: the sender may need the credit
+            elif slot == _shm_ring.PEER_CLOSED:  # also what our own ring.close() makes it return
+                self._ended = True
+            elif slot == _shm_ring.PEER_DEAD:
+                return  # a dead peer does not block close
+
     def close(self, timeout_s: float) -> None:
+        """Wait for the peer's end of stream (or its death) for up to ``timeout_s``, then unmap."""
+        self.begin_close()
+        self._drainer.join(timeout_s)
         try:
-            super().close(timeout_s)
+            if self._drainer.is_alive():
+                self._ring.close()  # wakes the drain thread out of its wait
+                self._drainer.join(2 * _WAIT_SLICE_S)
+                raise TransportTimeout(
+                    f"rank {self.rank}: rank {self.peer} did not close its {self.direction} channel "
+                    f"within {timeout_s:.1f}s"
+                )
         finally:
             self._ring.close()
             self._ring.unlink()  # normally a no-op: the sender unlinked it when it attached
@@ -247,6 +297,54 @@ def all_gather(obj, group) -> list:
     return gathered
 
 
+def doorbell_name(job: str, rank: int) -> str:
+    """POSIX shm name of one receiving rank's doorbell (see :class:`channels.Doorbell`)."""
+    return f"/mdpp-{job}-{rank}-bell"
+
+
+def open_doorbells(
+    rings: dict[tuple[int, int, str], _shm_ring.Ring], rank: int, job: str, group
+) -> _shm_ring.Doorbell | None:
+    """Create this rank's doorbell (if it receives on any ring) and hook every ring it sends on to its
+    receiver's doorbell. COLLECTIVE over ``group``; returns this rank's own doorbell, or None.
+
+    Same two phases as :func:`open_rings`; the owner unlinks the name once every sender attached, and a
+    last all-gather keeps any rank from returning before every name is gone.
+    """
+    own: list[_shm_ring.Doorbell] = []
+
+    def create() -> None:
+        if any(dst == rank for _, dst, _ in rings):
+            own.append(_shm_ring.Doorbell.create(doorbell_name(job, rank)))
+
+    def attach() -> None:
+        bells: dict[int, _shm_ring.Doorbell] = {}
+        for (src, dst, _), ring in rings.items():
+            if src == rank:
+                if dst not in bells:
+                    bells[dst] = _shm_ring.Doorbell.attach(doorbell_name(job, dst))
+                ring.set_doorbell(bells[dst])  # the ring keeps the doorbell mapped
+
+    for phase, work in (("create doorbell", create), ("attach doorbell", attach)):
+        error = None
+        try:
+            work()
+        except (OSError, RuntimeError, ValueError) as exc:
+            error = f"rank {rank}: {exc}"
+        errors = all_gather(error, group)
+        if any(errors):
+            for bell in own:
+                bell.unlink()
+            for ring in rings.values():
+                ring.close()
+                ring.unlink()
+            raise TransportError(f"shared-memory set-up ({phase}) failed: " + "; ".join(e for e in errors if e))
+    for bell in own:
+        bell.unlink()  # every sender has it mapped: nothing can outlive a crash now
+    all_gather(None, group)  # no rank returns while another's doorbell name is still visible
+    return own[0] if own else None
+
+
 def build_shm_channels(
     specs: list, rank: int, device: torch.device, job: str, timeout_s: float, options, inbox: Inbox,
     group,
@@ -261,13 +359,12 @@ def build_shm_channels(
 
         return build_cuda_ipc_channels(specs, rank, device, job, options, inbox, group)
     rings = open_rings(specs, rank, job, group, options.credits, options.shm_slot_bytes)
+    inbox.doorbell = open_doorbells(rings, rank, job, group)
     senders: dict[Direction, ShmSender] = {}
     receivers: list[ShmReceiver] = []
     for (src, dst, direction), ring in rings.items():
         if src == rank:
             senders[direction] = ShmSender(rank, dst, direction, ring, options.poll_interval_s)
         else:
-            receiver = ShmReceiver(rank, src, direction, ring, options.credits, inbox, options.poll_interval_s)
-            receiver.start()
-            receivers.append(receiver)
+            receivers.append(ShmReceiver(rank, src, direction, ring, options.poll_interval_s, timeout_s))
     return senders, receivers
