@@ -103,3 +103,25 @@ def test_writes_past_a_slot_are_refused(name):
     with pytest.raises(ValueError, match="larger than a slot"):
         sender.commit(sender.acquire(1, 0.01), 4097, b"\0" * _shm_ring.HEADER_BYTES)
     assert receiver.total_bytes >= 4096 + 4096
+
+
+def test_doorbell_counts_commits_and_close_and_a_quiet_wait_times_out(name):
+    bell_name = name + "-bell"
+    bell = _shm_ring.Doorbell.create(bell_name)
+    assert stat.S_IMODE(os.stat(f"/dev/shm{bell_name}").st_mode) == 0o600
+    receiver = _shm_ring.Ring.create(name, 2, 4096)
+    sender = _shm_ring.Ring.attach(name)
+    sender.set_doorbell(_shm_ring.Doorbell.attach(bell_name))  # the ring keeps its own mapping alive
+    bell.unlink()
+    assert not os.path.exists(f"/dev/shm{bell_name}")
+    seen = bell.seq
+    assert receiver.poll_full() == _shm_ring.TIMEOUT  # nothing committed: no wait, no slot
+    assert bell.wait(seen, 0.05) is False  # nothing rang: the wait ends at its timeout
+    slot = _commit(sender, 7)
+    assert bell.seq == seen + 1 and bell.wait(seen, 5.0) is True  # returns at once: it moved
+    assert receiver.poll_full() == slot and receiver.slot_header(slot)[0] == 7
+    receiver.release(slot)
+    sender.close()
+    assert bell.seq == seen + 2  # end of stream rings too, so a sleeping consumer sees it
+    assert receiver.poll_full() == _shm_ring.PEER_CLOSED
+    assert receiver.peer_status() == 0  # the sender (this process) is alive
