@@ -90,7 +90,8 @@ class SendChannel(Protocol):
 
 
 class RecvChannel(Protocol):
-    """Incoming half of one directed edge; its receiver thread feeds the rank's inbox."""
+    """Incoming half of one directed edge: a receiver thread feeds the rank's inbox, or the consumer
+    reads it directly (:class:`PolledReceiver`)."""
 
     peer: int
 
@@ -271,25 +272,31 @@ class ChannelStageLinks(StageLinks):
         if not self._receivers:
             raise TransportError(f"rank {self.rank} has no incoming channels to wait on")
         deadline = time.monotonic() + timeout
-        doorbell = self._inbox.doorbell if self._polled else None
-        while True:  # the inbox-only path loops only when an item carried no message (never in practice)
-            seen = doorbell.seq if doorbell is not None else 0  # read BEFORE looking: no lost wake-up
-            if doorbell is not None and (message := self._deliver(self._next_arrival())) is not None:
+        while True:
+            message = self._wait_on_doorbell(deadline) if self._polled else self._wait_on_inbox(deadline)
+            if message is not None:
                 return message
-            now = time.monotonic()
-            remaining = deadline - now
-            if remaining <= 0:
+            if time.monotonic() >= deadline:
                 peers = sorted({r.peer for r in self._receivers})
                 raise TransportTimeout(
                     f"rank {self.rank} waited {timeout:.1f}s for a message from ranks {peers}; none came"
                 )
-            if doorbell is None:
-                message = self._deliver(self._inbox.get(remaining))
-                if message is not None:
-                    return message
-                continue
+
+    def _wait_on_doorbell(self, deadline: float) -> Message | None:
+        """Look at every channel; if nothing is there, sleep on the doorbell for one peer-check slice."""
+        doorbell = self._inbox.doorbell
+        seen = doorbell.seq  # read BEFORE looking: an arrival after the look changes it (no lost wake-up)
+        message = self._deliver(self._next_arrival())
+        if message is None:
+            now = time.monotonic()
             self._check_polled_peers(now)
-            doorbell.wait(seen, min(remaining, self._peer_check_s))
+            if now < deadline:
+                doorbell.wait(seen, min(deadline - now, self._peer_check_s))
+        return message
+
+    def _wait_on_inbox(self, deadline: float) -> Message | None:
+        """Only threaded channels: a condition-variable wait on the inbox."""
+        return self._deliver(self._inbox.get(max(0.0, deadline - time.monotonic())))
 
     def _next_arrival(self) -> Message | ChannelFailure | None:
         """A message from a polled channel (round robin), else the inbox's next item, else None."""
