@@ -2,11 +2,11 @@
 
 Two kinds of incoming channel:
 
-- *polled* (:class:`PolledReceiver`, the CPU shared-memory ring): the consumer's own thread reads
-  the ring in ``poll``/``wait_any``. Every sender into this rank bumps one futex word, the rank's
+- *polled* (:class:`PolledReceiver`, the shared-memory rings: CPU payloads, and the CUDA IPC
+  control rings): the consumer's own thread reads the ring in ``poll``/``wait_any``. Every sender into this rank bumps one futex word, the rank's
   :class:`Doorbell`, on each commit, so ``wait_any`` sleeps on that single word for "something
   arrived anywhere" — one wake-up per message and no hand-off between threads.
-- *threaded* (:class:`ThreadedReceiver`: gloo/NCCL, CUDA IPC): a receiver thread blocks (with the
+- *threaded* (:class:`ThreadedReceiver`: gloo/NCCL): a receiver thread blocks (with the
   GIL released) and puts each arrival into the rank's :class:`Inbox`, which rings the doorbell too
   when there is one, so channels of different transports are still waited on together.
 

@@ -13,14 +13,15 @@ Ordering is carried by interprocess CUDA events, never by ``torch.cuda.synchroni
   side stream waits on it before it overwrites slot k.
 
 Which slot is full, and the self-describing header, travel over the CPU shared-memory ring
-(:mod:`trainer.transport.shm_links`), whose K slots are the K credits and whose futex waits give
-``wait_any`` its no-spin blocking and its dead-peer detection.
+(:mod:`trainer.transport.shm_links`), whose K slots are the K credits. The receiver is read by the
+consumer's own thread exactly like a CPU shm one (no receiver thread): senders ring the receiving
+rank's doorbell on commit and close, and ``wait_any`` sleeps on it and checks the peers' pids.
 
 A payload larger than a slot is split over several slots and reassembled by the receiver into a
-fresh tensor (one more device copy, on the receiver's copy stream). Requirements: every rank sees
-the GPUs of its node (CUDA IPC across devices needs peer access, so do not hide GPUs with
-CUDA_VISIBLE_DEVICES per rank); opening a peer's memory creates a CUDA context on the peer's GPU in
-this process (a few hundred MiB there), the usual cost of CUDA IPC in torch.
+fresh tensor (one more device copy, queued by the consumer's thread on the receiver's copy stream).
+Requirements: every rank sees the GPUs of its node (CUDA IPC across devices needs peer access, so
+do not hide GPUs with CUDA_VISIBLE_DEVICES per rank); opening a peer's memory creates a CUDA context
+on the peer's GPU in this process (a few hundred MiB there), the usual cost of CUDA IPC in torch.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from trainer.transport import _shm_ring
 from trainer.transport.base import Direction, Header, Message, TransportError
-from trainer.transport.channels import Delivery, Inbox, ThreadedReceiver
-from trainer.transport.shm_links import _WAIT_SLICE_S, _RingStatus, all_gather, open_rings
+from trainer.transport.channels import Delivery, Inbox
+from trainer.transport.shm_links import ShmReceiver, _RingStatus, all_gather, open_doorbells, open_rings
 from trainer.transport.tensors import as_bytes, check_matches, empty_bytes, from_bytes
-from trainer.transport.wire import decode, encode, pack, unpack
+from trainer.transport.wire import encode, pack
 
 logger = logging.getLogger(__name__)
 
@@ -97,79 +98,40 @@ class CudaIpcSender:
                 self._control.close()
 
 
-class CudaIpcReceiver(ThreadedReceiver):
-    """Incoming half: the thread waits for headers; the slot itself is handed out as a view."""
+class CudaIpcReceiver(ShmReceiver):
+    """Incoming half, read by the consumer's own thread like its CPU base class (the control ring's
+    headers, credits, ordering, dead-peer checks, draining and close are the same); only where the
+    payload lives differs: the message's tensor is a view of the GPU slot, and the consumer's stream
+    waits on the slot's "filled" event when ``poll``/``wait_any`` hands it out."""
 
     def __init__(
-        self, rank: int, peer: int, direction: Direction, control, slots: torch.Tensor,
-        freed: list[torch.cuda.Event], filled: list[torch.cuda.Event], device: torch.device,
-        credits: int, inbox: Inbox, poll_s: float,
+        self, rank: int, peer: int, direction: Direction, control: _shm_ring.Ring, slots: torch.Tensor,
+        freed: list[torch.cuda.Event], filled: list[torch.cuda.Event], device: torch.device, poll_s: float,
+        timeout_s: float,
     ) -> None:  # fmt: skip
-        super().__init__(rank, peer, direction, inbox, credits)
-        self._control, self._slots, self._device, self._poll_s = control, slots, device, poll_s
+        super().__init__(rank, peer, direction, control, poll_s, timeout_s)
+        self._gpu_slots, self._device = slots, device
         self._freed, self._filled = freed, filled
-        self._status = _RingStatus(rank, peer, direction, control)
         self._copy_stream = torch.cuda.Stream(device)  # only for reassembling oversized payloads
-        self._expected = 0
-        self._held: dict[int, int] = {}
-        self._held_lock = threading.Lock()
 
-    def _on_thread_start(self) -> None:
-        torch.cuda.set_device(self._device)
-
-    def _interrupt(self) -> None:
-        self._control.close()
-
-    def _next_slot(self) -> int | None:
-        while not self._abandon.is_set():
-            slot = self._control.wait_full(_WAIT_SLICE_S, self._poll_s)
-            if slot >= 0:
-                return slot
-            if slot == _shm_ring.PEER_CLOSED:  # end of stream
-                return None
-            if slot != _shm_ring.TIMEOUT:  # an idle peer is fine; a dead one is not
-                raise self._status.error(slot, "the next message", _WAIT_SLICE_S)
-        return None
-
-    def _receive_one(self) -> Message | None:
-        slot = self._next_slot()
-        if slot is None:
-            return None
-        frame = decode(unpack(self._control.slot_header(slot)))
-        if frame.header is None or frame.sequence != self._expected:
-            raise TransportError(
-                f"rank {self.rank}: message {frame.sequence} from rank {self.peer} arrived when {self._expected} was due"
-            )
-        self._expected += 1
-        if frame.nbytes <= self._slots.shape[1]:
-            with self._held_lock:
-                self._held[slot] = frame.sequence
-            view = from_bytes(self._slots[slot], frame.header)
+    def _message_at(self, slot: int) -> Message:
+        frame = self._frame_at(slot)
+        if frame.nbytes <= self._gpu_slots.shape[1]:  # also an empty payload: a view of the slot
+            self._hold(slot, frame.sequence)
+            view = from_bytes(self._gpu_slots[slot], frame.header)
             return Message(frame.header, view, self.peer, Delivery(self, ("slot", slot, frame.sequence)))
-        out, done = self._reassemble(slot, frame.nbytes, frame.sequence)
-        return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, ("copy", done, out)))
-
-    def _reassemble(self, slot: int, nbytes: int, sequence: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         with torch.cuda.stream(self._copy_stream):
-            out = empty_bytes(nbytes, self._device)
-            offset = 0
-            while True:
-                length = self._control.slot_nbytes(slot)
-                self._copy_stream.wait_event(self._filled[slot])
-                out[offset : offset + length].copy_(self._slots[slot, :length], non_blocking=True)
-                self._freed[slot].record(self._copy_stream)
-                self._control.release(slot)
-                offset += length
-                if offset >= nbytes:
-                    break
-                slot = self._next_slot()
-                if slot is None:
-                    raise TransportError(
-                        f"rank {self.rank}: rank {self.peer} ended the stream in the middle of message {sequence}"
-                    )
+            out = self._reassemble(slot, frame.nbytes, frame.sequence, empty_bytes(frame.nbytes, self._device))
             done = torch.cuda.Event()
             done.record(self._copy_stream)
-        return out, done
+        return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, ("copy", done, out)))
+
+    def _copy_chunk(self, slot: int, out: torch.Tensor, offset: int, length: int) -> None:
+        """Queued on the copy stream after the sender's copy into the slot; the sender's next copy
+        into it waits for this one through the "freed" event."""
+        self._copy_stream.wait_event(self._filled[slot])
+        out[offset : offset + length].copy_(self._gpu_slots[slot, :length], non_blocking=True)
+        self._freed[slot].record(self._copy_stream)
 
     def on_delivered(self, message: Message) -> None:
         """In the consumer's thread: its current stream waits for the data (no host sync)."""
@@ -180,36 +142,28 @@ class CudaIpcReceiver(ThreadedReceiver):
         else:
             consumer.wait_event(handle[1])
             handle[2].record_stream(consumer)  # allocated on the copy stream, used on the consumer's
-        super().on_delivered(message)
 
     def release(self, message: Message) -> None:
         handle = message.token.handle
         if handle[0] != "slot":
-            return
+            return  # a reassembled payload: the caching allocator owns its memory
         _, slot, sequence = handle
-        with self._held_lock:
-            if self._held.get(slot) != sequence:
-                raise ValueError(f"rank {self.rank}: message {sequence} from rank {self.peer} was already released")
-            del self._held[slot]
-        # The sender's next copy into this slot waits for everything the consumer queued so far.
+        self._unhold(slot, sequence)
+        # Recorded before the slot goes back to the sender, whose next copy into it waits on this
+        # event: it waits for everything the consumer queued so far.
         self._freed[slot].record(torch.cuda.current_stream(self._device))
-        self._control.release(slot)
-
-    def close(self, timeout_s: float) -> None:
-        try:
-            super().close(timeout_s)
-        finally:
-            self._control.close()
+        self._ring.release(slot)
 
 
 def build_cuda_ipc_channels(
-    specs: list, rank: int, device: torch.device, job: str, options, inbox: Inbox, group
+    specs: list, rank: int, device: torch.device, job: str, timeout_s: float, options, inbox: Inbox, group
 ) -> tuple[dict[Direction, CudaIpcSender], list[CudaIpcReceiver]]:
     """This rank's CUDA IPC senders and receivers. COLLECTIVE over ``group`` (all ranks)."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     controls = open_rings(specs, rank, job, group, options.credits, _CONTROL_SLOT_BYTES)
+    inbox.doorbell = open_doorbells(controls, rank, job, group)  # senders ring it on commit and close
     k, slot_bytes = options.credits, options.shm_slot_bytes
     mine: dict[tuple[int, int, str], dict] = {}
     local: dict[tuple[int, int, str], dict] = {}
@@ -241,10 +195,8 @@ def build_cuda_ipc_channels(
             )
         else:
             filled = [torch.cuda.Event.from_ipc_handle(device, h) for h in shared[key]["filled"]]
-            receiver = CudaIpcReceiver(
+            receivers.append(CudaIpcReceiver(
                 rank, src, direction, control, local[key]["slots"], local[key]["freed"], filled, device,
-                options.credits, inbox, poll_s,
-            )  # fmt: skip
-            receiver.start()
-            receivers.append(receiver)
+                poll_s, timeout_s,
+            ))  # fmt: skip
     return senders, receivers

@@ -21,7 +21,7 @@ from trainer.transport import _shm_ring
 from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
 from trainer.transport.channels import Delivery, Inbox
 from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
-from trainer.transport.wire import decode, encode, pack, unpack
+from trainer.transport.wire import Frame, decode, encode, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,8 @@ class ShmReceiver:
     def on_delivered(self, message: Message) -> None:
         """Nothing to do: the ring's slots are the credits."""
 
-    def _message_at(self, slot: int) -> Message:
+    def _frame_at(self, slot: int) -> Frame:
+        """The decoded header of the message starting in ``slot``; it must be the one due next."""
         frame = decode(unpack(self._ring.slot_header(slot)))
         if frame.header is None or frame.sequence != self._expected:
             raise TransportError(
@@ -146,17 +147,34 @@ class ShmReceiver:
                 f"{self._expected} was due"
             )
         self._expected += 1
+        return frame
+
+    def _message_at(self, slot: int) -> Message:
+        frame = self._frame_at(slot)
         if frame.nbytes == 0:
             self._ring.release(slot)
             return Message(frame.header, from_bytes(empty_bytes(0, torch.device("cpu")), frame.header), self.peer, Delivery(self))
         if frame.nbytes <= self._ring.slot_bytes:  # the common case: a zero-copy view of the slot
             start = self._ring.slot_offset(slot)
-            with self._held_lock:
-                self._held[slot] = frame.sequence
+            self._hold(slot, frame.sequence)
             view = from_bytes(self._slots[start : start + frame.nbytes], frame.header)
             return Message(frame.header, view, self.peer, Delivery(self, ("slot", slot, frame.sequence)))
-        out = self._reassemble(slot, frame.nbytes, frame.sequence)
+        out = self._reassemble(slot, frame.nbytes, frame.sequence, self._pool.take(frame.nbytes))
         return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, ("copy", out)))
+
+    def _hold(self, slot: int, sequence: int) -> None:
+        """``slot`` is viewed by message ``sequence`` until :meth:`release`."""
+        with self._held_lock:
+            self._held[slot] = sequence
+
+    def _unhold(self, slot: int, sequence: int) -> None:
+        """End the view of :meth:`_hold`; ValueError if that message was released already."""
+        with self._held_lock:
+            if self._held.get(slot) != sequence:
+                raise ValueError(
+                    f"rank {self.rank}: message {sequence} from rank {self.peer} was already released"
+                )
+            del self._held[slot]
 
     def _next_chunk(self, sequence: int, offset: int, nbytes: int) -> int:
         """Slot of the next chunk of a message whose first chunk arrived (the sender is mid-send)."""
@@ -170,13 +188,12 @@ class ShmReceiver:
             raise self._status.error(slot, f"the rest of message {sequence}", self._timeout_s)
         return slot
 
-    def _reassemble(self, slot: int, nbytes: int, sequence: int) -> torch.Tensor:
-        """Copy the chunks of one oversized message out of consecutive slots into one buffer."""
-        out = self._pool.take(nbytes)
+    def _reassemble(self, slot: int, nbytes: int, sequence: int, out: torch.Tensor) -> torch.Tensor:
+        """Copy the chunks of one oversized message out of consecutive slots into ``out``."""
         offset = 0
         while True:
             length = self._ring.slot_nbytes(slot)
-            self._ring.read(slot, 0, out.data_ptr() + offset, length)
+            self._copy_chunk(slot, out, offset, length)
             self._ring.release(slot)
             offset += length
             if offset >= nbytes:
@@ -184,6 +201,10 @@ class ShmReceiver:
             slot = self._next_chunk(sequence, offset, nbytes)
             if decode(unpack(self._ring.slot_header(slot))).sequence != sequence:
                 raise TransportError(f"rank {self.rank}: chunks of message {sequence} from rank {self.peer} interleaved")
+
+    def _copy_chunk(self, slot: int, out: torch.Tensor, offset: int, length: int) -> None:
+        """Copy ``length`` bytes of ``slot`` to ``out[offset:]``; the slot is freed right after."""
+        self._ring.read(slot, 0, out.data_ptr() + offset, length)
 
     def release(self, message: Message) -> None:
         handle = message.token.handle
@@ -196,12 +217,7 @@ class ShmReceiver:
                 raise ValueError(f"rank {self.rank}: from rank {self.peer}: {exc}") from None
             return
         _, slot, sequence = handle
-        with self._held_lock:
-            if self._held.get(slot) != sequence:
-                raise ValueError(
-                    f"rank {self.rank}: message {sequence} from rank {self.peer} was already released"
-                )
-            del self._held[slot]
+        self._unhold(slot, sequence)
         self._ring.release(slot)
 
     def begin_close(self) -> None:
@@ -357,7 +373,7 @@ def build_shm_channels(
     if device.type == "cuda":
         from trainer.transport.cuda_ipc import build_cuda_ipc_channels
 
-        return build_cuda_ipc_channels(specs, rank, device, job, options, inbox, group)
+        return build_cuda_ipc_channels(specs, rank, device, job, timeout_s, options, inbox, group)
     rings = open_rings(specs, rank, job, group, options.credits, options.shm_slot_bytes)
     inbox.doorbell = open_doorbells(rings, rank, job, group)
     senders: dict[Direction, ShmSender] = {}
