@@ -128,6 +128,35 @@ std::runtime_error os_error(const std::string& what, const std::string& name) {
     return std::runtime_error(what + " " + name + ": " + std::strerror(errno));
 }
 
+// Creates segment `name` (O_EXCL: a stale or foreign one is an error), mode 0600, `bytes` long, and
+// returns its descriptor. fallocate, not ftruncate: reserve the pages now, so a full /dev/shm is an
+// error here rather than a SIGBUS in the middle of a copy.
+int create_segment(const std::string& name, size_t bytes) {
+    int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) throw os_error("shm_open(create)", name);
+    int rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (rc != 0) {
+        close(fd);
+        shm_unlink(name.c_str());
+        errno = rc;
+        throw os_error("posix_fallocate(" + std::to_string(bytes) + " bytes)", name);
+    }
+    return fd;
+}
+
+// Maps `size` bytes of the segment behind `fd` and closes `fd` (the mapping keeps it alive).
+// MAP_POPULATE: fault the page tables in now, not on the first copy of the hot path.
+void* map_segment(int fd, size_t size, const std::string& name) {
+    void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    int saved = errno;
+    close(fd);
+    if (base == MAP_FAILED) {
+        errno = saved;
+        throw os_error("mmap", name);
+    }
+    return base;
+}
+
 // One futex word per receiving rank that every sender into that rank bumps on each commit and close
 // (and the rank's own receiver threads of other transports bump on each arrival), so the consumer
 // thread can sleep on a single word for "anything arrived on any incoming channel" and then read the
@@ -142,16 +171,7 @@ struct alignas(64) DoorbellPage {
 class Doorbell {
   public:
     static Doorbell* create(const std::string& name) {
-        int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd < 0) throw os_error("shm_open(create)", name);
-        int rc = posix_fallocate(fd, 0, static_cast<off_t>(kPage));
-        if (rc != 0) {
-            close(fd);
-            shm_unlink(name.c_str());
-            errno = rc;
-            throw os_error("posix_fallocate", name);
-        }
-        Doorbell* d = new Doorbell(name, fd);
+        Doorbell* d = new Doorbell(name, create_segment(name, kPage));
         d->page()->magic = kMagic;
         d->page()->version = kVersion;
         return d;
@@ -199,16 +219,7 @@ class Doorbell {
   private:
     static constexpr double kSpinS = 5e-6;  // a few microseconds: never a busy core while idle
 
-    Doorbell(std::string name, int fd) : name_(std::move(name)) {
-        base_ = mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-        int saved = errno;
-        close(fd);
-        if (base_ == MAP_FAILED) {
-            base_ = nullptr;
-            errno = saved;
-            throw os_error("mmap", name_);
-        }
-    }
+    Doorbell(std::string name, int fd) : name_(std::move(name)), base_(map_segment(fd, kPage, name_)) {}
     DoorbellPage* page() const { return static_cast<DoorbellPage*>(base_); }
 
     std::string name_;
@@ -223,18 +234,7 @@ class Ring {
         if (num_slots == 0 || slot_bytes == 0 || slot_bytes % 64)
             throw std::invalid_argument("num_slots must be > 0 and slot_bytes a positive multiple of 64");
         size_t total = data_offset(num_slots) + num_slots * round_up(slot_bytes, kPage);
-        int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd < 0) throw os_error("shm_open(create)", name);
-        // fallocate, not ftruncate: reserve the pages now, so a full /dev/shm is an error here
-        // rather than a SIGBUS in the middle of a copy.
-        int rc = posix_fallocate(fd, 0, static_cast<off_t>(total));
-        if (rc != 0) {
-            close(fd);
-            shm_unlink(name.c_str());
-            errno = rc;
-            throw os_error("posix_fallocate(" + std::to_string(total) + " bytes)", name);
-        }
-        Ring* ring = new Ring(name, fd, total, /*is_sender=*/false);
+        Ring* ring = new Ring(name, create_segment(name, total), total, /*is_sender=*/false);
         Control* c = ring->control();
         c->magic = kMagic;
         c->version = kVersion;
@@ -368,17 +368,7 @@ class Ring {
 
   private:
     Ring(std::string name, int fd, size_t size, bool is_sender)
-        : name_(std::move(name)), size_(size), is_sender_(is_sender) {
-        // MAP_POPULATE: fault the page tables in now, not on the first copy of the hot path.
-        base_ = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-        int saved = errno;
-        close(fd);
-        if (base_ == MAP_FAILED) {
-            base_ = nullptr;
-            errno = saved;
-            throw os_error("mmap", name_);
-        }
-    }
+        : name_(std::move(name)), base_(map_segment(fd, size, name_)), size_(size), is_sender_(is_sender) {}
 
     Control* control() const { return static_cast<Control*>(base_); }
     const Endpoint& peer() const { return is_sender_ ? control()->receiver : control()->sender; }
