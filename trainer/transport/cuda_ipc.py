@@ -27,75 +27,59 @@ on the peer's GPU in this process (a few hundred MiB there), the usual cost of C
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from trainer.transport import _shm_ring
-from trainer.transport.base import Direction, Header, Message, TransportError
+from trainer.transport.base import Direction, Message
 from trainer.transport.channels import Delivery, Inbox
-from trainer.transport.shm_links import ShmReceiver, _RingStatus, all_gather, open_doorbells, open_rings
-from trainer.transport.tensors import as_bytes, check_matches, empty_bytes, from_bytes
-from trainer.transport.wire import encode, pack
+from trainer.transport.shm_links import ShmReceiver, ShmSender, all_gather, open_doorbells, open_rings
+from trainer.transport.tensors import empty_bytes, from_bytes
 
 logger = logging.getLogger(__name__)
 
 _CONTROL_SLOT_BYTES = 64  # the control ring carries headers only; its payload area stays unused
 
 
-class CudaIpcSender:
-    """Outgoing half: side-stream copy into the peer's slot, event, then a header on the ring."""
+class CudaIpcSender(ShmSender):
+    """Outgoing half: side-stream copy into the peer's slot, event, then a header on the ring.
+
+    The slot loop is :class:`ShmSender`'s; the ring here is the header-only control ring.
+    """
+
+    carries_payload = False
 
     def __init__(
         self, rank: int, peer: int, direction: Direction, control, remote_slots: torch.Tensor,
         freed: list[torch.cuda.Event], filled: list[torch.cuda.Event], device: torch.device, poll_s: float,
     ) -> None:  # fmt: skip
-        self.rank, self.peer, self.direction = rank, peer, direction
-        self._control, self._remote_slots, self._device, self._poll_s = control, remote_slots, device, poll_s
+        super().__init__(rank, peer, direction, control, poll_s)
+        self._remote_slots, self._device = remote_slots, device
         self._freed, self._filled = freed, filled
-        self._status = _RingStatus(rank, peer, direction, control)
         self._stream = torch.cuda.Stream(device)
-        self._lock = threading.Lock()
-        self._sequence = 0
-        self._closed = False
 
-    def send(self, tensor: torch.Tensor, header: Header, timeout_s: float) -> None:
-        check_matches(tensor, header)
+    def _check_device(self, tensor: torch.Tensor) -> None:
         if tensor.device != self._device:
             raise ValueError(f"rank {self.rank}: this channel carries tensors on {self._device}, got {tensor.device}")
-        data = as_bytes(tensor.detach())  # on the producer's stream when a copy is needed
-        producer = torch.cuda.current_stream(self._device)
-        slot_bytes, nbytes = self._remote_slots.shape[1], data.numel()
-        with self._lock:
-            if self._closed:
-                raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
-            wire = pack(encode(header, self._sequence))
-            self._stream.wait_stream(producer)  # copy only what the producer has finished writing
-            offset = 0
-            while True:
-                slot = self._control.acquire(timeout_s, self._poll_s)
-                if slot < 0:
-                    raise self._status.error(slot, "a free receive slot (credit)", timeout_s)
-                length = min(slot_bytes, nbytes - offset)
-                with torch.cuda.stream(self._stream):
-                    self._stream.wait_event(self._freed[slot])  # the consumer is done with slot k
-                    if length:
-                        self._remote_slots[slot, :length].copy_(data[offset : offset + length], non_blocking=True)
-                    self._filled[slot].record(self._stream)
-                self._control.commit(slot, length, wire, external=True)  # payload is on the GPU
-                offset += length
-                if offset >= nbytes:
-                    break
-            # The caching allocator must not hand `data` out again before the side stream read it.
-            data.record_stream(self._stream)
-            self._sequence += 1
 
-    def close(self, timeout_s: float) -> None:
-        with self._lock:  # after any send in progress on another thread
-            if not self._closed:
-                self._closed = True
-                self._control.close()
+    def _slot_bytes(self) -> int:
+        return self._remote_slots.shape[1]
+
+    def _begin(self, data: torch.Tensor) -> None:
+        # `data` was made on the producer's stream when a copy was needed: copy only what it finished.
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+
+    def _fill(self, slot: int, data: torch.Tensor, offset: int, length: int) -> None:
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(self._freed[slot])  # the consumer is done with slot k
+            if length:
+                self._remote_slots[slot, :length].copy_(data[offset : offset + length], non_blocking=True)
+            self._filled[slot].record(self._stream)
+
+    def _end(self, data: torch.Tensor) -> None:
+        # The caching allocator must not hand `data` out again before the side stream read it.
+        data.record_stream(self._stream)
 
 
 class CudaIpcReceiver(ShmReceiver):

@@ -49,7 +49,14 @@ class _RingStatus:
 
 
 class ShmSender:
-    """Outgoing half: copy into the next free slot(s), then commit (wakes the receiver)."""
+    """Outgoing half: copy into the next free slot(s), then commit (wakes the receiver).
+
+    The slot loop (credits, chunking, headers) is shared with :class:`CudaIpcSender`, which only
+    changes where a chunk's bytes go (``_fill``) and what surrounds the loop (``_begin``/``_end``).
+    """
+
+    carries_payload = True
+    """False when the ring carries only headers and the payload lives elsewhere (CUDA IPC slots)."""
 
     def __init__(self, rank: int, peer: int, direction: Direction, ring: _shm_ring.Ring, poll_s: float) -> None:
         self.rank, self.peer, self.direction = rank, peer, direction
@@ -61,27 +68,45 @@ class ShmSender:
 
     def send(self, tensor: torch.Tensor, header: Header, timeout_s: float) -> None:
         check_matches(tensor, header)
-        if tensor.device.type != "cpu":
-            raise ValueError(f"rank {self.rank}: the shm ring carries CPU tensors, got one on {tensor.device}")
+        self._check_device(tensor)
         data = as_bytes(tensor.detach())
-        slot_bytes, nbytes, ptr = self._ring.slot_bytes, data.numel(), data.data_ptr()
+        slot_bytes, nbytes = self._slot_bytes(), data.numel()
         with self._lock:
             if self._closed:
                 raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
             wire = pack(encode(header, self._sequence))
+            self._begin(data)
             offset = 0
             while True:  # at least one slot, also for an empty payload
                 slot = self._ring.acquire(timeout_s, self._poll_s)
                 if slot < 0:
                     raise self._status.error(slot, "a free receive slot (credit)", timeout_s)
                 length = min(slot_bytes, nbytes - offset)
-                if length:
-                    self._ring.write(slot, 0, ptr + offset, length)
-                self._ring.commit(slot, length, wire)
+                self._fill(slot, data, offset, length)
+                self._ring.commit(slot, length, wire, external=not self.carries_payload)
                 offset += length
                 if offset >= nbytes:
                     break
+            self._end(data)
             self._sequence += 1
+
+    # ---- what a subclass changes -----------------------------------------------------------
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            raise ValueError(f"rank {self.rank}: the shm ring carries CPU tensors, got one on {tensor.device}")
+
+    def _slot_bytes(self) -> int:
+        return self._ring.slot_bytes
+
+    def _begin(self, data: torch.Tensor) -> None:
+        """Before the first chunk of a message."""
+
+    def _fill(self, slot: int, data: torch.Tensor, offset: int, length: int) -> None:
+        if length:
+            self._ring.write(slot, 0, data.data_ptr() + offset, length)
+
+    def _end(self, data: torch.Tensor) -> None:
+        """After the last chunk of a message."""
 
     def close(self, timeout_s: float) -> None:
         """End of stream: committed slots stay readable in the receiver's mapping."""
