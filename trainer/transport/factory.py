@@ -147,13 +147,19 @@ def make_stage_links(
                 ProcessGroupReceiver(rank, spec.src, spec.direction, group, device, options.credits, inbox)
             )
     if shm_specs:
-        from trainer.transport.shm_links import build_shm_channels  # C++ extension: only when used
-
         # Set-up needs a few collectives whatever the default backend is (NCCL needs devices set).
         setup_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        shm_senders, shm_receivers = build_shm_channels(
-            shm_specs, rank, device, _agreed_job_id(job_id, setup_group), timeout_s, options, inbox, setup_group
-        )
+        job = _agreed_job_id(job_id, setup_group)
+        if device.type == "cuda":  # GPU payloads in peer GPU memory; the C++ ring carries headers
+            from trainer.transport.cuda_peer import build_cuda_peer_channels
+
+            shm_senders, shm_receivers = build_cuda_peer_channels(
+                shm_specs, rank, device, job, timeout_s, options, inbox, setup_group)
+        else:  # the C++ extension, imported only when used
+            from trainer.transport.shm_links import build_shm_channels
+
+            shm_senders, shm_receivers = build_shm_channels(
+                shm_specs, rank, job, timeout_s, options, inbox, setup_group)
         senders.update(shm_senders)
         receivers.extend(shm_receivers)
     description = " ".join(f"{s.direction}:{s.src}->{s.dst}:{s.transport}" for s in plan if rank in (s.src, s.dst))

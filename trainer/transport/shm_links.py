@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -48,15 +49,30 @@ class _RingStatus:
         return TransportTimeout(f"{where}: nothing after {timeout_s:.1f}s")
 
 
+def send_in_slots(
+    ring: _shm_ring.Ring, status: _RingStatus, wire, nbytes: int, slot_bytes: int,
+    fill: Callable[[int, int, int], None], timeout_s: float, poll_s: float, external: bool,
+) -> None:  # fmt: skip
+    """The slot loop of every ring-based sender: take a credit (a free slot), let ``fill(slot, offset,
+    length)`` put that chunk's bytes where the payload lives, commit the header (wakes the receiver).
+    At least one slot, also for an empty payload; a payload larger than a slot takes consecutive
+    slots (the caller holds its send lock so the chunks of one message are never interleaved).
+    ``external``: the ring carries only headers (the payload lives in GPU slots)."""
+    offset = 0
+    while True:
+        slot = ring.acquire(timeout_s, poll_s)
+        if slot < 0:
+            raise status.error(slot, "a free receive slot (credit)", timeout_s)
+        length = min(slot_bytes, nbytes - offset)
+        fill(slot, offset, length)
+        ring.commit(slot, length, wire, external=external)
+        offset += length
+        if offset >= nbytes:
+            return
+
+
 class ShmSender:
-    """Outgoing half: copy into the next free slot(s), then commit (wakes the receiver).
-
-    The slot loop (credits, chunking, headers) is shared with :class:`CudaIpcSender`, which only
-    changes where a chunk's bytes go (``_fill``) and what surrounds the loop (``_begin``/``_end``).
-    """
-
-    carries_payload = True
-    """False when the ring carries only headers and the payload lives elsewhere (CUDA IPC slots)."""
+    """Outgoing half: copy into the next free slot(s), then commit (wakes the receiver)."""
 
     def __init__(self, rank: int, peer: int, direction: Direction, ring: _shm_ring.Ring, poll_s: float) -> None:
         self.rank, self.peer, self.direction = rank, peer, direction
@@ -68,45 +84,21 @@ class ShmSender:
 
     def send(self, tensor: torch.Tensor, header: Header, timeout_s: float) -> None:
         check_matches(tensor, header)
-        self._check_device(tensor)
+        if tensor.device.type != "cpu":
+            raise ValueError(f"rank {self.rank}: the shm ring carries CPU tensors, got one on {tensor.device}")
         data = as_bytes(tensor.detach())
-        slot_bytes, nbytes = self._slot_bytes(), data.numel()
+
+        def fill(slot: int, offset: int, length: int) -> None:
+            if length:
+                self._ring.write(slot, 0, data.data_ptr() + offset, length)
+
         with self._lock:
             if self._closed:
                 raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
             wire = pack(encode(header, self._sequence))
-            self._begin(data)
-            offset = 0
-            while True:  # at least one slot, also for an empty payload
-                slot = self._ring.acquire(timeout_s, self._poll_s)
-                if slot < 0:
-                    raise self._status.error(slot, "a free receive slot (credit)", timeout_s)
-                length = min(slot_bytes, nbytes - offset)
-                self._fill(slot, data, offset, length)
-                self._ring.commit(slot, length, wire, external=not self.carries_payload)
-                offset += length
-                if offset >= nbytes:
-                    break
-            self._end(data)
+            send_in_slots(self._ring, self._status, wire, data.numel(), self._ring.slot_bytes, fill,
+                          timeout_s, self._poll_s, external=False)
             self._sequence += 1
-
-    # ---- what a subclass changes -----------------------------------------------------------
-    def _check_device(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu":
-            raise ValueError(f"rank {self.rank}: the shm ring carries CPU tensors, got one on {tensor.device}")
-
-    def _slot_bytes(self) -> int:
-        return self._ring.slot_bytes
-
-    def _begin(self, data: torch.Tensor) -> None:
-        """Before the first chunk of a message."""
-
-    def _fill(self, slot: int, data: torch.Tensor, offset: int, length: int) -> None:
-        if length:
-            self._ring.write(slot, 0, data.data_ptr() + offset, length)
-
-    def _end(self, data: torch.Tensor) -> None:
-        """After the last chunk of a message."""
 
     def close(self, timeout_s: float) -> None:
         """End of stream: committed slots stay readable in the receiver's mapping."""
@@ -387,18 +379,12 @@ def open_doorbells(
 
 
 def build_shm_channels(
-    specs: list, rank: int, device: torch.device, job: str, timeout_s: float, options, inbox: Inbox,
-    group,
+    specs: list, rank: int, job: str, timeout_s: float, options, inbox: Inbox, group,
 ) -> tuple[dict, list]:  # fmt: skip
-    """This rank's shm senders (by direction) and receivers. COLLECTIVE over ``group``.
+    """This rank's shm senders (by direction) and receivers for CPU tensors. COLLECTIVE over ``group``.
 
-    CPU tensors use the shared-memory ring for the payload itself; CUDA tensors use peer GPU
-    memory (:mod:`trainer.transport.cuda_ipc`) with a ring that only carries headers.
+    (CUDA tensors take :mod:`trainer.transport.cuda_peer`, which uses these rings for headers only.)
     """
-    if device.type == "cuda":
-        from trainer.transport.cuda_ipc import build_cuda_ipc_channels
-
-        return build_cuda_ipc_channels(specs, rank, device, job, timeout_s, options, inbox, group)
     rings = open_rings(specs, rank, job, group, options.credits, options.shm_slot_bytes)
     inbox.doorbell = open_doorbells(rings, rank, job, group)
     senders: dict[Direction, ShmSender] = {}
