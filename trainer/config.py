@@ -263,9 +263,15 @@ class RunConfig:
     """Write per-rank Chrome traces here (``--profile-dir``)."""
     log_interval: int = 1
     """Iterations between log lines (``--log-interval``)."""
+    cuda_sync_debug: Literal["warn", "error"] | None = None
+    """Run every forward-backward step under ``torch.cuda.set_sync_debug_mode`` (``--cuda-sync-debug``):
+    "error" makes any host synchronisation inside the step raise, the check that the pipeline never
+    stalls the host."""
 
     def __post_init__(self) -> None:
         p = []
+        if self.cuda_sync_debug not in (None, "warn", "error"):
+            p.append(f"--cuda-sync-debug={self.cuda_sync_debug!r} must be warn or error")
         if self.device not in ("cuda", "cpu"):
             p.append(f"--device={self.device!r} must be cuda or cpu")
         if self.num_gpus is not None and self.num_gpus < 1:

@@ -12,6 +12,7 @@ because megatron's P2P communicator allocates on CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -37,7 +38,15 @@ from trainer.distributed import (
     read_launch_env,
     shutdown,
 )
-from trainer.model.batches import BatchPlan, SampleSource, collate, mock_bert_sample, mock_gpt_sample
+from trainer.model.batches import (
+    BatchPlan,
+    SampleSource,
+    causal_mask,
+    host_batch,
+    mock_bert_sample,
+    mock_gpt_sample,
+)
+from trainer.model.prefetch import MicrobatchPrefetcher
 from trainer.topology import Topology
 
 log = logging.getLogger("trainer.train")
@@ -119,6 +128,7 @@ class TrainingSession:
         self._seed()
         self.num_microbatches = cfg.num_microbatches(launch.world_size)
         self.samples, vocab_size = self._sample_source()
+        self.prefetcher = MicrobatchPrefetcher(self._host_microbatch, self.device)
         from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
 
         chunks = build_model_chunks(cfg, self.topology, vocab_size)
@@ -268,11 +278,18 @@ class TrainingSession:
                 "vp": t.virtual_pipeline, "rank": t.rank}
 
     # ---- data ------------------------------------------------------------------------------
-    def _microbatch(self, microbatch: int, chunk: int = 0) -> dict[str, torch.Tensor]:
+    def _host_microbatch(self, microbatch: int) -> dict[str, torch.Tensor]:
         topo, o = self.topology, self.cfg.optim
         plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
         indices = plan.indices(self.state.consumed_samples, microbatch)
-        return collate([self.samples(i) for i in indices], self.cfg.model.model, self.device)
+        return host_batch([self.samples(i) for i in indices], self.cfg.model.model)
+
+    def _microbatch(self, microbatch: int, chunk: int = 0) -> dict[str, torch.Tensor]:
+        """Microbatch m of this step on the device (copied ahead by the prefetcher: no host wait)."""
+        batch = self.prefetcher.get(microbatch)
+        if self.cfg.model.model == "gpt":
+            batch = {**batch, "attention_mask": causal_mask(batch["tokens"].shape[1], self.device)}
+        return batch
 
     def _data_iterators(self) -> list:
         """Megatron-style iterators (one per chunk) over this step's microbatches, by index."""
@@ -301,17 +318,13 @@ class TrainingSession:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.prefetcher.begin_step(self.num_microbatches)  # reads state.consumed_samples: this step's data
         if self.dpp_context is not None:
             self.dpp_context.iteration = state.iteration
         if self.tracer is not None:
             self.tracer.set_iteration(state.iteration)
-        losses = self.forward_backward(
-            forward_step_func=self.forward_step,
-            # The DPP runtime fetches microbatch m by index itself; Megatron's schedules want iterators.
-            data_iterator=None if self.dpp_context is not None else self._data_iterators(), model=self.model,
-            num_microbatches=self.num_microbatches, seq_length=cfg.model.seq_length,
-            micro_batch_size=cfg.optim.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
-            forward_only=False)
+        with _sync_debug(cfg.run.cuda_sync_debug if self.device.type == "cuda" else None):
+            losses = self._forward_backward()
         if self.hooks.after_backward is not None:
             self.hooks.after_backward(state.iteration, self.model)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used (logged like Megatron)
@@ -325,6 +338,16 @@ class TrainingSession:
             self.hooks.after_step(state.iteration, reduced)
         if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.train_iters:
             self._log_iteration(reduced, grad_norm, lr, time.perf_counter() - start, success)
+
+    def _forward_backward(self) -> list:
+        cfg = self.cfg
+        return self.forward_backward(
+            forward_step_func=self.forward_step,
+            # The DPP runtime fetches microbatch m by index itself; Megatron's schedules want iterators.
+            data_iterator=None if self.dpp_context is not None else self._data_iterators(), model=self.model,
+            num_microbatches=self.num_microbatches, seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.optim.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
+            forward_only=False)
 
     def _reduce_losses(self, losses: list[dict]) -> dict[str, float]:
         """Mean over microbatches on the last stage, then over DP; broadcast so every rank knows."""
@@ -426,6 +449,20 @@ class TrainingSession:
 
 
 # ---- command line ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _sync_debug(mode: str | None):
+    """``torch.cuda.set_sync_debug_mode(mode)`` for the duration of the block (None: unchanged)."""
+    if mode is None:
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 def _world_size_from_env() -> int:
     env = os.environ
     for key in ("WORLD_SIZE", "SLURM_NTASKS"):

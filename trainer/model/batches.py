@@ -12,6 +12,7 @@ progressions modulo the vocabulary, so a tiny model has something learnable and 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,11 +86,22 @@ class BatchPlan:
         return [base + j for j in range(self.micro_batch_size)]
 
 
+def host_batch(samples: list[Sample], model: str) -> dict[str, torch.Tensor]:
+    """Stack samples into one microbatch of CPU tensors (no attention mask: see :func:`causal_mask`)."""
+    return {key: torch.as_tensor(np.stack([np.asarray(s[key]) for s in samples]))
+            for key in samples[0] if key != "truncated"}
+
+
+@functools.lru_cache(maxsize=8)
+def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
+    """GPT's causal mask (True = masked), made once per length and device: megatron only reads it,
+    so every microbatch can share one tensor instead of building and copying its own."""
+    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)
+
+
 def collate(samples: list[Sample], model: str, device: torch.device) -> dict[str, torch.Tensor]:
     """Stack samples into one microbatch on ``device``; GPT also gets the causal mask (True = masked)."""
-    batch = {key: torch.as_tensor(np.stack([np.asarray(s[key]) for s in samples])).to(device)
-             for key in samples[0] if key != "truncated"}
+    batch = {key: t.to(device) for key, t in host_batch(samples, model).items()}
     if model == "gpt":
-        s = batch["tokens"].shape[1]
-        batch["attention_mask"] = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
+        batch["attention_mask"] = causal_mask(batch["tokens"].shape[1], torch.device(device))
     return batch
