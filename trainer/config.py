@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.layer_split import split_problems
+
 TRANSPORTS = ("auto", "shm", "nccl", "gloo")
 DECAY_STYLES = ("constant", "linear", "cosine")
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "NullTokenizer")
@@ -123,6 +125,24 @@ class ParallelConfig:
     """Backend of the default process group (Megatron-LM's ``--distributed-backend``): auto = nccl
     on CUDA, gloo on CPU. gloo on CUDA lets several ranks share one GPU (NCCL refuses that), e.g. to
     run the DPP runtime with the CUDA IPC transport on a single-GPU machine."""
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    """Model chunks per stage (Megatron-LM's flag); the way to ask for VP with an uneven split,
+    where layers per virtual stage differ between stages. Exclusive with
+    --num-layers-per-virtual-pipeline-stage."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Transformer layers on the first stage (Megatron-LM's flag; megatron-core's
+    num_layers_in_first_pipeline_stage); None = even split. The rest is spread over the middle stages."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Transformer layers on the last stage (Megatron-LM's flag; num_layers_in_last_pipeline_stage),
+    e.g. one fewer when the output head over a large vocabulary weighs like a layer or two."""
+    overlap_p2p_comm: bool = True
+    """megatron-core's interleaved schedule overlaps P2P with compute (Megatron-LM's default; switched
+    off by its flag --no-overlap-p2p-communication). Like Megatron-LM, only used with VP; without VP
+    overlap is off. batch_p2p_comm (batch_isend_irecv) is its negation, as Megatron-LM sets it."""
+    batch_p2p_sync: bool = True
+    """megatron-core syncs the device after each batched P2P (batch_isend_irecv), a workaround for old
+    PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its
+    --no-<field> convention for TransformerConfig.batch_p2p_sync). Only megatron-core's schedules use it."""
 
     def __post_init__(self) -> None:
         p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
@@ -139,6 +159,18 @@ class ParallelConfig:
             p.append(f"--distributed-backend={self.distributed_backend!r} must be one of auto, nccl, gloo")
         if self.dpp_timeout_s <= 0:
             p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
+        vs = self.num_virtual_stages_per_pipeline_rank
+        if vs is not None and vs < 1:
+            p.append(f"--num-virtual-stages-per-pipeline-rank={vs} must be >= 1")
+        if vs is not None and self.num_layers_per_virtual_pipeline_stage is not None:
+            p.append(f"--num-virtual-stages-per-pipeline-rank={vs} and --num-layers-per-virtual-pipeline-stage="
+                     f"{self.num_layers_per_virtual_pipeline_stage} are mutually exclusive")
+        uneven = self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+        if uneven and self.num_layers_per_virtual_pipeline_stage is not None:
+            # Megatron-LM's rule: layers per virtual stage differ between stages of an uneven split.
+            p.append(f"--num-layers-per-virtual-pipeline-stage={self.num_layers_per_virtual_pipeline_stage} "
+                     "cannot be used with --decoder-first/last-pipeline-num-layers; give "
+                     "--num-virtual-stages-per-pipeline-rank instead")
         _check(p)
 
 
@@ -303,9 +335,17 @@ class TrainConfig:
     @property
     def virtual_pipeline(self) -> int:
         """Model chunks per stage (v)."""
+        if self.parallel.num_virtual_stages_per_pipeline_rank is not None:
+            return self.parallel.num_virtual_stages_per_pipeline_rank
         per_stage = self.model.num_layers // self.parallel.pipeline_model_parallel_size
         vp_layers = self.parallel.num_layers_per_virtual_pipeline_stage
         return per_stage // vp_layers if vp_layers else 1
+
+    @property
+    def uneven_pipeline(self) -> bool:
+        """--decoder-first/last-pipeline-num-layers given: megatron-core's uneven split."""
+        par = self.parallel
+        return par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
 
 
 def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -319,8 +359,15 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if world_size % (tp * pp):
         p.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size={tp} x "
                  f"--pipeline-model-parallel-size={pp}")
-    if m.num_layers % pp:
+    vs = par.num_virtual_stages_per_pipeline_rank
+    if cfg.uneven_pipeline:
+        p.extend(split_problems(m.num_layers, pp, vs or 1, par.decoder_first_pipeline_num_layers,
+                                par.decoder_last_pipeline_num_layers))
+    elif m.num_layers % pp:
         p.append(f"--num-layers={m.num_layers} is not divisible by --pipeline-model-parallel-size={pp}")
+    elif vs is not None and vs > 1 and (pp == 1 or (m.num_layers // pp) % vs):
+        p.append(f"--num-virtual-stages-per-pipeline-rank={vs} needs --pipeline-model-parallel-size > 1 "
+                 f"and divides the {m.num_layers // pp} layers per stage")
     elif vp_layers is not None:
         if pp == 1:
             p.append(f"--num-layers-per-virtual-pipeline-stage={vp_layers} needs "
@@ -345,9 +392,13 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
                 p.append(f"{microbatches} microbatches per iteration (--global-batch-size="
                          f"{o.global_batch_size} / (--micro-batch-size={o.micro_batch_size} x DP {dp})) "
                          f"is fewer than --pipeline-model-parallel-size={pp} stages")
-            if vp_layers is not None and not par.use_dpp and cfg.run.device == "cuda" and microbatches % pp:
+            if cfg.virtual_pipeline > 1 and not par.use_dpp and cfg.run.device == "cuda" and microbatches % pp:
                 p.append(f"megatron-core's interleaved 1F1B needs microbatches ({microbatches}) divisible "
                          f"by --pipeline-model-parallel-size={pp}; use --use-dpp or change the batch")
+    if cfg.virtual_pipeline > 1 and not par.overlap_p2p_comm and not par.use_dpp and pp == 2 \
+            and cfg.run.device == "cuda":
+        p.append("--no-overlap-p2p-communication with interleaving needs --pipeline-model-parallel-size > 2 "
+                 "(Megatron-LM's rule: batched sends and receives between the same 2 ranks)")
     if cfg.run.node_ips and world_size % len(cfg.run.node_ips):
         p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips "
                  "(every node runs the same number of ranks)")
@@ -377,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m trainer.train",
         description="Train megatron-core GPT/BERT under DP x TP x PP (x VP), optionally with --use-dpp.",
     )
-    renames = {"dpp_timeout_s": "--dpp-timeout"}
+    renames = {"dpp_timeout_s": "--dpp-timeout", "overlap_p2p_comm": "--no-overlap-p2p-communication"}
     for section in (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig):
         group = parser.add_argument_group(section.__name__, (section.__doc__ or "").strip())
         docs = field_docs(section)
@@ -386,7 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             helptext = docs.get(f.name, "").replace("%", "%%")
             kwargs: dict = {"dest": f"{section.__name__}.{f.name}", "default": default, "help": helptext}
-            if f.type in ("bool",):
+            if f.type in ("bool",) and default is True:  # Megatron-LM's --no-<name> for default-on switches
+                group.add_argument(renames.get(f.name, "--no-" + flag[2:]), action="store_false", **kwargs)
+            elif f.type in ("bool",):
                 group.add_argument(flag, action="store_true", **kwargs)
             elif f.name == "node_ips":
                 group.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), metavar="IP,IP,...",

@@ -53,6 +53,7 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
 
     m, on_cpu = cfg.model, cfg.run.device == "cpu"
     dtype = params_dtype(cfg)
+    overlap_p2p = cfg.parallel.overlap_p2p_comm and topology.virtual_pipeline > 1
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -63,6 +64,15 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         tensor_model_parallel_size=topology.tensor_parallel,
         pipeline_model_parallel_size=topology.pipeline_parallel,
         virtual_pipeline_model_parallel_size=topology.virtual_pipeline if topology.virtual_pipeline > 1 else None,
+        # Megatron-LM's uneven split (--decoder-first/last-pipeline-num-layers): megatron-core places
+        # the layers itself, so every schedule, ours included, builds the same stages.
+        num_layers_in_first_pipeline_stage=cfg.parallel.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=cfg.parallel.decoder_last_pipeline_num_layers,
+        # P2P settings read only by megatron-core's schedules, set as Megatron-LM sets them:
+        # overlap with interleaving unless --no-overlap-p2p-communication, batching otherwise.
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p,
+        batch_p2p_sync=cfg.parallel.batch_p2p_sync,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=cfg.optim.bf16,
