@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trainer.layer_split import split_problems
+from trainer.stall_injection import stall_problems
 
 TRANSPORTS = ("auto", "shm", "nccl", "gloo")
+DPP_POLICIES = ("dpp", "dpp-zb", "zb-h1")
 DECAY_STYLES = ("constant", "linear", "cosine")
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "NullTokenizer")
 
@@ -117,6 +119,10 @@ class ParallelConfig:
     """Run the dynamic pipeline schedule instead of 1F1B (``--use-dpp``)."""
     dpp_max_inflight: int | None = None
     """DPP cap on forwards whose activations are held; None means 1F1B's per-stage cap."""
+    dpp_policy: Literal["dpp", "dpp-zb", "zb-h1"] = "dpp"
+    """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
+    deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
+    the runtime's non-DPP CPU path). Split backward needs megatron-core's local layer spec."""
     transport: Literal["auto", "shm", "nccl", "gloo"] = "auto"
     """Stage-to-stage transport (``--transport``): shm within a node, nccl/gloo across."""
     dpp_timeout_s: float = 300.0
@@ -159,6 +165,13 @@ class ParallelConfig:
             p.append(f"--distributed-backend={self.distributed_backend!r} must be one of auto, nccl, gloo")
         if self.dpp_timeout_s <= 0:
             p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
+        if self.dpp_policy not in DPP_POLICIES:
+            p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
+        elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
+            p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
+        if self.dpp_policy == "zb-h1" and self.dpp_max_inflight is not None:
+            p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
+                     "not to the static zb-h1")
         vs = self.num_virtual_stages_per_pipeline_rank
         if vs is not None and vs < 1:
             p.append(f"--num-virtual-stages-per-pipeline-rank={vs} must be >= 1")
@@ -295,6 +308,15 @@ class RunConfig:
     """Write per-rank Chrome traces here (``--profile-dir``)."""
     log_interval: int = 1
     """Iterations between log lines (``--log-interval``)."""
+    metrics_dir: str | None = None
+    """Each rank writes ``metrics_rank<R>.json`` here at the end (``--metrics-dir``): per-iteration
+    ms, losses, peak GPU memory, GPU busy time -- what trainer.bench reads instead of log text."""
+    gpu_busy_iters: int = 2
+    """With --metrics-dir on CUDA: measure GPU busy time (kernel time on the GPU, torch.profiler)
+    over the last N iterations, which the benchmark then leaves out of its timings; 0 = off."""
+    inject_stalls: str | None = None
+    """``RANK:FRACTION:MILLISECONDS[:SEED]``: delay that share of RANK's forward steps (the GPU stream
+    on CUDA), the same ops under every schedule for one seed (trainer/stall_injection.py)."""
     cuda_sync_debug: Literal["warn", "error"] | None = None
     """Run every forward-backward step under ``torch.cuda.set_sync_debug_mode`` (``--cuda-sync-debug``):
     "error" makes any host synchronisation inside the step raise, the check that the pipeline never
@@ -310,6 +332,9 @@ class RunConfig:
             p.append(f"--num-gpus={self.num_gpus} must be >= 1")
         if self.log_interval < 1:
             p.append(f"--log-interval={self.log_interval} must be >= 1")
+        if self.gpu_busy_iters < 0:
+            p.append(f"--gpu-busy-iters={self.gpu_busy_iters} must be >= 0")
+        p.extend(stall_problems(self.inject_stalls))
         _check(p)
 
 
@@ -399,9 +424,33 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
             and cfg.run.device == "cuda":
         p.append("--no-overlap-p2p-communication with interleaving needs --pipeline-model-parallel-size > 2 "
                  "(Megatron-LM's rule: batched sends and receives between the same 2 ranks)")
+    p.extend(_split_backward_problems(cfg))
+    if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
+        p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "
+                 f"but the world size is {world_size}")
     if cfg.run.node_ips and world_size % len(cfg.run.node_ips):
         p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips "
                  "(every node runs the same number of ranks)")
+    return p
+
+
+def _split_backward_problems(cfg: TrainConfig) -> list[str]:
+    """What rules out --dpp-policy dpp-zb / zb-h1 (split backward), knowable before any process group."""
+    par, impl = cfg.parallel, cfg.model.transformer_impl
+    policy = par.dpp_policy
+    if policy not in ("dpp-zb", "zb-h1"):
+        return []
+    p = []
+    # trainer.pipeline.split_backward defers the weight GEMMs of megatron's local linears only;
+    # "auto" picks Transformer Engine on CUDA, so the choice must be explicit there.
+    if impl == "transformer_engine" or (impl == "auto" and cfg.run.device == "cuda"):
+        p.append(f"--dpp-policy={policy} splits the backward of megatron-core's local linear layers only: "
+                 f"pass --transformer-impl local (got --transformer-impl={impl})")
+    if policy == "zb-h1" and cfg.virtual_pipeline > 1:
+        p.append(f"--dpp-policy=zb-h1 needs one model chunk per stage, got {cfg.virtual_pipeline}")
+    if policy == "zb-h1" and not par.use_dpp and cfg.run.device == "cuda" and par.distributed_backend != "gloo":
+        p.append("--dpp-policy=zb-h1 without --use-dpp on CUDA: megatron-core's own schedule would run; "
+                 "add --use-dpp")
     return p
 
 

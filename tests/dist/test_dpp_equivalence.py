@@ -9,6 +9,7 @@ DP rank d holds samples start + m*mbs*dp + d*mbs + j, so DP replicas split the r
 Tolerances (fp32): per-iteration losses within LOSS_RTOL relative; every parameter's gradient, after
 finalize_model_grads and before the optimizer, within GRAD_RTOL of max |g_ref| (summation order
 differs across DP/TP reductions). Iterations 2 and 3 also check that optimizer steps stay equal.
+The split-backward policies (dpp-zb, zb-h1) are held to the same tolerances.
 """
 
 from __future__ import annotations
@@ -61,18 +62,33 @@ LAYOUTS = {
     # at iterations 2 and 3 show the sharded Adam steps equal the reference's.
     "gpt-pp2-dp2-distopt": ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", *GLOO]),
 }
+# Megatron-LM's uneven split (8 layers as 5 + 3): megatron-core places the layers, the reference
+# weights map by global layer index, so the same comparison holds.
+LAYOUTS["gpt-pp2-uneven"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
+                                         "5", "--decoder-last-pipeline-num-layers", "3"])
+UNEVEN = {"gpt-pp2-uneven": {0: set(range(5)), 1: set(range(5, 8))}}
 LOSSES_ONLY = {"gpt-pp2-dp2-distopt"}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
 NO_DPP = {"gpt-pp2-no-dpp"}
 
 
+# Split backward (I then W, trainer.pipeline.split_backward) must not change the maths either: every
+# DPP layout again under dpp-zb, and the static zb-h1 on the non-DPP path. Ids: "<layout>" for the
+# plain dpp policy (as before), "<layout>-<policy>" otherwise.
+CASES = ([pytest.param(layout, "dpp", id=layout) for layout in LAYOUTS]
+         + [pytest.param(layout, "dpp-zb", id=f"{layout}-dpp-zb") for layout in LAYOUTS if layout not in NO_DPP]
+         + [pytest.param("gpt-pp2-no-dpp", "zb-h1", id="gpt-pp2-no-dpp-zb-h1")])
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_dpp_matches_single_process_reference(layout: str, references, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layout", "policy"), CASES)
+def test_dpp_matches_single_process_reference(layout: str, policy: str, references, tmp_path: Path) -> None:
     model, world, flags = LAYOUTS[layout]
     ref = references[model]
     schedule = [] if layout in NO_DPP else ["--use-dpp"]
+    if policy != "dpp":
+        schedule += ["--dpp-policy", policy]
     _run(tmp_path, world, TINY + MODELS[model] + flags + schedule, ["--load-init", str(ref / "init.pt")])
 
     expected = json.loads((ref / "losses_rank0.json").read_text())
@@ -86,6 +102,10 @@ def test_dpp_matches_single_process_reference(layout: str, references, tmp_path:
 
     if layout in LOSSES_ONLY:
         return
+    if layout in UNEVEN:  # the split really is 5 + 3 (an ignored flag would give 4 + 4 and still match)
+        held = {rank: {int(name.split(".")[2]) for name in grads if name.startswith("decoder.layers.")}
+                for rank, grads in load_rank_grads(tmp_path, 0).items()}
+        assert held == UNEVEN[layout], held
     for it in range(ITERS):
         reference_grads = load_rank_grads(ref, it)[0]
         ranks = load_rank_grads(tmp_path, it)
