@@ -234,11 +234,20 @@ class TrainingSession:
         from trainer.schedule.registry import make_policy
 
         shape = PipelineShape(topo.pipeline_parallel, self.num_microbatches, topo.virtual_pipeline)
-        if cfg.parallel.use_dpp:
-            name, options = "dpp", {"max_inflight": cfg.parallel.dpp_max_inflight}
+        par = cfg.parallel
+        if par.use_dpp and par.dpp_policy != "zb-h1":
+            name, options = par.dpp_policy, {"max_inflight": par.dpp_max_inflight}
+        elif par.dpp_policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
+            name, options = "zb-h1", {}
         else:
             name, options = ("interleaved" if topo.virtual_pipeline > 1 else "1f1b"), {}
         policy = make_policy(name, shape, topo.pp_rank, **options)
+        split = None
+        if policy.split_backward:
+            from trainer.pipeline.split_backward import install_split_backward
+
+            # Before the links and shared-memory channels exist: an unsupported model fails cleanly.
+            split = install_split_backward(self.model)
         if topo.pipeline_parallel > 1:
             from trainer.transport.factory import make_stage_links
 
@@ -257,7 +266,7 @@ class TrainingSession:
             self.tracer.set_clock_offset(measure_clock_offset())
         self.dpp_context = DppContext(topology=topo, policy=policy, links=self.links,
                                       timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self._microbatch,
-                                      tracer=self.tracer, tp_channel=self.tp_channel)
+                                      tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split)
         return make_forward_backward_func(self.dpp_context)
 
     def _tp_channel(self, shape):
@@ -382,7 +391,7 @@ class TrainingSession:
         if self.cfg.run.device == "cuda":
             params = params.cuda()
         if self.launch.rank == 0 or self._is_logger:
-            schedule = ("dpp" if cfg.parallel.use_dpp else
+            schedule = (cfg.parallel.dpp_policy if cfg.parallel.use_dpp or cfg.parallel.dpp_policy == "zb-h1" else
                         "megatron-core" if self._uses_megatron_schedule() else "1f1b policy")
             log.info("workload %s: %s %s | %s | microbatches/iter %d x mbs %d | schedule %s | "
                      "transport %s | vocab %d (padded %d) | this rank holds %.2fM parameters | "

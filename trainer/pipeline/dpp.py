@@ -12,6 +12,11 @@ cannot change the sum), ``config.no_sync_func`` holds gradient reduction until t
 each chunk, ``config.finalize_model_grads_func`` runs at the end, ``config.grad_scale_func`` scales
 the last stage's loss, and a sent output's storage is freed (``deallocate_pipeline_outputs``) while
 its autograd graph is kept for the backward.
+
+Split backward (dpp-zb, zb-h1): ``I(m, c)`` is B's backward with the linears' weight GEMMs recorded
+in a store (trainer.pipeline.split_backward) and sends the input gradient upstream exactly like B;
+``W(m, c)`` replays that store. Weight gradients are complete only after a chunk's last W, so that
+W, not the last I, is "the last backward" of the grad-sync protocol.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 from trainer.pipeline.grad_sync import GradSync
+from trainer.pipeline.split_backward import SplitBackward
 from trainer.pipeline.stall import DppStallError, describe_wait
 from trainer.pipeline.tp_decision import TpDecisionChannel
 from trainer.schedule.core import Action, Op, PipelineShape, Policy, StageState
@@ -59,6 +65,9 @@ class DppContext:
     """Shared decision log when TP > 1 (leader publishes, followers replay)."""
     iteration: int = 0
     """Set by the trainer before each step; recorded in trace events."""
+    split_backward: SplitBackward | None = None
+    """From trainer.pipeline.split_backward.install_split_backward on this rank's chunks; required
+    when the policy splits backwards into I and W (dpp-zb, zb-h1)."""
     peak_inflight: int = field(default=0, init=False)
     """Largest number of held activations seen in the last step (for logs/benchmarks)."""
 
@@ -140,8 +149,9 @@ class _Step:
             raise ValueError(f"got {len(chunks)} model chunks but the topology has VP={topo.virtual_pipeline}")
         self.config = _model_config(chunks[0])
         self.state = StageState(self.shape, self.stage, split_backward=ctx.policy.split_backward)
-        if self.state.split_backward:
-            raise NotImplementedError("split backward (I/W) is not supported by the runtime yet")
+        if self.state.split_backward and ctx.split_backward is None and not forward_only:
+            raise ValueError(f"policy {ctx.policy.name!r} splits the backward into I and W, but the DppContext "
+                             "has no split_backward: install_split_backward(model chunks) first")
         self.data = self._data_source(data_iterator)
         self.tracer = ctx.tracer
         self.acts: dict[tuple[int, int], Message] = {}
@@ -258,7 +268,9 @@ class _Step:
                         chunk=action.chunk) as span:
             if action.op is Op.F:
                 output = self._forward(action.microbatch, action.chunk)
-            else:
+            elif action.op is Op.W:
+                output = self._weight_step(action.microbatch, action.chunk, grad_sync)
+            else:  # B, or I: the same backward with the weight GEMMs deferred to W
                 output = self._backward_step(action.microbatch, action.chunk, grad_sync)
             self.state.mark_done(action)
             if self.forward_only and action.op is Op.F:
@@ -323,14 +335,25 @@ class _Step:
             grad = msg.tensor  # read-only use during backward: no copy out of the slot
         if input_tensor is not None:
             input_tensor.retain_grad()
-        grad_sync.before_backward(c)
-        _backward(output, grad)
-        grad_sync.after_backward(c)
+        if self.state.split_backward:
+            # I: grad sync waits for the chunk's last W, which completes its weight gradients.
+            with self.ctx.split_backward.capture((m, c)):
+                _backward(output, grad)
+        else:
+            grad_sync.before_backward(c)
+            _backward(output, grad)
+            grad_sync.after_backward(c)
         if msg is not None:
             self.ctx.links.release(msg)
         if self.shape.is_first_virtual(self.stage, c):
             return None
         return input_tensor.grad
+
+    def _weight_step(self, m: int, c: int, grad_sync: GradSync) -> None:
+        """W: the weight GEMMs I deferred; frees the inputs and output grads the store held."""
+        grad_sync.before_backward(c)
+        self.ctx.split_backward.replay((m, c))
+        grad_sync.after_backward(c)
 
     def _send(self, action: Action, tensor: torch.Tensor) -> None:
         m, c = action.microbatch, action.chunk
@@ -359,6 +382,8 @@ class _Step:
         leftovers = [f"{k}" for k in self.acts] + [f"grad {k}" for k in self.grads]
         assert not leftovers, f"rank {self.rank}: step ended with unconsumed messages {leftovers}"
         assert not self.saved or self.forward_only, f"rank {self.rank}: activations still held {list(self.saved)}"
+        pending = self.ctx.split_backward.pending() if self.ctx.split_backward is not None else []
+        assert not pending, f"rank {self.rank}: step ended with weight gradients never replayed {pending}"
 
 
 class _NullSpanCM:

@@ -5,7 +5,9 @@ model chunk, leave it right before that last backward (so DDP's hooks reduce the
 gradients, overlapped with the remaining backwards when ``overlap_grad_reduce`` is on), call
 ``config.grad_sync_func[chunk]`` once a chunk is done, and finally ``finalize_model_grads_func``.
 With a dynamic schedule "the last backward of chunk c" is simply the M-th backward of chunk c to
-run, whichever microbatch that is, so we count.
+run, whichever microbatch that is, so we count. With a split backward (I then W) the runtime calls
+``before_backward``/``after_backward`` around each W instead: a chunk's weight gradients are complete
+only after its M-th W, so I steps run entirely under ``no_sync``.
 """
 
 from __future__ import annotations
