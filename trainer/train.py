@@ -47,6 +47,7 @@ from trainer.model.batches import (
     mock_gpt_sample,
 )
 from trainer.model.prefetch import MicrobatchPrefetcher
+from trainer.run_metrics import RunMeasurement
 from trainer.topology import Topology
 
 log = logging.getLogger("trainer.train")
@@ -105,6 +106,7 @@ class TrainingSession:
         self.state = TrainState()
         self.preempt = PreemptionFlag()
         self.shims = self.links = self.tracer = self.tp_channel = self.dpp_context = None
+        self.measure: RunMeasurement | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -139,6 +141,9 @@ class TrainingSession:
         self._build_optimizer()
         self._wire_grad_sync()
         self.forward_backward = self.hooks.forward_backward_func or self._schedule()
+        # --metrics-dir / --inject-stalls: wrapping the forward step reaches every schedule alike.
+        self.measure = RunMeasurement(cfg, self.topology, self._schedule_label(), self.num_microbatches)
+        self.forward_step = self.measure.wrap_forward_step(self.forward_step, self.model)
         if cfg.checkpoint.load:
             loaded = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.scheduler, self._layout())
             if loaded is not None:
@@ -215,6 +220,14 @@ class TrainingSession:
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
+
+    def _schedule_label(self) -> str:
+        """What runs the pipeline, for metrics: megatron-core's schedule or our runtime's policy."""
+        if self.hooks.forward_backward_func is not None:
+            return "hook"
+        if self._uses_megatron_schedule():
+            return "megatron-core " + ("interleaved" if self.topology.virtual_pipeline > 1 else "1f1b")
+        return f"runtime {self.dpp_context.policy.name}"
 
     def _uses_megatron_schedule(self) -> bool:
         """megatron-core's own schedule runs CUDA jobs without --use-dpp, except over gloo: its P2P
@@ -323,6 +336,8 @@ class TrainingSession:
 
     def _train_step(self) -> None:
         cfg, state = self.cfg, self.state
+        step = state.iteration
+        self.measure.before_step(step)  # profiler start (a device sync) stays outside the timing
         start = time.perf_counter()
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -343,6 +358,7 @@ class TrainingSession:
         state.iteration += 1
         state.consumed_samples += cfg.optim.global_batch_size
         reduced = self._reduce_losses(losses)
+        self.measure.after_step(step, time.perf_counter() - start, reduced)
         if self.hooks.after_step is not None:
             self.hooks.after_step(state.iteration, reduced)
         if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.train_iters:
@@ -447,6 +463,8 @@ class TrainingSession:
     # ---- tear-down -------------------------------------------------------------------------
     def close(self) -> None:
         self.preempt.restore()
+        if self.measure is not None:
+            self.measure.write()
         for resource in (self.tracer, self.tp_channel, self.links):
             if resource is not None:
                 resource.close()
