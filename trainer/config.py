@@ -215,6 +215,9 @@ class OptimConfig:
     """Adam beta1 (``--adam-beta1``)."""
     adam_beta2: float = 0.999
     """Adam beta2 (``--adam-beta2``)."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """``--optimizer`` (Megatron-LM's): megatron-core's Adam(W) or SGD (momentum 0.9, Megatron's
+    default), both with fp32 main weights under --bf16/--fp16."""
     seed: int = 1234
     """Seed for initialisation, dropout and mock data (``--seed``)."""
     bf16: bool = False
@@ -237,6 +240,8 @@ class OptimConfig:
             p.append(f"--weight-decay={self.weight_decay} and --clip-grad={self.clip_grad} must be >= 0")
         if self.bf16 and self.fp16:
             p.append("--bf16 and --fp16 are mutually exclusive")
+        if self.optimizer not in ("adam", "sgd"):
+            p.append(f"--optimizer={self.optimizer!r} must be adam or sgd")
         _check(p)
 
     @property

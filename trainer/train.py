@@ -199,7 +199,7 @@ class TrainingSession:
 
         o = self.cfg.optim
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            OptimizerConfig(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, clip_grad=o.clip_grad,
                             bf16=o.bf16, fp16=o.fp16, params_dtype=params_dtype(self.cfg),
                             use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer),
