@@ -333,6 +333,13 @@ class _Step:
         else:
             msg = self.grads.pop((m, c))
             grad = msg.tensor  # read-only use during backward: no copy out of the slot
+            if self.state.split_backward:
+                # ...except for I: the weight-gradient store can keep this very tensor (autograd
+                # passes it unchanged through adds and p=0 dropout to the chunk's last linear)
+                # until W, and the slot is reused by the next arrival as soon as it is released.
+                grad = grad.clone()
+                self.ctx.links.release(msg)
+                msg = None
         if input_tensor is not None:
             input_tensor.retain_grad()
         if self.state.split_backward:

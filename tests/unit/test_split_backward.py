@@ -1,0 +1,252 @@
+"""trainer.pipeline.split_backward on megatron-core's local linears (one process, gloo world of 1).
+
+The reference is autograd through plain ``torch.nn.Linear`` layers holding the same weights: the
+input gradient must come out of I, every linear weight gradient out of W (and only then), biases
+during I, and the store must be empty afterwards. Refusals name what they refuse.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.pipeline.split_backward import (
+    SplitBackward,
+    install_split_backward,
+    split_backward_problems,
+)
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo group: megatron's linears reduce over their TP group even at TP=1."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def _megatron_pair(group, allreduce_dgrad: bool = False):
+    """ColumnParallelLinear(8 -> 6, bias) then RowParallelLinear(6 -> 4, bias), as in an MLP."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    config = ModelParallelConfig(use_cpu_initialization=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        col = ColumnParallelLinear(8, 6, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                   tp_group=group)
+        row = RowParallelLinear(6, 4, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                input_is_parallel=True, skip_bias_add=False, tp_group=group)
+        with torch.no_grad():
+            col.bias.normal_()
+            row.bias.normal_()
+    # At TP=1 megatron skips the dgrad all-reduce; forcing it runs the TP code path (a no-op sum).
+    col.allreduce_dgrad = allreduce_dgrad
+    return torch.nn.Sequential(col, row)
+
+
+def _run(model, x):
+    col, row = model
+    hidden, _ = col(x)
+    out, _ = row(torch.nn.functional.gelu(hidden))
+    return out
+
+
+def _reference(model):
+    col, row = model
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    with torch.no_grad():
+        for plain, megatron in zip(ref, (col, row), strict=True):
+            plain.weight.copy_(megatron.weight)
+            plain.bias.copy_(megatron.bias)
+    return ref
+
+
+def _reference_grads(model, x, grad_out):
+    ref = _reference(model)
+    xr = x.detach().clone().requires_grad_(True)
+    out = ref[1](torch.nn.functional.gelu(ref[0](xr)))
+    out.backward(grad_out)
+    return xr.grad, [lin.weight.grad for lin in ref], [lin.bias.grad for lin in ref], out.detach()
+
+
+@pytest.mark.parametrize("allreduce_dgrad", [False, True])
+def test_i_gives_input_grad_and_w_gives_weight_grads_like_autograd(group, allreduce_dgrad) -> None:
+    model = _megatron_pair(group, allreduce_dgrad)
+    x = torch.randn(5, 3, 8)
+    grad_out = torch.randn(5, 3, 4)
+    ref_x, ref_w, ref_b, ref_out = _reference_grads(model, x, grad_out)
+
+    split = install_split_backward([model])
+    xs = x.clone().requires_grad_(True)
+    out = _run(model, xs)
+    torch.testing.assert_close(out.detach(), ref_out)
+    with split.capture(("m0", 0)) as store:
+        out.backward(grad_out)
+    # I: the input gradient and the biases, no linear weight gradient yet.
+    torch.testing.assert_close(xs.grad, ref_x)
+    assert [lin.weight.grad for lin in model] == [None, None]
+    for lin, expected in zip(model, ref_b, strict=True):
+        torch.testing.assert_close(lin.bias.grad, expected)
+    assert len(store) == 2 and split.pending() == [("m0", 0)]
+
+    assert split.replay(("m0", 0)) == 2
+    for lin, expected in zip(model, ref_w, strict=True):
+        torch.testing.assert_close(lin.weight.grad, expected)
+    assert len(store) == 0 and split.pending() == []
+
+
+def test_w_accumulates_into_main_grad_over_microbatches(group) -> None:
+    """Under megatron DDP the weight has main_grad; W adds there (twice = two microbatches)."""
+    model = _megatron_pair(group)
+    x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
+    _, ref_w, _, _ = _reference_grads(model, x, grad_out)
+    for lin in model:
+        lin.weight.main_grad = torch.zeros_like(lin.weight, dtype=torch.float32)
+    split = install_split_backward([model])
+    for m in range(2):
+        with split.capture(m):
+            _run(model, x.clone().requires_grad_(True)).backward(grad_out)
+    for m in range(2):
+        split.replay(m)
+    for lin, expected in zip(model, ref_w, strict=True):
+        torch.testing.assert_close(lin.weight.main_grad, 2 * expected)
+        assert lin.weight.grad is None
+
+
+def test_without_an_open_store_weight_grads_are_immediate(group) -> None:
+    """Evaluation, or a backward outside I: exactly megatron's behaviour, nothing deferred."""
+    model = _megatron_pair(group)
+    x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
+    ref_x, ref_w, _, _ = _reference_grads(model, x, grad_out)
+    split = install_split_backward([model])
+    xs = x.clone().requires_grad_(True)
+    _run(model, xs).backward(grad_out)
+    torch.testing.assert_close(xs.grad, ref_x)
+    for lin, expected in zip(model, ref_w, strict=True):
+        torch.testing.assert_close(lin.weight.grad, expected)
+    assert split.pending() == []
+
+
+def test_frozen_weight_takes_megatrons_own_path(group) -> None:
+    model = _megatron_pair(group)
+    model[0].weight.requires_grad_(False)
+    split = install_split_backward([model])
+    xs = torch.randn(5, 3, 8, requires_grad=True)
+    with split.capture(0) as store:
+        _run(model, xs).sum().backward()
+    assert len(store) == 1  # only the trainable row-parallel weight was deferred
+    split.replay(0)
+    assert model[0].weight.grad is None and model[1].weight.grad is not None
+
+
+def test_refusals_name_every_unsupported_feature(group) -> None:
+    model = _megatron_pair(group)
+    model[0].sequence_parallel = True
+    model[1].gradient_accumulation_fusion = True
+    chunk = SimpleNamespace(modules=model.modules, ddp_config=SimpleNamespace(overlap_grad_reduce=True))
+    with pytest.raises(ValueError) as err:
+        install_split_backward([chunk])
+    message = str(err.value)
+    for word in ("sequence_parallel", "gradient_accumulation_fusion", "overlap_grad_reduce"):
+        assert word in message
+    assert "_forward_impl" not in vars(model[0])  # nothing patched when refused
+
+
+def test_transformer_engine_and_empty_models_are_refused() -> None:
+    class TELayerNormColumnParallelLinear(torch.nn.Module):
+        pass
+
+    assert any("Transformer Engine" in p and "TELayerNormColumnParallelLinear" in p
+               for p in split_backward_problems([torch.nn.Sequential(TELayerNormColumnParallelLinear())]))
+    with pytest.raises(ValueError, match="no ColumnParallelLinear/RowParallelLinear"):
+        install_split_backward([torch.nn.Linear(2, 2)])
+
+
+def test_unknown_active_forward_options_and_double_install_are_refused(group) -> None:
+    model = _megatron_pair(group)
+    install_split_backward([model])
+    with pytest.raises(ValueError, match="already has a per-instance _forward_impl"):
+        install_split_backward([model])
+    col = model[0]
+    x = torch.randn(2, 1, 8, requires_grad=True)
+    # Options megatron passes switched off are accepted; one we do not know, switched on, is not.
+    col._forward_impl(input=x, weight=col.weight, bias=None, gtp_remat_size=1, future_flag=None)
+    with pytest.raises(ValueError, match="future_flag=2"):
+        col._forward_impl(input=x, weight=col.weight, bias=None, future_flag=2)
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        col._forward_impl(input=x, weight=col.weight, bias=None, sequence_parallel=True)
+
+
+def test_store_lifecycle_errors() -> None:
+    split = SplitBackward()
+    with split.capture(1), pytest.raises(RuntimeError, match="already open"), split.capture(2):
+        pass
+    assert split.active is None
+    with pytest.raises(RuntimeError, match="its I did not run"):
+        split.replay(3)
+
+
+def test_runtime_refuses_a_split_policy_without_the_store() -> None:
+    from trainer.pipeline import DppContext, forward_backward_dpp
+    from trainer.schedule.core import PipelineShape
+    from trainer.schedule.registry import make_policy
+    from trainer.topology import Topology
+
+    config = SimpleNamespace(no_sync_func=None, grad_sync_func=None, finalize_model_grads_func=None,
+                             grad_scale_func=None, calculate_per_token_loss=False,
+                             deallocate_pipeline_outputs=True, enable_autocast=False)
+    chunk = torch.nn.Linear(1, 1)
+    chunk.config = config
+    context = DppContext(topology=Topology(world_size=1, rank=0),
+                         policy=make_policy("dpp-zb", PipelineShape(1, 2), 0), links=None,
+                         microbatch_data=lambda m, c: None)
+    with pytest.raises(ValueError, match="'dpp-zb' splits the backward"):
+        forward_backward_dpp(forward_step_func=None, data_iterator=None, model=[chunk], num_microbatches=2,
+                             seq_length=1, micro_batch_size=1, dpp_context=context)
+
+
+def test_config_names_every_bad_policy_combination() -> None:
+    from trainer.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--dpp-policy", "dpp-zb"], world_size=1)
+    assert "--dpp-policy=dpp-zb needs --use-dpp" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--dpp-policy", "zb-h2"], world_size=1)
+    assert "--dpp-policy='zb-h2' must be one of dpp, dpp-zb, zb-h1" in str(err.value)
+    with pytest.raises(ConfigError, match="--dpp-max-inflight=3 applies to --dpp-policy dpp/dpp-zb"):
+        parse_config(["--dpp-policy", "zb-h1", "--dpp-max-inflight", "3"], world_size=1)
+    # Checks that need the device and the layout come in one message too.
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--mock-data", "--dpp-policy", "zb-h1", "--device", "cuda", "--num-layers", "4",
+                      "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                      "--global-batch-size", "4"], world_size=2)
+    problems = err.value.problems
+    assert any("--transformer-impl local" in p for p in problems)  # auto would pick TE on CUDA
+    assert any("one model chunk per stage" in p for p in problems)
+    assert any("add --use-dpp" in p for p in problems)
+    cfg = parse_config(["--mock-data", "--use-dpp", "--dpp-policy", "dpp-zb", "--device", "cuda", "--transformer-impl", "local"],
+                       world_size=1)
+    assert cfg.parallel.dpp_policy == "dpp-zb"
+    assert parse_config(["--mock-data"], world_size=1).parallel.dpp_policy == "dpp"
+
+
+def test_the_store_keeps_the_incoming_gradient_itself_so_the_runtime_must_copy_it(group) -> None:
+    """Why dpp.py's I copies a received gradient out of its transport slot before the backward:
+    autograd hands the last linear the caller's tensor unchanged, and W reads it much later."""
+    model = _megatron_pair(group)
+    split = install_split_backward([model])
+    grad_out = torch.randn(5, 3, 4)
+    with split.capture(0) as store:
+        _run(model, torch.randn(5, 3, 8, requires_grad=True)).backward(grad_out)
+    assert any(entry.grad_output.data_ptr() == grad_out.data_ptr() for entry in store.entries)
+    split.replay(0)
