@@ -179,7 +179,10 @@ def test_unknown_active_forward_options_and_double_install_are_refused(group) ->
     col = model[0]
     x = torch.randn(2, 1, 8, requires_grad=True)
     # Options megatron passes switched off are accepted; one we do not know, switched on, is not.
-    col._forward_impl(input=x, weight=col.weight, bias=None, gtp_remat_size=1, future_flag=None)
+    col._forward_impl(input=x, weight=col.weight, bias=None, gtp_remat_size=1, future_flag=None,
+                      output_dtype=x.dtype)
+    with pytest.raises(ValueError, match="output_dtype=torch.bfloat16"):
+        col._forward_impl(input=x, weight=col.weight, bias=None, output_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="future_flag=2"):
         col._forward_impl(input=x, weight=col.weight, bias=None, future_flag=2)
     with pytest.raises(ValueError, match="sequence_parallel=True"):

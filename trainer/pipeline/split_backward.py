@@ -203,6 +203,9 @@ def _split_forward_impl(module: torch.nn.Module, original, controller: SplitBack
     if grad_output_buffer is not None:
         problems.append("grad_output_buffer (defer_embedding_wgrad_compute)")
     extra.pop("async_grad_allreduce", None)  # deprecated in megatron-core, ignored there too
+    output_dtype = extra.pop("output_dtype", None)  # megatron-core main (> 0.19): a TE GEMM when it differs
+    if output_dtype is not None and output_dtype != input.dtype:
+        problems.append(f"output_dtype={output_dtype} (input is {input.dtype})")
     problems += [f"{k}={v!r}" for k, v in sorted(extra.items()) if not _is_inert(v)]
     if problems:
         raise ValueError(f"split backward cannot run {type(module).__name__} with "
