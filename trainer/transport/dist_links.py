@@ -1,55 +1,193 @@
-"""Channels over torch.distributed point-to-point: gloo (CPU tensors) or NCCL (CUDA tensors).
+"""Channels over torch.distributed point-to-point: gloo (CPU payloads) or NCCL (CUDA payloads).
 
-Each directed edge gets its own two-rank process group, so the sends of one edge are never queued
-behind another edge's (NCCL/gloo match P2P operations in order per communicator, which is what
-deadlocks a greedy schedule on a shared communicator). A message is a fixed 16-word header
-(:mod:`trainer.transport.wire`) followed by the payload bytes; the receiver thread always has the
-next header receive posted, so arrivals never wait for the consumer to ask.
+Each directed edge has its own groups (:mod:`trainer.transport.edge_groups`): a gloo group for the
+16-word header (:mod:`trainer.transport.wire`) and, for CUDA payloads, an NCCL group for the bytes.
 
-Flow control: at most ``max_in_flight`` uncompleted sends per channel on the sender, and at most
-``max_in_flight`` arrived-but-undelivered messages per channel on the receiver (its receiver thread
-stops receiving until ``poll`` hands one out), so neither side's memory grows without bound.
+Protocol of one message: the sender posts the header on the host channel, then the payload send.
+On the receiver a *header thread* (gloo only, never NCCL) always has the next header receive posted
+and hands each arrival to the rank's inbox as an *announced* message. The payload receive is posted
+by the rank's own consumer thread -- when it takes the message out (``on_delivered``), or earlier
+while it waits for anything else (:meth:`DistProgress.pump`) -- so:
+
+- no NCCL receive is posted before its sender has posted the matching send (no receive kernel
+  spinning on the GPU for a message that may never come);
+- every NCCL call of a rank comes from its consumer thread, under one lock (``DistProgress.lock``);
+- a CUDA message is handed out as soon as its receive is posted: the consumer's stream waits for
+  the payload, the host does not.
+
+Flow control (the ``credits`` K of LinkOptions): a sender has at most K uncompleted sends per
+channel, and a receiver posts at most K payload receives ahead of delivery per channel. A send
+completes when the peer posted its receive, so a sender waits only while its peer holds K
+announced-but-undelivered messages, as with the shared-memory ring's K slots. Any rank waiting
+inside this module (a send on exhausted credits, a CPU payload, ``close``) keeps posting receives
+for what its peers announced, so two ranks sending to each other never wait on each other.
+
+Every wait is bounded by the links' timeout and its TransportTimeout names the rank, the peer and
+what was awaited; a dead peer is reported as a TransportError naming it.
 """
 
 from __future__ import annotations
 
 import collections
-import datetime
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
-from trainer.transport.channels import Delivery, Inbox, ThreadedReceiver
+from trainer.transport.base import Header, Message, TransportError, TransportTimeout
+from trainer.transport.channels import ChannelFailure, Delivery, Inbox
+from trainer.transport.edge_groups import HEADER_TAG, PAYLOAD_TAG, EdgeGroup
 from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
-from trainer.transport.wire import HEADER_WORDS, decode, encode, payload_nbytes
+from trainer.transport.wire import HEADER_WORDS, Frame, decode, encode
 
 logger = logging.getLogger(__name__)
 
-# A pre-posted header receive may legitimately wait for as long as the peer has nothing to send
-# (evaluation, checkpointing). The process-group timeout would abort it (gloo raises, NCCL's
-# watchdog kills the job), so edge groups get a long one; our own waits enforce ``timeout_s``.
-EDGE_GROUP_TIMEOUT = datetime.timedelta(days=7)
+_MAX_PAUSE_S = 1e-3  # longest sleep between two looks at an unfinished operation
 
 
-def new_edge_group(src: int, dst: int, backend: str) -> dist.ProcessGroup:
-    """Collective: every rank of the job must call this in the same order for every edge."""
-    return dist.new_group([src, dst], timeout=EDGE_GROUP_TIMEOUT, backend=backend)
+# ---- completion of one posted operation -------------------------------------------------------------
+class _GlooDone:
+    """Completion flag of a gloo work, raised by a :class:`GlooWatcher`."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.error: Exception | None = None
+
+    def done(self) -> bool:
+        if not self._event.is_set():
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def pause(self, seconds: float) -> None:
+        self._event.wait(seconds)  # wakes at once when the work completes
+
+    def set(self, error: Exception | None) -> None:
+        self.error = error
+        self._event.set()
+
+
+class _NcclDone:
+    """Completion of an NCCL work: its CUDA event, queried without blocking the host."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def done(self) -> bool:
+        if not self.work.is_completed():
+            return False
+        self.work.wait()  # raises the work's error, if any (orders the current stream, no host wait)
+        return True
+
+    def pause(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def _await(dones: list, deadline: float, pump: Callable[[], None]) -> bool:
+    """True once every completion in ``dones`` is done; False at ``deadline``. Calls ``pump()``
+    between looks, pausing 20 us .. 1 ms (no core spins)."""
+    pause = 20e-6
+    for item in dones:
+        while not item.done():
+            if time.monotonic() >= deadline:
+                return False
+            pump()
+            item.pause(pause)
+            pause = min(pause * 2, _MAX_PAUSE_S)
+    return True
+
+
+class GlooWatcher:
+    """Completion flags for gloo works of one channel end.
+
+    gloo's ``Work.is_completed()`` stays False until someone waits on the work, and a gloo wait that
+    times out closes the connection; so a daemon thread waits the works in posting order and raises
+    one flag per work, which the consumer can look at without blocking.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, work: dist.Work) -> _GlooDone:
+        done = _GlooDone()
+        self._queue.put((work, done))
+        return done
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            work, done = item
+            try:
+                work.wait()
+                done.set(None)
+            except Exception as exc:  # the connection failed: this and every later work report it
+                done.set(exc)
+
+
+class DistProgress:
+    """The gloo/NCCL receivers of one rank and the lock under which the rank issues its operations.
+
+    :meth:`pump` posts the payload receives of announced messages (up to the credits of each
+    channel); every wait in this module calls it, so a rank blocked in a send still lets its peers'
+    sends complete.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._receivers: list[ProcessGroupReceiver] = []
+
+    def add(self, receiver: ProcessGroupReceiver) -> None:
+        with self.lock:
+            self._receivers.append(receiver)
+
+    def remove(self, receiver: ProcessGroupReceiver) -> None:
+        with self.lock:
+            if receiver in self._receivers:
+                self._receivers.remove(receiver)
+
+    def pump(self) -> None:
+        with self.lock:
+            for receiver in self._receivers:
+                receiver.post_announced()
+
+
+def _describe(exc: Exception) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else repr(exc)
+
+
+# ---- sending ----------------------------------------------------------------------------------------
+@dataclass
+class _InFlight:
+    sequence: int
+    what: str
+    dones: list
+    keep: list
+    """Tensors the operations read asynchronously: alive until completed."""
 
 
 class ProcessGroupSender:
-    """Outgoing half of one edge over its dedicated process group."""
+    """Outgoing half of one edge: header on the edge's gloo group, payload on its payload group."""
 
     def __init__(
-        self, rank: int, peer: int, direction: Direction, group: dist.ProcessGroup,
-        device: torch.device, max_in_flight: int,
+        self, rank: int, edge: EdgeGroup, device: torch.device, max_in_flight: int, progress: DistProgress
     ) -> None:  # fmt: skip
-        self.rank, self.peer, self.direction = rank, peer, direction
-        self._group, self._device, self._max_in_flight = group, device, max_in_flight
-        self._pending: collections.deque[tuple[list[dist.Work], list[torch.Tensor]]] = collections.deque()
+        self.rank, self.peer, self.direction = rank, edge.dst, edge.direction
+        self._edge, self._device, self._max_in_flight = edge, device, max_in_flight
+        self._progress = progress
+        self._watcher = GlooWatcher(f"mdpp-sendwatch-{rank}-{edge.dst}-{edge.direction}")
+        self._pending: collections.deque[_InFlight] = collections.deque()
         self._sequence = 0
         self._closed = False
         self._lock = threading.Lock()
@@ -65,50 +203,50 @@ class ProcessGroupSender:
         with self._lock:  # one message's header and payload must not interleave with another's
             if self._closed:
                 raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
-            self._post(encode(header, self._sequence), payload)
+            what = f"{header.kind} microbatch {header.microbatch} chunk {header.chunk}"
+            self._post(encode(header, self._sequence), payload, what)
             self._sequence += 1
             self._bound_in_flight(self._max_in_flight, timeout_s)
 
-    def _post(self, words: list[int], payload: torch.Tensor | None) -> None:
-        wire = torch.tensor(words, dtype=torch.int64)
-        if self._device.type == "cuda":
-            # Pinned + non_blocking: a pageable copy would synchronise the producer's stream (a
-            # host stall on every send); the caching host allocator keeps the buffer until it ran.
-            wire = wire.pin_memory().to(self._device, non_blocking=True)
+    def _post(self, words: list[int], payload: torch.Tensor | None, what: str) -> None:
+        wire = torch.tensor(words, dtype=torch.int64)  # host memory: the header group is gloo
         keep = [wire]
         try:
-            works = [dist.isend(wire, dst=self.peer, group=self._group)]
-            if payload is not None and payload.numel():
-                works.append(dist.isend(payload, dst=self.peer, group=self._group))
-                keep.append(payload)  # isend reads it asynchronously: keep it alive until completed
+            with self._progress.lock:
+                self._progress.pump()  # first let the peers' waiting sends complete
+                dones: list = [self._watcher.watch(
+                    dist.isend(wire, dst=self.peer, group=self._edge.header, tag=HEADER_TAG))]
+                if payload is not None and payload.numel():
+                    work = dist.isend(payload, dst=self.peer, group=self._edge.payload, tag=PAYLOAD_TAG)
+                    dones.append(_NcclDone(work) if self._edge.backend == "nccl" else self._watcher.watch(work))
+                    keep.append(payload)
         except RuntimeError as exc:  # gloo refuses to post on a connection the peer closed
-            raise self._error(exc, 0.0) from exc
-        self._pending.append((works, keep))
+            raise self._dead(exc) from exc
+        self._pending.append(_InFlight(self._sequence, what, dones, keep))
 
     def _bound_in_flight(self, limit: int, timeout_s: float) -> None:
-        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
-            self._pending.popleft()
-        deadline = time.monotonic() + timeout_s
-        while len(self._pending) > limit:
-            works, _ = self._pending[0]
-            for work in works:
-                remaining = max(deadline - time.monotonic(), 0.001)
-                try:
-                    work.wait(datetime.timedelta(seconds=remaining))
-                except Exception as exc:  # gloo raises RuntimeError for both timeouts and dead peers
-                    raise self._error(exc, timeout_s) from exc
-            self._pending.popleft()
+        try:
+            while self._pending and all(d.done() for d in self._pending[0].dones):
+                self._pending.popleft()
+            deadline = time.monotonic() + timeout_s
+            while len(self._pending) > limit:
+                oldest = self._pending[0]
+                if not _await(oldest.dones, deadline, self._progress.pump):
+                    raise TransportTimeout(
+                        f"rank {self.rank}: send of message {oldest.sequence} ({oldest.what}) to rank "
+                        f"{self.peer} ({self.direction} channel) did not complete within {timeout_s:.1f}s: "
+                        f"rank {self.peer} is not receiving"
+                    )
+                self._pending.popleft()
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise self._dead(exc) from exc
 
-    def _error(self, exc: Exception, timeout_s: float) -> TransportError:
-        text = str(exc)
-        if "imeout" in text or "imed out" in text:
-            return TransportTimeout(
-                f"rank {self.rank}: send to rank {self.peer} ({self.direction}) did not complete "
-                f"within {timeout_s:.1f}s: peer not receiving ({text.splitlines()[0]})"
-            )
+    def _dead(self, exc: Exception) -> TransportError:
         return TransportError(
-            f"rank {self.rank}: send to rank {self.peer} ({self.direction}) failed, peer rank "
-            f"{self.peer} is probably dead: {text.splitlines()[0] if text else exc!r}"
+            f"rank {self.rank}: send to rank {self.peer} ({self.direction} channel) failed, peer rank "
+            f"{self.peer} is probably dead: {_describe(exc)}"
         )
 
     def close(self, timeout_s: float) -> None:
@@ -116,79 +254,210 @@ class ProcessGroupSender:
             if self._closed:
                 return
             self._closed = True
-            self._post(encode(None, self._sequence), None)
-            self._bound_in_flight(0, timeout_s)
+            try:
+                self._post(encode(None, self._sequence), None, "end of stream")
+                self._bound_in_flight(0, timeout_s)
+            finally:
+                self._watcher.stop()
 
 
-class ProcessGroupReceiver(ThreadedReceiver):
-    """Incoming half of one edge: the thread receives a header, then its payload, and repeats."""
+# ---- receiving --------------------------------------------------------------------------------------
+@dataclass
+class _Arrival:
+    """``Message.token.handle`` of this transport: where the message's payload stands."""
+
+    frame: Frame
+    state: str = "announced"
+    """announced (header here) -> posted (payload receive posted) -> delivered -> released; or dropped."""
+    buffer: torch.Tensor | None = None
+    done: Any = None
+
+
+class ProcessGroupReceiver:
+    """Incoming half of one edge (see the module docstring for who posts what)."""
 
     def __init__(
-        self, rank: int, peer: int, direction: Direction, group: dist.ProcessGroup,
-        device: torch.device, credits: int, inbox: Inbox,
+        self, rank: int, edge: EdgeGroup, device: torch.device, credits: int, inbox: Inbox,
+        progress: DistProgress, timeout_s: float,
     ) -> None:  # fmt: skip
-        super().__init__(rank, peer, direction, inbox, credits)
-        self._group, self._device = group, device
+        self.rank, self.peer, self.direction = rank, edge.src, edge.direction
+        self._edge, self._device, self._credits, self._inbox = edge, device, credits, inbox
+        self._progress, self._timeout_s = progress, timeout_s
+        self._lock = threading.Lock()  # the deques and state below (the header thread appends)
+        self._announced: collections.deque[Message] = collections.deque()
+        self._posted: collections.deque[Message] = collections.deque()
+        self._closing = False
+        self._ended = threading.Event()  # end of stream seen, or the header thread failed
         self._expected = 0
         self._pool = BufferPool(device, credits)
-        self.start()
+        self._watcher = GlooWatcher(f"mdpp-recvwatch-{edge.src}-{rank}-{edge.direction}") if edge.backend == "gloo" else None
+        self._thread = threading.Thread(
+            target=self._header_loop, name=f"mdpp-headers-{edge.src}-{rank}-{edge.direction}", daemon=True
+        )
+        progress.add(self)
+        self._thread.start()
 
-    def _on_thread_start(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
-            # A stream of our own: NCCL receives make the current stream wait for the peer, and on
-            # the default stream that would stall the consumer's compute until the peer sends.
-            torch.cuda.set_stream(torch.cuda.Stream(self._device))
+    # ---- header thread (gloo only) --------------------------------------------------------------------
+    def _header_loop(self) -> None:
+        try:
+            while True:
+                words = torch.empty(HEADER_WORDS, dtype=torch.int64)
+                dist.irecv(words, src=self.peer, group=self._edge.header, tag=HEADER_TAG).wait()
+                frame = decode(words.tolist())
+                if frame.sequence != self._expected:
+                    raise TransportError(
+                        f"rank {self.rank}: message {frame.sequence} from rank {self.peer} arrived when "
+                        f"{self._expected} was due ({self.direction} channel)"
+                    )
+                self._expected += 1
+                if frame.end_of_stream:
+                    return
+                message = Message(frame.header, None, self.peer, Delivery(self, _Arrival(frame)))
+                with self._lock:
+                    self._announced.append(message)
+                    visible = not self._closing
+                if visible:
+                    self._inbox.put(message)
+        except TransportError as exc:
+            self._report(exc)
+        except Exception as exc:  # report, never die silently: the consumer's next poll raises it
+            self._report(TransportError(
+                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
+                f"peer rank {self.peer} is probably dead: {_describe(exc)}"))
+        finally:
+            self._ended.set()
 
-    def _receive_one(self) -> Message | None:
-        words = self._recv(torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._device))
-        frame = decode(words.tolist())
-        if frame.sequence != self._expected:
-            raise TransportError(
-                f"rank {self.rank}: message {frame.sequence} from rank {self.peer} arrived when "
-                f"{self._expected} was due"
-            )
-        self._expected += 1
-        if frame.header is None:
-            return None
-        assert frame.nbytes == payload_nbytes(frame.header), frame
-        raw = self._recv(self._pool.take(frame.nbytes)) if frame.nbytes else empty_bytes(0, self._device)
-        arrived = None
-        if self._device.type == "cuda":
-            arrived = torch.cuda.Event()
-            arrived.record()  # on this thread's stream, after the payload receive
-        return Message(frame.header, from_bytes(raw, frame.header), self.peer, Delivery(self, (arrived, raw)))
+    def _report(self, error: TransportError) -> None:
+        with self._lock:
+            closing = self._closing
+        if not closing:
+            self._inbox.put(ChannelFailure(error))
 
-    def _recv(self, buffer: torch.Tensor) -> torch.Tensor:
-        work = dist.irecv(buffer, src=self.peer, group=self._group)
-        if self._device.type == "cuda":
-            # A CUDA stream synchronize may spin a core for as long as the peer is idle; poll the
-            # NCCL work's event instead, sleeping up to 1 ms between looks.
-            pause = 20e-6
-            while not work.is_completed():
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-        work.wait()
-        return buffer
+    # ---- consumer side ------------------------------------------------------------------------------
+    def post_announced(self) -> None:
+        """Post payload receives for announced messages, oldest first, while fewer than ``credits``
+        wait for delivery (all of them once closing). Caller holds ``DistProgress.lock``."""
+        while True:
+            with self._lock:
+                if not self._announced or (not self._closing and len(self._posted) >= self._credits):
+                    return
+                message = self._announced.popleft()
+                self._posted.append(message)
+            arrival = message.token.handle
+            nbytes = arrival.frame.nbytes
+            arrival.buffer = self._pool.take(nbytes) if nbytes else empty_bytes(0, self._device)
+            arrival.state = "posted"
+            if nbytes:
+                try:
+                    work = dist.irecv(arrival.buffer, src=self.peer, group=self._edge.payload, tag=PAYLOAD_TAG)
+                except RuntimeError as exc:
+                    arrival.done = _Failed(exc)
+                    continue
+                arrival.done = _NcclDone(work) if self._watcher is None else self._watcher.watch(work)
 
     def on_delivered(self, message: Message) -> None:
-        arrived = message.token.handle[0]
-        if arrived is not None:  # CUDA: the consumer's stream waits for the receive, host does not
-            consumer = torch.cuda.current_stream(self._device)
-            consumer.wait_event(arrived)
-            message.tensor.record_stream(consumer)
-        super().on_delivered(message)
+        """In the consumer's thread, as ``poll``/``wait_any`` hands ``message`` out."""
+        arrival = message.token.handle
+        self._progress.pump()  # posts this message's receive if not yet: it is the channel's oldest
+        with self._lock:
+            if not self._posted or self._posted[0] is not message:
+                raise TransportError(
+                    f"rank {self.rank}: message {arrival.frame.sequence} from rank {self.peer} "
+                    f"({self.direction} channel) delivered out of order"
+                )
+            self._posted.popleft()
+        self._complete(arrival, self._timeout_s)
+        arrival.state = "delivered"
+        message.tensor = from_bytes(arrival.buffer, message.header)
 
-    def _failure(self, exc: Exception) -> TransportError:
-        detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        return TransportError(
-            f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
-            f"peer rank {self.peer} is probably dead: {detail}"
-        )
+    def _complete(self, arrival: _Arrival, timeout_s: float) -> None:
+        """CPU: wait until the payload is in (bounded). CUDA: the current stream waits for it."""
+        if arrival.done is None:  # empty payload
+            return
+        what = (f"the payload of message {arrival.frame.sequence} ({arrival.frame.nbytes} bytes) from rank "
+                f"{self.peer} ({self.direction} channel)")  # fmt: skip
+        try:
+            if isinstance(arrival.done, _NcclDone):
+                arrival.done.work.wait()  # stream-ordered: the host does not wait
+                return
+            if not _await([arrival.done], time.monotonic() + timeout_s, self._progress.pump):
+                raise TransportTimeout(
+                    f"rank {self.rank}: {what} did not arrive within {timeout_s:.1f}s of its header"
+                )
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise TransportError(
+                f"rank {self.rank}: receiving {what} failed, peer rank {self.peer} is probably dead: "
+                f"{_describe(exc)}"
+            ) from exc
 
     def release(self, message: Message) -> None:
-        """The tensor is the consumer's own copy; once released its buffer is reused."""
+        """A delivered message's buffer is reused once released; an undelivered one (drained at
+        close) still has its payload received, so the sender's send completes."""
+        arrival = message.token.handle
+        if arrival.state == "released":
+            raise ValueError(f"rank {self.rank}: from rank {self.peer}: a received message was released twice")
+        if arrival.state == "delivered":
+            arrival.state = "released"
+            self._pool.give_back(arrival.buffer)
+            return
+        if arrival.state != "dropped":
+            self._drop_undelivered(self._timeout_s)
+
+    # ---- shutdown -----------------------------------------------------------------------------------
+    def begin_close(self) -> None:
+        """From now on arrivals are not delivered; their payloads are still received (and dropped)."""
+        with self._lock:
+            self._closing = True
+
+    def _drop_undelivered(self, timeout_s: float) -> None:
+        """Post every announced payload receive, finish the posted ones and drop them."""
+        with self._lock:
+            self._closing = True
+        self._progress.pump()
+        with self._lock:
+            posted, self._posted = list(self._posted), collections.deque()
+        for message in posted:
+            arrival = message.token.handle
+            try:
+                self._complete(arrival, timeout_s)
+            except TransportError as exc:
+                logger.debug("rank %d: dropping an undelivered message: %s", self.rank, exc)
+            arrival.state = "dropped"
+
+    def close(self, timeout_s: float) -> None:
+        """Receive (and drop) everything up to the peer's end of stream, for up to ``timeout_s``."""
+        self.begin_close()
+        deadline = time.monotonic() + timeout_s
         try:
-            self._pool.give_back(message.token.handle[1])
-        except ValueError as exc:
-            raise ValueError(f"rank {self.rank}: from rank {self.peer}: {exc}") from None
+            while True:
+                self._drop_undelivered(max(deadline - time.monotonic(), 0.001))
+                with self._lock:
+                    drained = not self._announced and not self._posted
+                if self._ended.is_set() and drained:
+                    return
+                if time.monotonic() >= deadline:
+                    raise TransportTimeout(
+                        f"rank {self.rank}: rank {self.peer} did not close its {self.direction} channel "
+                        f"within {timeout_s:.1f}s"
+                    )
+                self._ended.wait(_MAX_PAUSE_S)
+        finally:
+            self._progress.remove(self)
+            if self._watcher is not None:
+                self._watcher.stop()
+
+
+class _Failed:
+    """Completion of an operation that could not even be posted."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def done(self) -> bool:
+        raise self.error
+
+    def pause(self, seconds: float) -> None:  # pragma: no cover - done() raises first
+        time.sleep(seconds)
+

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from trainer.topology import Topology
 from trainer.transport.base import Direction, StageLinks
 from trainer.transport.channels import ChannelStageLinks, Inbox, RecvChannel, SendChannel
-from trainer.transport.dist_links import ProcessGroupReceiver, ProcessGroupSender, new_edge_group
+from trainer.transport.dist_links import DistProgress, ProcessGroupReceiver, ProcessGroupSender
+from trainer.transport.edge_groups import build_edge_groups
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +135,19 @@ def make_stage_links(
     senders: dict[Direction, SendChannel] = {}
     receivers: list[RecvChannel] = []
     shm_specs = [s for s in plan if s.transport == "shm"]
-    for spec in plan:
-        if spec.transport == "shm":
-            continue
-        group = new_edge_group(spec.src, spec.dst, spec.transport)  # every rank, same order
+    dist_specs = [s for s in plan if s.transport != "shm"]
+    # Every rank, same order; NCCL communicators are connected here, not at first use.
+    edge_list = [(s.src, s.dst, s.direction, s.transport) for s in dist_specs]
+    edges = build_edge_groups(edge_list, rank, device, timeout_s)
+    progress = DistProgress()  # this rank's gloo/NCCL receivers and the lock its operations go under
+    for spec in dist_specs:
         if rank == spec.src:
-            senders[spec.direction] = ProcessGroupSender(
-                rank, spec.dst, spec.direction, group, device, options.credits
-            )
+            edge = edges[(spec.src, spec.dst, spec.direction)]
+            senders[spec.direction] = ProcessGroupSender(rank, edge, device, options.credits, progress)
         elif rank == spec.dst:
+            edge = edges[(spec.src, spec.dst, spec.direction)]
             receivers.append(
-                ProcessGroupReceiver(rank, spec.src, spec.direction, group, device, options.credits, inbox)
+                ProcessGroupReceiver(rank, edge, device, options.credits, inbox, progress, timeout_s)
             )
     if shm_specs:
         # Set-up needs a few collectives whatever the default backend is (NCCL needs devices set).
