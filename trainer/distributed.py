@@ -6,6 +6,10 @@ one srun task per rank (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODE
 MASTER_ADDR / MASTER_PORT exported by the sbatch script). The node index of every rank comes from the
 launcher (SLURM_NODEID, else the position of this host in --node-ips, else rank // LOCAL_WORLD_SIZE)
 and is all-gathered into ``Topology.node_of_rank`` — never derived from hostnames.
+
+``MDPP_NODE_OF_RANK=0,0,1,1`` (one node index per global rank) overrides all of them. It exists to
+make ranks of one host act as several nodes, so edges between the "nodes" take the cross-node
+transport (NCCL/gloo) and can be tested against the same-node one on a single machine.
 """
 
 from __future__ import annotations
@@ -67,6 +71,22 @@ def _node_from_ips(node_ips: Sequence[str]) -> int | None:
     return None
 
 
+NODE_OVERRIDE_ENV = "MDPP_NODE_OF_RANK"
+
+
+def node_override(text: str, world_size: int) -> tuple[int, ...]:
+    """Parse ``MDPP_NODE_OF_RANK`` ("0,0,1,1": the node index of every global rank, in rank order)."""
+    try:
+        nodes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise LaunchError(f"{NODE_OVERRIDE_ENV}={text!r} must be comma-separated node indices, e.g. 0,0,1,1") from None
+    if len(nodes) != world_size or min(nodes) < 0:
+        raise LaunchError(
+            f"{NODE_OVERRIDE_ENV}={text!r} must give one node index >= 0 per rank ({world_size} ranks)"
+        )
+    return nodes
+
+
 def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str] = ()) -> LaunchInfo:
     """Rank, world size and node of this process from torchrun's or Slurm's variables."""
     env = os.environ if env is None else env
@@ -89,6 +109,8 @@ def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str
         rank, world, local_rank, node, launcher = 0, 1, 0, 0, "single"
     if not 0 <= rank < world:
         raise LaunchError(f"rank {rank} is outside world size {world}")
+    if NODE_OVERRIDE_ENV in env:
+        node = node_override(env[NODE_OVERRIDE_ENV], world)[rank]
     addr = env.get("MASTER_ADDR") or (node_ips[0] if node_ips else "127.0.0.1")
     if world > 1 and "MASTER_PORT" not in env:
         raise LaunchError("environment variable MASTER_PORT is not set (the launcher must export it)")
