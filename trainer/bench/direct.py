@@ -1,0 +1,98 @@
+"""``python -m trainer.bench.direct <trainer.train flags>``: megatron-core's own pipeline schedule driven
+by a minimal loop, so the benchmark shows what the trainer adds on top (issue 12's 1.03x goal).
+
+Same model as the trainer (built by trainer.model.build from the same flags: megatron GPTModel,
+Float16Module, megatron DDP), same megatron optimizer (``--optimizer``, fp32 main weights, grad
+clip), same P2P settings and layer split. Left out on purpose, because they are the trainer's own
+costs: the data path (here one iteration's mock microbatches are made on the GPU once and reused),
+the loss all-reduce/broadcast, the LR scheduler, logging, checkpoint and preemption checks.
+Each iteration ends with ``torch.cuda.synchronize()`` so the host time is the GPU's.
+
+It writes the same ``metrics_rank<R>.json`` as ``trainer.train --metrics-dir`` (losses only on the
+last stage). CUDA only: megatron-core's P2P allocates on the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _microbatches(cfg, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    from trainer.model.batches import collate, mock_gpt_sample
+
+    m, o = cfg.model, cfg.optim
+    count = cfg.num_microbatches(dist.get_world_size())
+    return [collate([mock_gpt_sample(o.seed, i * o.micro_batch_size + j, m.seq_length, m.vocab_size)
+                     for j in range(o.micro_batch_size)], "gpt", device) for i in range(count)]
+
+
+def run(argv: Sequence[str]) -> int:
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from trainer.config import parse_config
+    from trainer.distributed import (
+        build_topology,
+        init_megatron_parallel,
+        init_process_group,
+        read_launch_env,
+    )
+    from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
+    from trainer.model.build import params_dtype
+    from trainer.run_metrics import RunMeasurement
+
+    launch = read_launch_env()
+    cfg = parse_config(argv, launch.world_size)
+    if cfg.run.device != "cuda" or cfg.model.model != "gpt":
+        raise SystemExit("trainer.bench.direct runs GPT on CUDA only (megatron-core's P2P allocates on the GPU)")
+    device = init_process_group(launch, "cuda")
+    topo = build_topology(launch, cfg.parallel.tensor_model_parallel_size,
+                          cfg.parallel.pipeline_model_parallel_size, cfg.virtual_pipeline)
+    init_megatron_parallel(topo)
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(cfg.optim.seed + 100 * topo.pp_rank)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed + 100 * topo.pp_rank)
+    model = wrap_ddp(cfg, build_model_chunks(cfg, topo, cfg.model.vocab_size))
+    o = cfg.optim
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, bf16=o.bf16,
+        fp16=o.fp16, params_dtype=params_dtype(cfg)), model)
+    config = model[0].config
+    config.no_sync_func = model[0].no_sync if len(model) == 1 else [c.no_sync for c in model]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    schedule = get_forward_backward_func()
+    batches = _microbatches(cfg, device)
+    measure = RunMeasurement(cfg, topo, "direct megatron-core", len(batches))
+    forward_step = measure.wrap_forward_step(make_forward_step("gpt"), model)
+    for step in range(o.train_iters):
+        measure.before_step(step)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in model],
+                          model=model, num_microbatches=len(batches), seq_length=cfg.model.seq_length,
+                          micro_batch_size=o.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
+                          forward_only=False)
+        optimizer.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        mean = {"lm loss": float(torch.stack([d["lm loss"].float() for d in losses]).mean())} if losses else {}
+        measure.after_step(step, seconds, mean)
+    measure.write()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

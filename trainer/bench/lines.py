@@ -1,0 +1,194 @@
+"""What the pipeline benchmark runs: one configuration, the lines (schedules) and scenarios over it.
+
+Every line is a separate run with the same model, data, optimizer, precision and iterations; all but
+``megatron-1f1b-default`` use the same balanced layer split (:func:`balanced_split`). On CPU
+megatron-core's schedules cannot run (its P2P allocates on CUDA), so the trainer runs our runtime's
+static ``1f1b`` / ``interleaved`` policies for the "megatron" lines: they are labelled so, and the
+direct-megatron line is listed as not run, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.layer_split import split_problems
+
+CATALOGUE = {
+    # name: (what it is, v, extra trainer flags, uses the balanced split)
+    "megatron-1f1b-default": ("megatron-core 1F1B, even split, default P2P (batch_p2p_sync on)", 1, [], False),
+    "megatron-1f1b-best": ("megatron-core 1F1B, balanced split, --no-batch-p2p-sync", 1, ["--no-batch-p2p-sync"], True),
+    "megatron-interleaved-v2": ("megatron-core interleaved 1F1B v=2, overlapped P2P, balanced split", 2,
+                                ["--no-batch-p2p-sync"], True),
+    "dpp": ("--use-dpp --dpp-policy dpp (greedy)", 1, ["--use-dpp", "--dpp-policy", "dpp"], True),
+    "dpp-v2": ("--use-dpp --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp"], True),
+    "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
+    "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
+    "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
+                        "1F1B, balanced split, no batch sync", 1, ["--no-batch-p2p-sync"], True),
+}
+DEFAULT_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2", "dpp", "dpp-zb",
+                 "dpp-zb-v2", "direct-megatron")
+SCENARIOS = {"a": "uniform", "b": "variable sequence lengths", "c": "transient stalls"}
+MEGATRON_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2")
+"""The trainer's megatron-core lines: the best of them is the bar every ratio is taken against."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Model, layout and run window shared by every line (flags of ``python -m trainer.bench.pipeline``)."""
+
+    device: str = "cuda"
+    """cuda (NCCL, one process per GPU) or cpu (gloo dry run)."""
+    num_layers: int = 16
+    """Transformer layers."""
+    hidden_size: int = 2048
+    """Hidden width."""
+    num_attention_heads: int = 16
+    """Attention heads."""
+    seq_length: int = 1024
+    """Tokens per sample."""
+    vocab_size: int = 50257
+    """Mock-data vocabulary (padded by the trainer as Megatron does)."""
+    micro_batch_size: int = 2
+    """Samples per microbatch."""
+    num_microbatches: int = 32
+    """Microbatches per iteration (M); the global batch is M x mbs (DP = 1)."""
+    pipeline_parallel: int = 4
+    """Stages = processes = GPUs."""
+    train_iters: int = 20
+    """Iterations per line."""
+    gpu_busy_iters: int = 2
+    """Last iterations run under the kernel profiler (GPU busy time; left out of the timings)."""
+    skip_iters: int = 2
+    """Iterations left out of the timings at the start (warm-up): statistics use iterations 3+."""
+    optimizer: str = "sgd"
+    """Optimizer of every line (sgd, as the direct megatron-core measurement of issue 12)."""
+    bf16: bool = True
+    """bfloat16 (fp32 main weights)."""
+    head_weight: float = 2.0
+    """Cost of the output head in layers, for :func:`balanced_split` (issue 12: about two at 50k vocab)."""
+    split: tuple[int, int] | None = None
+    """First/last stage layers for v=1 lines; None = :func:`balanced_split`."""
+    split_vp: tuple[int, int] | None = None
+    """First/last stage layers for v=2 lines; None = :func:`balanced_split` with v=2."""
+    stall: str = "1:0.05:20:1234"
+    """``--inject-stalls`` value of scenario (c)."""
+    extra: tuple[str, ...] = ()
+    """More trainer flags for every line (e.g. ``--transport nccl``)."""
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.num_microbatches * self.micro_batch_size
+
+
+def balanced_split(num_layers: int, pp: int, vp: int, head_weight: float) -> tuple[int, int] | None:
+    """First/last stage layers minimising the costliest stage when the head weighs ``head_weight``
+    layers; ties go to the split closest to even, then to the larger first stage (16 layers on 4
+    stages: 5/4/4/3, the split issue 12 measured best). None when the even split is the best."""
+    if pp < 2:
+        return None
+    even = num_layers / pp
+    best: tuple[float, float, tuple[int, int] | None] = (max(even, even + head_weight), float("-inf"), None)
+    if num_layers % pp:
+        best = (float("inf"), 0.0, None)
+    for first in range(1, num_layers):
+        for last in range(1, num_layers - first + 1):
+            if split_problems(num_layers, pp, vp, first, last):
+                continue
+            middle = (num_layers - first - last) / max(pp - 2, 1) if pp > 2 else 0
+            costs = [first, last + head_weight] + ([middle] * (pp - 2))
+            moved = abs(first - even) + abs(last - even)
+            candidate = (max(costs), moved - first / num_layers, (first, last))
+            if candidate[:2] < best[:2]:
+                best = candidate
+    return best[2]
+
+
+@dataclass(frozen=True)
+class Line:
+    """One run of the benchmark."""
+
+    name: str
+    scenario: str
+    label: str
+    """What ran, as the report prints it (says when a CPU run stands in for megatron-core)."""
+    module: str
+    """``trainer.train`` or ``trainer.bench.direct``."""
+    args: list[str] = field(default_factory=list)
+    split: tuple[int, int] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.scenario}-{self.name}"
+
+
+@dataclass(frozen=True)
+class NotRun:
+    """A line the benchmark could not run, and why (never skipped silently)."""
+
+    name: str
+    scenario: str
+    reason: str
+
+
+def common_args(cfg: BenchConfig) -> list[str]:
+    args = ["--device", cfg.device, "--mock-data", "--num-layers", str(cfg.num_layers),
+            "--hidden-size", str(cfg.hidden_size), "--num-attention-heads", str(cfg.num_attention_heads),
+            "--seq-length", str(cfg.seq_length), "--max-position-embeddings", str(cfg.seq_length),
+            "--vocab-size", str(cfg.vocab_size), "--micro-batch-size", str(cfg.micro_batch_size),
+            "--global-batch-size", str(cfg.global_batch_size),
+            "--pipeline-model-parallel-size", str(cfg.pipeline_parallel), "--train-iters", str(cfg.train_iters),
+            "--optimizer", cfg.optimizer, "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--seed", "1234", "--log-interval", "1", "--gpu-busy-iters", str(cfg.gpu_busy_iters)]
+    return args + (["--bf16"] if cfg.bf16 else []) + list(cfg.extra)
+
+
+def _split_for(cfg: BenchConfig, vp: int) -> tuple[int, int] | None:
+    given = cfg.split if vp == 1 else cfg.split_vp
+    return given if given is not None else balanced_split(cfg.num_layers, cfg.pipeline_parallel, vp, cfg.head_weight)
+
+
+def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
+         available_policies: tuple[str, ...]) -> list[Line | NotRun]:
+    """The runs, in order, and the lines that cannot run here with the reason."""
+    out: list[Line | NotRun] = []
+    for scenario in scenarios:
+        for name in names:
+            what, vp, flags, balanced = CATALOGUE[name]
+            if scenario == "b":
+                out.append(NotRun(name, scenario, "not available until issue 13 (variable sequence lengths) lands"))
+                continue
+            reason = _cannot_run(cfg, name, flags, available_policies)
+            if reason:
+                out.append(NotRun(name, scenario, reason))
+                continue
+            split = _split_for(cfg, vp) if balanced else None
+            args = common_args(cfg) + flags
+            if vp > 1:
+                args += ["--num-virtual-stages-per-pipeline-rank", str(vp)]
+            if split is not None:
+                args += ["--decoder-first-pipeline-num-layers", str(split[0]),
+                         "--decoder-last-pipeline-num-layers", str(split[1])]
+            if scenario == "c":
+                args += ["--inject-stalls", cfg.stall]
+            args += ["--workload", f"bench-{scenario}-{name}"]
+            label = what
+            if cfg.device == "cpu" and name.startswith("megatron-"):
+                policy = "interleaved" if vp > 1 else "1f1b"
+                label = f"CPU stand-in: our runtime's static {policy} policy (megatron-core's schedules need CUDA); " \
+                        + what.split(", ", 1)[-1]
+            module = "trainer.bench.direct" if name == "direct-megatron" else "trainer.train"
+            out.append(Line(name, scenario, label, module, args, split))
+    return out
+
+
+def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policies: tuple[str, ...]) -> str:
+    if name == "direct-megatron" and cfg.device != "cuda":
+        return "megatron-core's schedules need CUDA (its P2P allocates on the GPU); no CPU stand-in for this line"
+    if "--dpp-policy" in flags:
+        policy = flags[flags.index("--dpp-policy") + 1]
+        if policy not in available_policies:
+            return f"this checkout's trainer has no --dpp-policy {policy} (accepted: {', '.join(available_policies) or 'none'})"
+    if name == "megatron-interleaved-v2" and cfg.device == "cuda" and cfg.num_microbatches % cfg.pipeline_parallel:
+        return f"megatron-core's interleaved schedule needs M ({cfg.num_microbatches}) divisible by PP"
+    return ""

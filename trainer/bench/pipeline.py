@@ -1,0 +1,139 @@
+"""``python -m trainer.bench.pipeline``: the same model through megatron-core's schedules and ours, side by side.
+
+Each line (``--lines``) is a separate run of ``trainer.train`` (or, for ``direct-megatron``, of the
+minimal megatron-core loop in trainer.bench.direct) on PP processes of this host, with identical
+model, mock data, optimizer, precision, iterations and (except ``megatron-1f1b-default``) layer
+split; each rank writes ``--metrics-dir`` JSON that this command reads -- no log scraping. Scenarios
+(``--scenarios``): (a) uniform, (b) variable lengths (not available until issue 13), (c) transient
+stalls (``--stall``, the same ops for every line). Writes ``--report`` (markdown) and one timeline
+PNG per line beside it; ``--out`` keeps each line's metrics, logs and traces.
+
+GPU, the issue 12 configuration (4 GPUs): ``python -m trainer.bench.pipeline --out $OUT/bench --report
+$OUT/benchmarks.md``. CPU dry run: ``--device cpu --num-layers 4 --hidden-size 32 ...`` (megatron-core's
+schedules need CUDA, so there the "megatron" lines run our runtime's static policies, labelled so).
+Exit status: 0 when every planned line ran, 1 when some failed (the report says which), 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from trainer.bench.launch import run_ranks
+from trainer.bench.lines import CATALOGUE, DEFAULT_LINES, SCENARIOS, BenchConfig, Line, NotRun, plan
+from trainer.bench.report import plot_kernel_timeline, plot_trace_timeline, write_report
+from trainer.bench.results import LineResult, line_result
+from trainer.config import field_docs
+
+
+def _pair(text: str) -> tuple[int, int]:
+    first, last = text.split(",")
+    return int(first), int(last)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer.bench.pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs = field_docs(BenchConfig)
+    for f in dataclasses.fields(BenchConfig):
+        flag = "--" + f.name.replace("_", "-")
+        helptext = docs.get(f.name, "").replace("%", "%%")
+        if f.name == "bf16":
+            parser.add_argument("--no-bf16", dest="bf16", action="store_false", help=helptext)
+        elif f.name in ("split", "split_vp"):
+            parser.add_argument(flag, type=_pair, default=None, metavar="FIRST,LAST", help=helptext)
+        elif f.name == "extra":
+            parser.add_argument(flag, default="", metavar="'FLAGS'", help=helptext + " (one quoted string)")
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, help=helptext)
+    parser.add_argument("--lines", default=",".join(DEFAULT_LINES),
+                        help=f"comma-separated, from: {', '.join(CATALOGUE)}")
+    parser.add_argument("--scenarios", default="a,b,c", help="comma-separated, from a (uniform), "
+                        "b (variable lengths), c (transient stalls)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for each line's metrics, logs, traces")
+    parser.add_argument("--report", type=Path, required=True, help="markdown report to write; PNGs go beside it")
+    parser.add_argument("--line-timeout", type=float, default=300.0, help="seconds before a line is killed")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank (unless set)")
+    parser.add_argument("--dry-plan", action="store_true", help="print the planned command lines and exit")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)}
+    values["extra"] = tuple(shlex.split(args.extra))
+    return BenchConfig(**values)
+
+
+def _available_policies() -> tuple[str, ...]:
+    import trainer.config as config
+
+    return tuple(getattr(config, "DPP_POLICIES", ("dpp",)))
+
+
+def _problems(args: argparse.Namespace) -> list[str]:
+    p = [f"--lines: unknown line {n!r}" for n in args.lines.split(",") if n not in CATALOGUE]
+    p += [f"--scenarios: unknown scenario {s!r}" for s in args.scenarios.split(",") if s not in SCENARIOS]
+    if args.device not in ("cuda", "cpu"):
+        p.append(f"--device={args.device!r} must be cuda or cpu")
+    return p
+
+
+def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace) -> LineResult:
+    folder = args.out / line.key
+    extra = ["--metrics-dir", str(folder)]
+    if cfg.device == "cpu" and line.module == "trainer.train":
+        extra += ["--profile-dir", str(folder / "traces")]  # CPU: no kernels, so our span tracer draws it
+    run = run_ranks(line.module, line.args + extra, cfg.pipeline_parallel, folder, cfg.device,
+                    args.line_timeout, args.threads)
+    result = line_result(line.key, line.name, line.scenario, line.label, folder, cfg.skip_iters)
+    if run.returncode != 0:
+        why = "timed out" if run.timed_out else f"exit {run.returncode}"
+        result.status = f"FAILED ({why} after {run.seconds:.0f} s); log tail:\n{run.tail()}"
+    print(f"[bench] {line.key}: " + (f"median {result.median_ms:.1f} ms/iter, {run.seconds:.0f} s"
+                                     if result.ok else result.status), flush=True)
+    return result
+
+
+def _picture(result: LineResult, folder: Path, report_dir: Path) -> str | None:
+    path = report_dir / f"timeline-{result.key}.png"
+    if plot_kernel_timeline(result, path) or plot_trace_timeline(folder / "traces", path):
+        return path.name
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problems = _problems(args)
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    cfg = _config(args)
+    planned = plan(cfg, args.lines.split(","), args.scenarios.split(","), _available_policies())
+    lines = [p for p in planned if isinstance(p, Line)]
+    not_run = [p for p in planned if isinstance(p, NotRun)]
+    commands = {ln.key: f"python -m {ln.module} {shlex.join(ln.args)}" for ln in lines}
+    for item in not_run:
+        print(f"[bench] not run: ({item.scenario}) {item.name}: {item.reason}", flush=True)
+    if args.dry_plan:
+        print("\n".join(f"{key}: {command}" for key, command in commands.items()))
+        return 0
+    start = time.monotonic()
+    results, pictures = [], {}
+    for line in lines:
+        result = _run_line(line, cfg, args)
+        results.append(result)
+        picture = _picture(result, args.out / line.key, args.report.parent)
+        if picture:
+            pictures[line.key] = picture
+    write_report(args.report, cfg, results, not_run, commands, pictures, time.monotonic() - start)
+    print(f"[bench] wrote {args.report} and {len(pictures)} timeline(s)", flush=True)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

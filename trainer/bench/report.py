@@ -1,0 +1,154 @@
+"""The benchmark's markdown report and its timeline pictures (one per line and scenario)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainer.bench.lines import MEGATRON_LINES, SCENARIOS, BenchConfig, NotRun
+from trainer.bench.results import LOSS_ITERATIONS, LineResult
+
+
+def best_megatron(results: list[LineResult], scenario: str) -> LineResult | None:
+    """Fastest of the trainer's megatron lines in ``scenario``: the bar every ratio is taken against."""
+    candidates = [r for r in results if r.ok and r.scenario == scenario and r.name in MEGATRON_LINES]
+    return min(candidates, key=lambda r: r.median_ms, default=None)
+
+
+def _fmt(value: float | None, pattern: str = "{:.1f}") -> str:
+    return "n/a" if value is None else pattern.format(value)
+
+
+def _table(results: list[LineResult], scenario: str) -> list[str]:
+    bar = best_megatron(results, scenario)
+    rows = ["| line | layers/stage | ms/iter median | min–max | IQR | tokens/s | peak GiB (max rank) | "
+            f"vs best megatron{f' ({bar.name})' if bar else ''} | GPU busy ms/iter per stage | stalled ops |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in results if r.scenario == scenario):
+        if not r.ok:
+            rows.append(f"| {r.name} | | {r.status.splitlines()[0]} | | | | | | | |")
+            continue
+        lo, hi = r.iqr_ms
+        ratio = f"{bar.median_ms / r.median_ms:.3f}x" if bar else "n/a"
+        busy = " / ".join(f"{ms:.0f}" for ms in r.busy_ms.values()) or "n/a"
+        rows.append(f"| {r.name} | {'/'.join(map(str, r.layers_per_stage))} | {r.median_ms:.1f} | "
+                    f"{min(r.timed_ms):.1f}–{max(r.timed_ms):.1f} | {lo:.1f}–{hi:.1f} | {r.tokens_per_s:,.0f} | "
+                    f"{_fmt(r.peak_gib, '{:.2f}')} | {ratio} | {busy} | "
+                    f"{'' if r.delayed_ops is None else r.delayed_ops} |")
+    return rows
+
+
+def _losses(results: list[LineResult], scenario: str) -> list[str]:
+    ok = [r for r in results if r.ok and r.scenario == scenario and r.losses]
+    if not ok:
+        return []
+    rows = ["| iteration | " + " | ".join(r.name for r in ok) + " |", "|---" * (len(ok) + 1) + "|"]
+    for i in range(min(LOSS_ITERATIONS, max(len(r.losses) for r in ok))):
+        cells = [f"{r.losses[i]:.5f}" if i < len(r.losses) else "" for r in ok]
+        rows.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_run: list[NotRun],
+                 commands: dict[str, str], pictures: dict[str, str], wall_s: float) -> None:
+    versions = next((r.versions for r in results if r.versions), {})
+    lines = [
+        "# Pipeline benchmark", "",
+        f"Written by `python -m trainer.bench.pipeline` in {wall_s:.0f} s. Card: **{versions.get('device_name', '?')}**"
+        f" × {cfg.pipeline_parallel} ({cfg.device}); torch {versions.get('torch', '?')}, megatron-core "
+        f"{versions.get('megatron_core', '?')}, NCCL {versions.get('nccl', 'n/a')}, CUDA {versions.get('cuda', 'n/a')}, "
+        f"Python {versions.get('python', '?')}.", "",
+        f"Model: GPT {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, seq "
+        f"{cfg.seq_length}, vocab {cfg.vocab_size} (mock data), mbs {cfg.micro_batch_size}, M={cfg.num_microbatches}, "
+        f"PP={cfg.pipeline_parallel}, {'bf16' if cfg.bf16 else 'fp32'}, optimizer {cfg.optimizer}, dropout 0, "
+        f"{cfg.train_iters} iterations per line. Timings: iterations {cfg.skip_iters + 1}+"
+        + (f" except the last {cfg.gpu_busy_iters} (run under the kernel profiler for the GPU busy column)"
+           if cfg.device == "cuda" and cfg.gpu_busy_iters else "") + "; per iteration the "
+        "slowest rank's host step time (the step ends with the loss all-reduce, which waits for the GPU). "
+        "Ratio = best megatron line's median / this line's median (above 1 = faster).", "",
+        "GPU busy: union of the non-NCCL kernels each rank ran per iteration, from torch.profiler (CUPTI) — "
+        "measured on the GPU, for megatron-core's schedules and ours alike. Timelines: on CUDA every line's "
+        "picture shows those kernels per stage (our span tracer does not see megatron-core's schedules, the "
+        "kernel trace sees every schedule); on CPU, our runtime's traced F/B spans.", "",
+    ]
+    for scenario, title in SCENARIOS.items():
+        lines += [f"## ({scenario}) {title}", ""]
+        if scenario == "b":
+            lines += ["not available until issue 13 lands (variable sequence lengths).", ""]
+            continue
+        if not any(r.scenario == scenario for r in results):
+            lines += ["not run in this call.", ""]
+            continue
+        if scenario == "c":
+            lines += [f"`--inject-stalls {cfg.stall}` (RANK:FRACTION:MS:SEED) for every line: the same forward "
+                      "ops of that rank delayed (a GPU spin kernel on CUDA); backwards are not delayed.", ""]
+        lines += _table(results, scenario) + [""]
+        losses = _losses(results, scenario)
+        if losses:
+            lines += ["Losses of the first iterations (last stage):", ""] + losses + [""]
+        for r in (r for r in results if r.scenario == scenario):
+            picture = pictures.get(r.key)
+            lines.append(f"- **{r.name}**: {r.label}." + (f" ![{r.key}]({picture})" if picture else "")
+                         + ("" if r.ok else f" **{r.status}**"))
+        lines.append("")
+    if not_run:
+        lines += ["## Lines not run", ""] + [f"- ({n.scenario}) **{n.name}**: {n.reason}" for n in not_run] + [""]
+    lines += ["## Commands", "", "Every line's ranks ran:", ""]
+    lines += [f"- `{key}`: `{command}`" for key, command in commands.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _kernel_rows(documents: list[dict[str, Any]]) -> tuple[list[tuple[str, list, list]], float]:
+    """(row name, compute intervals, nccl intervals) per rank on a common origin (µs), and the origin."""
+    timelines = [(d["stage"], d["rank"], (d.get("gpu_busy") or {}).get("timeline") or {}) for d in documents]
+    timelines = [t for t in timelines if t[2]]
+    if not timelines:
+        return [], 0.0
+    origin = min(t[2]["step_start_us"] for t in timelines)
+    rows = [(f"stage {stage} (rank {rank})", t["compute"], t["nccl"]) for stage, rank, t in sorted(timelines)]
+    return rows, origin
+
+
+def plot_kernel_timeline(result: LineResult, path: Path) -> bool:
+    """One profiled iteration's GPU kernels per stage (busy blue, NCCL grey); False if none recorded."""
+    rows, origin = _kernel_rows(result.metrics)
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(16, 0.6 * len(rows) + 1.2))
+    for y, (_name, compute, nccl) in enumerate(rows):
+        ax.broken_barh([((a - origin) / 1e3, (b - a) / 1e3) for a, b in nccl], (y - 0.1, 0.2), color="#999999")
+        ax.broken_barh([((a - origin) / 1e3, (b - a) / 1e3) for a, b in compute], (y - 0.35, 0.7), color="#4C72B0")
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the earliest rank's step start")
+    ax.set_title(f"{result.key}: GPU kernels of one iteration (blue: compute, grey: NCCL)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_trace_timeline(trace_dir: Path, path: Path) -> bool:
+    """Our runtime's traced F/B spans (trainer.profiling), last iteration; False when not traced."""
+    if not trace_dir.is_dir():
+        return False
+    from trainer.profiling.loading import load_rank_traces
+    from trainer.profiling.merge import merge_traces
+    from trainer.profiling.plot import plot_timeline
+    from trainer.profiling.summary import iterations_of
+
+    run = load_rank_traces(trace_dir)
+    if not run.traces:
+        return False
+    merged = merge_traces(run.traces, run.missing_ranks, run.problems)
+    traced = iterations_of(merged)
+    if not traced:
+        return False
+    plot_timeline(merged, path, traced[-1])
+    return True
