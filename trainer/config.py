@@ -315,7 +315,7 @@ class RunConfig:
     """Iterations between log lines (``--log-interval``)."""
     metrics_dir: str | None = None
     """Each rank writes ``metrics_rank<R>.json`` here at the end (``--metrics-dir``): per-iteration
-    ms, losses, peak GPU memory, GPU busy time -- what trainer.bench reads instead of log text."""
+    ms, losses, peak GPU memory, GPU busy time -- what the pipeline benchmark reads, not log text."""
     gpu_busy_iters: int = 2
     """With --metrics-dir on CUDA: measure GPU busy time (kernel time on the GPU, torch.profiler)
     over the last N iterations, which the benchmark then leaves out of its timings; 0 = off."""

@@ -1,0 +1,51 @@
+"""trainer.bench.lines: balanced split, the planned command lines, and lines that cannot run named with the reason."""
+
+from __future__ import annotations
+
+from trainer.bench.lines import BenchConfig, Line, NotRun, balanced_split, plan
+from trainer.config import parse_config
+
+
+def test_balanced_split_moves_layers_off_the_head_stage() -> None:
+    assert balanced_split(16, 4, 1, 2.0) == (5, 3)  # issue 12's measured best on 4 x H200
+    assert balanced_split(16, 4, 2, 2.0) is None  # with v=2 no valid split beats even
+    assert balanced_split(16, 4, 1, 0.0) is None
+    assert balanced_split(8, 1, 1, 2.0) is None
+
+
+def test_plan_gives_every_line_the_same_model_and_names_what_cannot_run() -> None:
+    cfg = BenchConfig()
+    planned = plan(cfg, ["megatron-1f1b-default", "megatron-1f1b-best", "dpp-zb", "direct-megatron"],
+                   ["a", "b", "c"], available_policies=("dpp",))
+    lines = [p for p in planned if isinstance(p, Line)]
+    skipped = {(p.scenario, p.name): p.reason for p in planned if isinstance(p, NotRun)}
+    assert "issue 13" in skipped[("b", "dpp-zb")]
+    assert "no --dpp-policy dpp-zb" in skipped[("a", "dpp-zb")]
+    assert [ln.key for ln in lines] == ["a-megatron-1f1b-default", "a-megatron-1f1b-best", "a-direct-megatron",
+                                        "c-megatron-1f1b-default", "c-megatron-1f1b-best", "c-direct-megatron"]
+    best = next(ln for ln in lines if ln.key == "a-megatron-1f1b-best")
+    assert best.split == (5, 3) and "--no-batch-p2p-sync" in best.args
+    assert next(ln for ln in lines if ln.key == "a-megatron-1f1b-default").split is None
+    assert all("--inject-stalls" in ln.args for ln in lines if ln.scenario == "c")
+    for line in lines:  # every trainer line is a valid trainer configuration on PP ranks
+        if line.module == "trainer.train":
+            parse_config(line.args, world_size=cfg.pipeline_parallel)
+
+
+def test_cpu_plan_labels_stand_ins_and_refuses_the_direct_line() -> None:
+    cfg = BenchConfig(device="cpu", num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      pipeline_parallel=2, num_microbatches=4)
+    planned = plan(cfg, ["megatron-interleaved-v2", "direct-megatron"], ["a"], ("dpp", "dpp-zb"))
+    assert isinstance(planned[1], NotRun) and "need CUDA" in planned[1].reason
+    assert planned[0].label.startswith("CPU stand-in: our runtime's static interleaved policy")
+
+
+def test_nothing_in_trainer_imports_the_benchmark() -> None:
+    """The bench sits on top of the trainer: the import graph stays a tree."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "trainer"
+    offenders = [str(p) for p in root.rglob("*.py") if "bench" not in p.relative_to(root).parts[:1]
+                 and any(s in p.read_text() for s in ("import trainer.bench", "from trainer.bench",
+                                                       "from trainer import bench"))]
+    assert offenders == []
