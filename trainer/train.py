@@ -49,6 +49,7 @@ from trainer.model.batches import (
 from trainer.model.prefetch import MicrobatchPrefetcher
 from trainer.run_metrics import RunMeasurement
 from trainer.topology import Topology
+from trainer.transport.factory import LinkOptions
 
 log = logging.getLogger("trainer.train")
 
@@ -265,7 +266,8 @@ class TrainingSession:
             from trainer.transport.factory import make_stage_links
 
             self.links = make_stage_links(topo, cfg.parallel.transport, self.device,
-                                          timeout_s=cfg.parallel.dpp_timeout_s, job_id=_job_id())
+                                          timeout_s=cfg.parallel.dpp_timeout_s, job_id=_job_id(),
+                                          options=link_options(cfg, shape))
         if topo.tensor_parallel > 1:
             self.tp_channel = self._tp_channel(shape)
         self.tracer = make_tracer(cfg.run.profile_dir, topo.rank, {
@@ -476,6 +478,23 @@ class TrainingSession:
 
 
 # ---- command line ------------------------------------------------------------------------------
+def link_options(cfg: TrainConfig, shape) -> LinkOptions:
+    """Credits and slot size for this run's stage links.
+
+    Credits >= the largest in-flight activation cap of any stage: the activations (and gradients)
+    waiting unconsumed on one edge never outnumber what the sending stage may hold, so a send never
+    waits for a credit the policy itself withholds, whatever ``--dpp-max-inflight`` says. Slots are
+    sized to one activation (seq x mbs x hidden in the pipeline dtype), so a message is one copy.
+    """
+    from trainer.schedule.dynamic import one_f_one_b_cap
+
+    cap = max(cfg.parallel.dpp_max_inflight or 0, one_f_one_b_cap(shape, 0))
+    itemsize = 2 if (cfg.optim.bf16 or cfg.optim.fp16) else 4
+    activation = cfg.model.seq_length * cfg.optim.micro_batch_size * cfg.model.hidden_size * itemsize
+    default = LinkOptions()
+    return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=max(4096, -(-activation // 4096) * 4096))
+
+
 @contextlib.contextmanager
 def _sync_debug(mode: str | None):
     """``torch.cuda.set_sync_debug_mode(mode)`` for the duration of the block (None: unchanged)."""
