@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         picture = _picture(result, args.out / line.key, args.report.parent)
         if picture:
             pictures[line.key] = picture
-    write_report(args.report, cfg, results, not_run, commands, pictures, time.monotonic() - start)
+        # Rewritten after every line: a call cut off by its time limit still leaves a report.
+        write_report(args.report, cfg, results, not_run, commands, pictures, time.monotonic() - start)
     print(f"[bench] wrote {args.report} and {len(pictures)} timeline(s)", flush=True)
     return 0 if all(r.ok for r in results) else 1
 

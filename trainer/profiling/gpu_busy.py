@@ -105,4 +105,13 @@ def summarize_kernels(kernels: list[tuple[str, float, float]],
                               "step_ms": (end - start) / 1000.0})
         drawn = {"iteration": iteration + 1, "step_start_us": start, "step_end_us": end,
                  "compute": union_us(compute, DRAW_GAP_US), "nccl": union_us(nccl, DRAW_GAP_US)}
+    if kernels and not any(it["kernels"] for it in per_iteration):
+        # Kernel times not on the host's wall clock after all (a torch/kineto change): say so and
+        # spread the window's kernel time evenly rather than report an idle GPU.
+        compute = _total(union_us([(a, b) for n, a, b in kernels if not is_communication_kernel(n)]))
+        share = len(per_iteration) or 1
+        for it in per_iteration:
+            it.update(compute_ms=compute / share / 1000.0, kernels=len(kernels) // share)
+        return {"source": "torch.profiler CUDA kernels (clock mismatch: window average)",
+                "iterations": per_iteration, "timeline": {}}
     return {"source": "torch.profiler CUDA kernels", "iterations": per_iteration, "timeline": drawn}
