@@ -339,7 +339,11 @@ class ChannelStageLinks(StageLinks):
             self._failure = item.error
             raise item.error
         if item is not None:
-            item.token.channel.on_delivered(item)
+            try:
+                item.token.channel.on_delivered(item)  # may wait for the payload (gloo/NCCL channels)
+            except TransportError as exc:
+                self._failure = exc
+                raise
         return item
 
     def _check_usable(self) -> None:
