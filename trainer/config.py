@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import textwrap
 from collections.abc import Sequence
@@ -447,8 +448,10 @@ def _split_backward_problems(cfg: TrainConfig) -> list[str]:
         return []
     p = []
     # trainer.pipeline.split_backward defers the weight GEMMs of megatron's local linears only;
-    # "auto" picks Transformer Engine on CUDA, so the choice must be explicit there.
-    if impl == "transformer_engine" or (impl == "auto" and cfg.run.device == "cuda"):
+    # "auto" picks Transformer Engine on CUDA where it is installed (trainer.model.build), so only
+    # there must the choice be explicit.
+    te_installed = importlib.util.find_spec("transformer_engine") is not None
+    if impl == "transformer_engine" or (impl == "auto" and cfg.run.device == "cuda" and te_installed):
         p.append(f"--dpp-policy={policy} splits the backward of megatron-core's local linear layers only: "
                  f"pass --transformer-impl local (got --transformer-impl={impl})")
     if policy == "zb-h1" and cfg.virtual_pipeline > 1:

@@ -231,16 +231,31 @@ def test_config_names_every_bad_policy_combination() -> None:
     # Checks that need the device and the layout come in one message too.
     with pytest.raises(ConfigError) as err:
         parse_config(["--mock-data", "--dpp-policy", "zb-h1", "--device", "cuda", "--num-layers", "4",
+                      "--transformer-impl", "transformer_engine",
                       "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                       "--global-batch-size", "4"], world_size=2)
     problems = err.value.problems
-    assert any("--transformer-impl local" in p for p in problems)  # auto would pick TE on CUDA
+    assert any("--transformer-impl local" in p for p in problems)
     assert any("one model chunk per stage" in p for p in problems)
     assert any("add --use-dpp" in p for p in problems)
     cfg = parse_config(["--mock-data", "--use-dpp", "--dpp-policy", "dpp-zb", "--device", "cuda", "--transformer-impl", "local"],
                        world_size=1)
     assert cfg.parallel.dpp_policy == "dpp-zb"
     assert parse_config(["--mock-data"], world_size=1).parallel.dpp_policy == "dpp"
+
+
+def test_auto_impl_is_refused_for_split_backward_only_where_it_would_pick_te(monkeypatch) -> None:
+    import importlib.util
+
+    from trainer.config import ConfigError, parse_config
+
+    args = ["--mock-data", "--use-dpp", "--dpp-policy", "dpp-zb", "--device", "cuda"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    assert parse_config(args, world_size=1).parallel.dpp_policy == "dpp-zb"  # auto = local without TE
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
+    with pytest.raises(ConfigError, match="pass --transformer-impl local"):
+        parse_config(args, world_size=1)
 
 
 def test_the_store_keeps_the_incoming_gradient_itself_so_the_runtime_must_copy_it(group) -> None:
