@@ -281,8 +281,17 @@ class TrainingSession:
             self.tracer.set_clock_offset(measure_clock_offset())
         self.dpp_context = DppContext(topology=topo, policy=policy, links=self.links,
                                       timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self._microbatch,
-                                      tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split)
+                                      tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split,
+                                      gpu_timer=self._gpu_timer())
         return make_forward_backward_func(self.dpp_context)
+
+    def _gpu_timer(self):
+        """Per-op GPU times in the trace (CUDA events) when tracing on CUDA; None otherwise."""
+        if not (self.tracer.enabled and self.device.type == "cuda"):
+            return None
+        from trainer.profiling.gpu_spans import GpuOpTimer
+
+        return GpuOpTimer(self.device)
 
     def _tp_channel(self, shape):
         from megatron.core import parallel_state

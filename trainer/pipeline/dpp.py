@@ -65,6 +65,9 @@ class DppContext:
     """Shared decision log when TP > 1 (leader publishes, followers replay)."""
     iteration: int = 0
     """Set by the trainer before each step; recorded in trace events."""
+    gpu_timer: Any = None
+    """trainer.profiling.gpu_spans.GpuOpTimer when tracing on CUDA: each op's GPU time becomes a
+    "gpu" span of the trace (one synchronize per traced step); None otherwise."""
     split_backward: SplitBackward | None = None
     """From trainer.pipeline.split_backward.install_split_backward on this rank's chunks; required
     when the policy splits backwards into I and W (dpp-zb, zb-h1)."""
@@ -158,7 +161,8 @@ class _Step:
         self.grads: dict[tuple[int, int], Message] = {}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.losses: dict[int, Any] = {}
-        self.num_tokens = torch.zeros([], dtype=torch.int)
+        # Summed where the loss lives (never copied to the host inside the step: that would sync).
+        self.num_tokens: torch.Tensor | None = None
         self.decisions = 0
 
     # ---- data ------------------------------------------------------------------------------
@@ -179,6 +183,8 @@ class _Step:
         if ctx.tp_channel is not None:
             ctx.tp_channel.begin_step()
         grad_sync = GradSync(self.config, self.chunks, self.shape.num_microbatches, self.forward_only)
+        if ctx.gpu_timer is not None:
+            ctx.gpu_timer.begin_step()
         with grad_sync:
             while not self._finished():
                 self._drain()
@@ -195,8 +201,13 @@ class _Step:
                 extra["pg_collection"] = pg_collection
             if force_all_reduce:
                 extra["force_all_reduce"] = True
-            tokens = self.num_tokens if self.config.calculate_per_token_loss else None
+            tokens = None
+            if self.config.calculate_per_token_loss:  # zero on stages that computed no loss
+                tokens = self.num_tokens if self.num_tokens is not None else torch.zeros(
+                    [], dtype=torch.int, device=_device_of(self.chunks[0]))
             self.config.finalize_model_grads_func(self.chunks, tokens, **extra)
+        if ctx.gpu_timer is not None:
+            ctx.gpu_timer.end_step(self.tracer)
         return [self.losses[m] for m in sorted(self.losses)]
 
     def _finished(self) -> bool:
@@ -264,8 +275,11 @@ class _Step:
 
     # ---- actions ---------------------------------------------------------------------------
     def _execute(self, action: Action, grad_sync: GradSync) -> None:
+        timer = self.ctx.gpu_timer
+        gpu = (timer.around(str(action), microbatch=action.microbatch, chunk=action.chunk, op=action.op.value)
+               if timer is not None else _NULL_SPAN)
         with self._span(str(action), action.op.value, microbatch=action.microbatch,
-                        chunk=action.chunk) as span:
+                        chunk=action.chunk) as span, gpu:
             if action.op is Op.F:
                 output = self._forward(action.microbatch, action.chunk)
             elif action.op is Op.W:
@@ -316,7 +330,8 @@ class _Step:
             if not self.config.calculate_per_token_loss:
                 loss = loss / torch.clamp(num_tokens, min=1)
                 loss = loss / self.shape.num_microbatches
-            self.num_tokens += num_tokens.detach().to(self.num_tokens.device, torch.int)
+            counted = num_tokens.detach().to(torch.int)
+            self.num_tokens = counted if self.num_tokens is None else self.num_tokens + counted
         else:
             loss, reduced = outputs
             loss = loss / self.shape.num_microbatches
@@ -409,6 +424,13 @@ _NULL_SPAN = _NullSpanCM()
 
 def _now_us() -> float:
     return time.time_ns() / 1000.0  # the tracer's clock (trainer.profiling.tracer.now_us)
+
+
+def _device_of(chunk: torch.nn.Module) -> torch.device:
+    try:
+        return next(chunk.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
 
 
 def _device_type(chunk: torch.nn.Module) -> str:

@@ -43,6 +43,9 @@ class StageSummary:
     """Mean time per iteration spent in traced waits for the transport."""
     peak_inflight: int
     """Most activations held at once, over all iterations."""
+    gpu_busy_ms: float | None = None
+    """Mean GPU time of the stage's ops per iteration, from CUDA events ("gpu" spans; CUDA runs
+    only). ``T`` minus this is the time the GPU waited -- for inputs or for its host."""
 
 
 @dataclass
@@ -122,6 +125,8 @@ class _Grouped:
     """iteration -> compute (F/B/I/W) events."""
     wait_us: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
     """(stage, iteration) -> traced wait time, summed over the stage's ranks."""
+    gpu_us: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
+    """(stage, iteration) -> GPU time of the ops ("gpu" spans), summed over the stage's ranks."""
     ranks_of_stage: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     pids_of_stage: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
 
@@ -143,6 +148,8 @@ def _group(merged: dict[str, Any], wanted: set[int]) -> _Grouped:
             grouped.compute[iteration].append(event)
         elif event["cat"] == "wait":
             grouped.wait_us[(stage, iteration)] += event["dur"]
+        elif event["cat"] == "gpu":
+            grouped.gpu_us[(stage, iteration)] += event["dur"]
     return grouped
 
 
@@ -192,6 +199,8 @@ def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSumm
         wait_ms=statistics.fmean(grouped.wait_us[(stage, it)] for it in its)
         / len(grouped.pids_of_stage[stage]) / US_PER_MS,
         peak_inflight=_peak_inflight(grouped, stage),
+        gpu_busy_ms=(statistics.fmean(grouped.gpu_us[(stage, it)] for it in its)
+                     / len(grouped.pids_of_stage[stage]) / US_PER_MS) if grouped.gpu_us else None,
     ) for stage in stages]
     meta = merged.get("metadata") or {}
     return TraceSummary(
@@ -210,6 +219,7 @@ def format_table(summary: TraceSummary) -> str:
     """The table the aggregation CLI prints."""
     times = list(summary.iteration_time_ms.values())
     its = summary.iterations
+    gpu = all(s.gpu_busy_ms is not None for s in summary.stages)
     lines = [
         f"schedule {summary.schedule} ({summary.source}): PP={summary.pipeline_parallel} "
         f"M={summary.num_microbatches} v={summary.num_chunks}; iterations {its[0]}..{its[-1]} ({len(its)})",
@@ -218,12 +228,16 @@ def format_table(summary: TraceSummary) -> str:
         f"{summary.theoretical_1f1b_bubble:.4f})",
         "median op time: " + ", ".join(f"{cat} {ms:.2f} ms" for cat, ms in summary.median_op_ms.items()),
         "",
-        f"{'stage':>5} {'ranks':>10} {'busy ms':>10} {'idle ms':>10} {'bubble':>7} {'wait ms':>9} {'peak inflight':>13}",
+        f"{'stage':>5} {'ranks':>10} {'busy ms':>10} {'idle ms':>10} {'bubble':>7} {'wait ms':>9} {'peak inflight':>13}"
+        + (f" {'GPU busy ms':>11} {'GPU idle ms':>11}" if gpu else ""),
     ]
     for s in summary.stages:
         ranks = ",".join(map(str, s.ranks)) if s.ranks else "sim"
-        lines.append(f"{s.stage:>5} {ranks:>10} {s.busy_ms:>10.2f} {s.idle_ms:>10.2f} {s.bubble_fraction:>7.4f} "
-                     f"{s.wait_ms:>9.2f} {s.peak_inflight:>13d}")
+        line = (f"{s.stage:>5} {ranks:>10} {s.busy_ms:>10.2f} {s.idle_ms:>10.2f} {s.bubble_fraction:>7.4f} "
+                f"{s.wait_ms:>9.2f} {s.peak_inflight:>13d}")
+        if gpu:
+            line += f" {s.gpu_busy_ms:>11.2f} {s.busy_ms + s.idle_ms - s.gpu_busy_ms:>11.2f}"
+        lines.append(line)
     if summary.missing_ranks:
         lines.append(f"missing ranks (no trace): {', '.join(map(str, summary.missing_ranks))}")
     return "\n".join(lines)

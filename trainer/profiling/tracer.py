@@ -29,11 +29,12 @@ logger = logging.getLogger(__name__)
 TRACE_FILE_FORMAT = "trace_rank{rank:05d}.json"
 """Name of one rank's trace file inside the profile directory."""
 
-THREADS = ("compute", "comm", "wait")
+THREADS = ("compute", "comm", "wait", "gpu")
 """Allowed ``tid`` values of per-rank events: the aggregator maps them to numbered threads."""
 
-CATEGORIES = ("F", "B", "I", "W", "send", "recv", "wait")
-"""Allowed ``cat`` values: the four compute operations, the two transfer directions, waiting."""
+CATEGORIES = ("F", "B", "I", "W", "send", "recv", "wait", "gpu")
+"""Allowed ``cat`` values: the four compute operations, the two transfer directions, waiting, and
+the GPU time of an op (trainer.profiling.gpu_spans, CUDA runs)."""
 
 DEFAULT_KEEP_ITERATIONS = 20
 """Iterations a tracer keeps (the latest ones): enough to see steady state, bounded memory."""
