@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
 from trainer.stall_injection import stall_problems
 
@@ -264,9 +265,31 @@ class DataConfig:
     """GPT-2 BPE merges (``--merge-file``)."""
     tokenizer_type: str = "GPT2BPETokenizer"
     """``--tokenizer-type`` (Megatron's names)."""
+    variable_seq_lengths: bool = False
+    """Megatron-LM's ``--variable-seq-lengths``: each microbatch is as long as its documents (GPT: one
+    document or piece of one per sample; BERT: one sentence group), rounded up to
+    --seq-length-divisible-by and capped at --seq-length, all samples of a microbatch padded to one
+    length. Sets megatron-core's variable_seq_lengths (a shape exchange before each P2P transfer)
+    and, for GPT, its calculate_per_token_loss (the loss is averaged over the global batch's tokens)."""
+    seq_length_divisible_by: int = 64
+    """With --variable-seq-lengths: round each microbatch's length up to a multiple of this
+    (like --make-vocab-size-divisible-by), so there are few distinct shapes."""
+    mock_seq_len_dist: str | None = None
+    """With --mock-data --variable-seq-lengths: ``lognormal:SIGMA[:MEAN]``, mock document lengths =
+    MEAN tokens (default --seq-length / 2) x a mean-one log-normal ratio (the simulator's
+    --seq-len-dist), drawn per sample from (--seed, sample index); required in that mode."""
 
     def __post_init__(self) -> None:
         p = []
+        if self.seq_length_divisible_by < 1:
+            p.append(f"--seq-length-divisible-by={self.seq_length_divisible_by} must be >= 1")
+        if self.mock_seq_len_dist is not None:
+            p.extend(parse_length_distribution(self.mock_seq_len_dist)[1])
+            if not (self.mock_data and self.variable_seq_lengths):
+                p.append(f"--mock-seq-len-dist={self.mock_seq_len_dist} needs --mock-data and --variable-seq-lengths")
+        elif self.mock_data and self.variable_seq_lengths:
+            p.append("--variable-seq-lengths with --mock-data needs --mock-seq-len-dist (e.g. lognormal:0.6): "
+                     "mock samples have no documents of their own")
         if not self.mock_data and not self.data_path:
             p.append("one of --data-path or --mock-data is required")
         if self.mock_data and self.data_path:
@@ -431,12 +454,31 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         p.append("--no-overlap-p2p-communication with interleaving needs --pipeline-model-parallel-size > 2 "
                  "(Megatron-LM's rule: batched sends and receives between the same 2 ranks)")
     p.extend(_split_backward_problems(cfg))
+    p.extend(_variable_length_problems(cfg))
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
         p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "
                  f"but the world size is {world_size}")
     if cfg.run.node_ips and world_size % len(cfg.run.node_ips):
         p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips "
                  "(every node runs the same number of ranks)")
+    return p
+
+
+def _variable_length_problems(cfg: TrainConfig) -> list[str]:
+    """What rules out --variable-seq-lengths with this model (fields are already valid)."""
+    d, m = cfg.data, cfg.model
+    if not d.variable_seq_lengths:
+        return []
+    p = []
+    if d.seq_length_divisible_by > m.seq_length:
+        p.append(f"--seq-length-divisible-by={d.seq_length_divisible_by} is larger than --seq-length="
+                 f"{m.seq_length}: every microbatch would be --seq-length long")
+    # No check against --max-position-embeddings is needed: lengths are capped at --seq-length, which
+    # ModelConfig already keeps within the table. Nor for TP: megatron needs lengths divisible by TP
+    # only with sequence parallelism, which this trainer does not offer.
+    if d.mock_seq_len_dist is not None and m.model == "bert" and m.seq_length < 5:
+        p.append(f"--mock-seq-len-dist with --model bert needs --seq-length >= 5 ([CLS] a [SEP] b [SEP]), "
+                 f"got {m.seq_length}")
     return p
 
 

@@ -14,7 +14,9 @@ single-process reference:
   ``--dump-grads N`` iterations, ``grads_rank<R>_it<I>.pt`` ({full name: (grad shard, partition_dim,
   tp_rank, tp_size)}) taken after finalize_model_grads, before the optimizer step.
 * ``--reference``: replace the schedule by a plain sequential loop over the microbatches (forward,
-  loss / M, backward), i.e. what megatron's forward_backward_no_pipelining does, without our runtime.
+  loss / M, backward), i.e. what megatron's forward_backward_no_pipelining does, without our runtime;
+  with Megatron's 3-tuple loss and calculate_per_token_loss (``--variable-seq-lengths``), the summed
+  loss and a 1 / total-tokens gradient scaling in finalize_model_grads, as megatron does.
 """
 
 from __future__ import annotations
@@ -59,14 +61,23 @@ def sequential_reference(*, forward_step_func, data_iterator, model, num_microba
     chunk, it = model[0], data_iterator[0]
     config = chunk.config
     losses = []
+    total_tokens = torch.zeros([], dtype=torch.int)
     for _m in range(num_microbatches):
         output, loss_func = forward_step_func(it, chunk)
-        loss, reduced = loss_func(output)
+        outputs = loss_func(output)
+        if len(outputs) == 3:  # Megatron's (summed loss, tokens, report), e.g. --variable-seq-lengths
+            loss, tokens, reduced = outputs
+            total_tokens += tokens
+            if not config.calculate_per_token_loss:
+                loss = loss / torch.clamp(tokens, min=1) / num_microbatches
+        else:
+            loss, reduced = outputs
+            loss = loss / num_microbatches
         if not forward_only:
-            config.grad_scale_func(loss / num_microbatches).backward()
+            config.grad_scale_func(loss).backward()
         losses.append(reduced)
     if not forward_only:
-        config.finalize_model_grads_func([chunk], None)
+        config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
     return losses
 
 

@@ -176,4 +176,5 @@ class BertSampleDataset:
             "padding_mask": np.pad(np.ones(len(tokens), dtype=np.int64), (0, pad)),
             "is_random": int(is_random),
             "truncated": int(truncated),
+            "length": len(tokens),  # real positions, for --variable-seq-lengths bucketing (not batched)
         }

@@ -102,3 +102,74 @@ class GPTSampleDataset:
             "loss_mask": np.ones(self.seq_length, dtype=np.float32),
             "position_ids": np.arange(self.seq_length, dtype=np.int64),
         }
+
+
+class GPTDocumentDataset:
+    """``--variable-seq-lengths`` samples: one document (or one piece of a long one) per sample.
+
+    A document of ``D`` tokens gives ``D - 1`` input/label positions; a long one is split into pieces
+    of at most ``seq_length`` positions (consecutive pieces share one token, as the fixed windows do).
+    Pieces of one-token documents have nothing to predict and are dropped. Each epoch visits every
+    piece once in an order drawn from ``(seed, epoch)``. A sample is padded to ``seq_length`` (tokens
+    and labels with ``pad_id``, ``loss_mask`` 0) and says its real length under ``"length"``; its
+    position ids start at 0, since it starts a document or continues one cut at a piece boundary.
+    trainer.data.varlen.bucket_samples then cuts a microbatch to its longest sample.
+    """
+
+    def __init__(self, prefix: str | Path, seq_length: int, seed: int, num_samples: int | None = None,
+                 pad_id: int = 0) -> None:
+        problems = []
+        if seq_length < 1:
+            problems.append(f"seq_length={seq_length} must be >= 1")
+        if num_samples is not None and num_samples < 1:
+            problems.append(f"num_samples={num_samples} must be >= 1 (or None for one epoch)")
+        if problems:
+            raise ValueError("invalid GPT document dataset: " + "; ".join(problems))
+        self.prefix, self.seq_length, self.seed, self.pad_id = str(prefix), seq_length, seed, pad_id
+        self._indexed = open_indexed_dataset(self.prefix)
+        lengths = np.asarray(self._indexed.sequence_lengths, dtype=np.int64)
+        positions = np.maximum(lengths - 1, 0)
+        pieces_per_doc = -(-positions // seq_length)
+        self._doc = np.repeat(np.arange(len(lengths)), pieces_per_doc)
+        first_piece = np.concatenate([[0], np.cumsum(pieces_per_doc)[:-1]])
+        self._offset = (np.arange(len(self._doc)) - np.repeat(first_piece, pieces_per_doc)) * seq_length
+        self._positions = np.minimum(seq_length, positions[self._doc] - self._offset)
+        self.samples_per_epoch = len(self._doc)
+        if self.samples_per_epoch < 1:
+            raise ValueError(f"{self.prefix} has no document of 2 or more tokens")
+        self.num_samples = num_samples if num_samples is not None else self.samples_per_epoch
+        self._epoch_order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
+        logger.info("GPT documents %s: %d documents, %d pieces/epoch of at most %d positions (mean %.0f), "
+                    "%d samples", self.prefix, len(lengths), self.samples_per_epoch, seq_length,
+                    float(self._positions.mean()), self.num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def piece_lengths(self) -> np.ndarray:
+        """Real length (positions) of every piece, in piece order: the corpus's length distribution."""
+        return self._positions.copy()
+
+    def _piece_of(self, index: int) -> int:
+        epoch, position = divmod(index, self.samples_per_epoch)
+        if self._epoch_order[0] != epoch:  # one permutation per epoch, reused by all its samples
+            self._epoch_order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.samples_per_epoch))
+        return int(self._epoch_order[1][position])
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray | int]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample index {index} outside [0, {self.num_samples})")
+        piece = self._piece_of(int(index))
+        n = int(self._positions[piece])
+        tokens = np.asarray(self._indexed.get(int(self._doc[piece]), offset=int(self._offset[piece]), length=n + 1),
+                            dtype=np.int64)
+        pad = self.seq_length - n
+        loss_mask = np.zeros(self.seq_length, dtype=np.float32)
+        loss_mask[:n] = 1.0
+        return {
+            "tokens": np.pad(tokens[:-1], (0, pad), constant_values=self.pad_id),
+            "labels": np.pad(tokens[1:], (0, pad), constant_values=self.pad_id),
+            "loss_mask": loss_mask,
+            "position_ids": np.arange(self.seq_length, dtype=np.int64),
+            "length": n,
+        }

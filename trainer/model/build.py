@@ -15,6 +15,7 @@ import logging
 import torch
 
 from trainer.config import TrainConfig
+from trainer.model.steps import uses_per_token_loss
 from trainer.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,13 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,  # Apex-only; torch's LayerNorm (local spec without Apex) refuses it
         apply_rope_fusion=False,
+        # --variable-seq-lengths: megatron-core's P2P exchanges shapes before each transfer (our
+        # runtime's headers carry them anyway), and GPT averages its loss over the batch's tokens.
+        variable_seq_lengths=cfg.data.variable_seq_lengths,
+        # megatron-core refuses variable_seq_lengths with its default MoE dispatcher (allgather) even
+        # in a dense model; alltoall is what Megatron-LM users pass, and unused without experts.
+        **({"moe_token_dispatcher_type": "alltoall"} if cfg.data.variable_seq_lengths else {}),
+        calculate_per_token_loss=uses_per_token_loss(m.model, cfg.data.variable_seq_lengths),
     )
 
 

@@ -22,10 +22,28 @@ def _gpt_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
+def _gpt_token_loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Megatron's pretrain_gpt loss with per-token averaging: (summed loss, tokens, report). The
+    schedule sums tokens over microbatches (and finalize_model_grads over DP) and scales gradients
+    by 1 / total when config.calculate_per_token_loss; the report [sum, tokens] is reduced the same way."""
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(output.float().reshape(-1) * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.to(loss.dtype)])}
+
+
 def gpt_forward_step(data_iterator, model):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, partial(_gpt_loss, batch["loss_mask"])
+
+
+def gpt_token_forward_step(data_iterator, model):
+    """gpt_forward_step returning Megatron's 3-tuple loss (for --variable-seq-lengths: padding makes
+    token counts differ between microbatches, so a per-microbatch mean would misweight tokens)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(_gpt_token_loss, batch["loss_mask"])
 
 
 def _bert_loss(loss_mask: torch.Tensor, is_random: torch.Tensor, output):
@@ -43,5 +61,14 @@ def bert_forward_step(data_iterator, model):
     return output, partial(_bert_loss, batch["loss_mask"], batch["is_random"])
 
 
-def make_forward_step(model_name: str) -> Callable:
+def make_forward_step(model_name: str, per_token_loss: bool = False) -> Callable:
+    """``per_token_loss`` (GPT only, as in Megatron-LM: BERT's loss stays per microbatch): the
+    3-tuple loss for megatron-core's calculate_per_token_loss."""
+    if per_token_loss and model_name == "gpt":
+        return gpt_token_forward_step
     return {"gpt": gpt_forward_step, "bert": bert_forward_step}[model_name]
+
+
+def uses_per_token_loss(model_name: str, variable_seq_lengths: bool) -> bool:
+    """megatron-core's calculate_per_token_loss for this run: GPT with --variable-seq-lengths."""
+    return variable_seq_lengths and model_name == "gpt"
