@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, TrainConfig, parse_config
+from trainer.data.varlen import Bucketing, parse_length_distribution
 from trainer.distributed import (
     LaunchError,
     LaunchInfo,
@@ -43,8 +44,7 @@ from trainer.model.batches import (
     SampleSource,
     causal_mask,
     host_batch,
-    mock_bert_sample,
-    mock_gpt_sample,
+    mock_sample_source,
 )
 from trainer.model.prefetch import MicrobatchPrefetcher
 from trainer.run_metrics import RunMeasurement
@@ -138,7 +138,10 @@ class TrainingSession:
         if self.hooks.after_build is not None:
             self.hooks.after_build(chunks, self.topology)
         self.model = wrap_ddp(cfg, chunks)
-        self.forward_step = make_forward_step(cfg.model.model)
+        from trainer.model.steps import uses_per_token_loss
+
+        self.forward_step = make_forward_step(
+            cfg.model.model, per_token_loss=uses_per_token_loss(cfg.model.model, cfg.data.variable_seq_lengths))
         self._build_optimizer()
         self._wire_grad_sync()
         self.forward_backward = self.hooks.forward_backward_func or self._schedule()
@@ -172,8 +175,9 @@ class TrainingSession:
         cfg = self.cfg
         m, seed = cfg.model, cfg.optim.seed
         if cfg.data.mock_data:
-            make = mock_gpt_sample if m.model == "gpt" else mock_bert_sample
-            return (lambda i: make(seed, i, m.seq_length, m.vocab_size)), m.vocab_size
+            lengths = (parse_length_distribution(cfg.data.mock_seq_len_dist)[0]
+                       if cfg.data.variable_seq_lengths else None)
+            return mock_sample_source(m.model, seed, m.seq_length, m.vocab_size, lengths), m.vocab_size
         total = cfg.optim.train_iters * cfg.optim.global_batch_size
         if cfg.data.tokenizer_type == "NullTokenizer":
             vocab, tokenizer = m.vocab_size, None
@@ -183,9 +187,13 @@ class TrainingSession:
             tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file)
             vocab = tokenizer.vocab_size
         if m.model == "gpt":
-            from trainer.data.gpt_dataset import GPTSampleDataset
+            from trainer.data.gpt_dataset import GPTDocumentDataset, GPTSampleDataset
 
-            dataset = GPTSampleDataset(cfg.data.data_path, m.seq_length, seed, num_samples=total)
+            if cfg.data.variable_seq_lengths:
+                dataset = GPTDocumentDataset(cfg.data.data_path, m.seq_length, seed, num_samples=total,
+                                             pad_id=tokenizer.pad if tokenizer is not None else 0)
+            else:
+                dataset = GPTSampleDataset(cfg.data.data_path, m.seq_length, seed, num_samples=total)
         else:
             from trainer.data.bert_dataset import BertSampleDataset
 
@@ -315,7 +323,9 @@ class TrainingSession:
         topo, o = self.topology, self.cfg.optim
         plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
         indices = plan.indices(self.state.consumed_samples, microbatch)
-        return host_batch([self.samples(i) for i in indices], self.cfg.model.model)
+        d = self.cfg.data
+        bucketing = Bucketing(d.seq_length_divisible_by, self.cfg.model.seq_length) if d.variable_seq_lengths else None
+        return host_batch([self.samples(i) for i in indices], self.cfg.model.model, bucketing)
 
     def _microbatch(self, microbatch: int, chunk: int = 0) -> dict[str, torch.Tensor]:
         """Microbatch m of this step on the device (copied ahead by the prefetcher: no host wait)."""
@@ -386,7 +396,9 @@ class TrainingSession:
             forward_only=False)
 
     def _reduce_losses(self, losses: list[dict]) -> dict[str, float]:
-        """Mean over microbatches on the last stage, then over DP; broadcast so every rank knows."""
+        """Mean over microbatches on the last stage, then over DP; broadcast so every rank knows.
+        A [sum, tokens] value (Megatron's per-token loss report) is summed over microbatches and DP
+        and reported as sum / tokens, as Megatron-LM's training loop does."""
         from megatron.core import parallel_state
 
         keys = sorted(losses[0]) if losses else []
@@ -399,10 +411,12 @@ class TrainingSession:
         keys = names[0]
         values = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         if last:
+            pairs = torch.zeros(len(keys), 2, dtype=torch.float64, device=self.device)  # (sum, count)
             for i, k in enumerate(keys):
-                values[i] = torch.stack([d[k].detach().double().reshape(()) for d in losses]).mean()
-            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
-            values /= self.topology.data_parallel
+                stacked = torch.stack([d[k].detach().double().reshape(-1) for d in losses])
+                pairs[i] = stacked.sum(0) if stacked.shape[1] == 2 else torch.stack([stacked.mean(), pairs.new_ones(())])
+            dist.all_reduce(pairs, group=parallel_state.get_data_parallel_group())
+            values = pairs[:, 0] / pairs[:, 1].clamp(min=1)
         dist.broadcast(values, src=src)
         return {k: float(v) for k, v in zip(keys, values.tolist(), strict=True)}
 

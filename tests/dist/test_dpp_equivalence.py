@@ -9,7 +9,9 @@ DP rank d holds samples start + m*mbs*dp + d*mbs + j, so DP replicas split the r
 Tolerances (fp32): per-iteration losses within LOSS_RTOL relative; every parameter's gradient, after
 finalize_model_grads and before the optimizer, within GRAD_RTOL of max |g_ref| (summation order
 differs across DP/TP reductions). Iterations 2 and 3 also check that optimizer steps stay equal.
-The split-backward policies (dpp-zb, zb-h1) are held to the same tolerances.
+The split-backward policies (dpp-zb, zb-h1) are held to the same tolerances, and so are
+``--variable-seq-lengths`` runs (microbatches of different lengths through every transport, GPT's
+loss per token) against a reference on the same variable-length data.
 """
 
 from __future__ import annotations
@@ -81,15 +83,45 @@ CASES = ([pytest.param(layout, "dpp", id=layout) for layout in LAYOUTS]
          + [pytest.param("gpt-pp2-no-dpp", "zb-h1", id="gpt-pp2-no-dpp-zb-h1")])
 
 
+# --variable-seq-lengths (issue 13): mock documents of log-normal length, microbatches cut to their
+# longest sample rounded up to 4 tokens (lengths 4..16 here, several per step), GPT's loss averaged
+# per token (megatron-core's calculate_per_token_loss). Its own references: the data differ.
+VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length-divisible-by", "4"]
+VARLEN_LAYOUTS = ["gpt-pp2", "gpt-pp4-vp2", "gpt-pp2-tp2", "gpt-pp2-dp2", "bert-pp2"]
+
+
+@pytest.fixture(scope="module")
+def varlen_references(tmp_path_factory) -> dict[str, Path]:
+    folders = {}
+    for model, flags in MODELS.items():
+        out = tmp_path_factory.mktemp(f"ref-varlen-{model}")
+        _run(out, 1, TINY + flags + VARLEN, ["--reference", "--save-init", str(out / "init.pt")])
+        folders[model] = out
+    return folders
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("layout", "policy"), CASES)
 def test_dpp_matches_single_process_reference(layout: str, policy: str, references, tmp_path: Path) -> None:
     model, world, flags = LAYOUTS[layout]
-    ref = references[model]
     schedule = [] if layout in NO_DPP else ["--use-dpp"]
     if policy != "dpp":
         schedule += ["--dpp-policy", policy]
-    _run(tmp_path, world, TINY + MODELS[model] + flags + schedule, ["--load-init", str(ref / "init.pt")])
+    _check_layout(layout, references[model], TINY + MODELS[model] + flags + schedule, tmp_path)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", VARLEN_LAYOUTS)
+def test_dpp_variable_lengths_match_single_process_reference(layout: str, varlen_references,
+                                                             tmp_path: Path) -> None:
+    model, _, flags = LAYOUTS[layout]
+    _check_layout(layout, varlen_references[model], TINY + MODELS[model] + flags + VARLEN + ["--use-dpp"], tmp_path)
+
+
+def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path) -> None:
+    """Run ``layout`` with ``args`` from the reference's weights; losses and gradients must match it."""
+    world = LAYOUTS[layout][1]
+    _run(tmp_path, world, args, ["--load-init", str(ref / "init.pt")])
 
     expected = json.loads((ref / "losses_rank0.json").read_text())
     assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]
