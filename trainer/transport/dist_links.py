@@ -289,6 +289,7 @@ class ProcessGroupReceiver:
         self._closing = False
         self._ended = threading.Event()  # end of stream seen, or the header thread failed
         self._expected = 0
+        self._failure: TransportError | None = None  # what stopped the header thread, if it failed
         self._pool = BufferPool(device, credits)
         self._watcher = GlooWatcher(f"mdpp-recvwatch-{edge.src}-{rank}-{edge.direction}") if edge.backend == "gloo" else None
         self._thread = threading.Thread(
@@ -328,6 +329,7 @@ class ProcessGroupReceiver:
             self._ended.set()
 
     def _report(self, error: TransportError) -> None:
+        self._failure = error  # a payload wait in progress stops at once (see _complete)
         with self._lock:
             closing = self._closing
         if not closing:
@@ -380,7 +382,7 @@ class ProcessGroupReceiver:
             if isinstance(arrival.done, _NcclDone):
                 arrival.done.work.wait()  # stream-ordered: the host does not wait
                 return
-            if not _await([arrival.done], time.monotonic() + timeout_s, self._progress.pump):
+            if not _await([arrival.done], time.monotonic() + timeout_s, self._pump_or_fail):
                 raise TransportTimeout(
                     f"rank {self.rank}: {what} did not arrive within {timeout_s:.1f}s of its header"
                 )
@@ -391,6 +393,13 @@ class ProcessGroupReceiver:
                 f"rank {self.rank}: receiving {what} failed, peer rank {self.peer} is probably dead: "
                 f"{_describe(exc)}"
             ) from exc
+
+    def _pump_or_fail(self) -> None:
+        """Between looks at a payload: progress, and the header thread's news -- its receive fails
+        as soon as the peer's process is gone, while a gloo payload receive may wait for its timeout."""
+        self._progress.pump()
+        if self._failure is not None:
+            raise self._failure
 
     def release(self, message: Message) -> None:
         """A delivered message's buffer is reused once released; an undelivered one (drained at
