@@ -50,7 +50,9 @@ def _cases():
 
 
 def _exchange_scenario(rank: int, world: int, transport: str) -> int:
-    links, device = _links(rank, world, transport, shm_slot_bytes=1 << 20, credits=3)
+    transport, _, signals = transport.partition("-")  # "shm-flags", "shm-events", "nccl"
+    options = {"gpu_signals": signals} if signals else {}
+    links, device = _links(rank, world, transport, shm_slot_bytes=1 << 20, credits=3, **options)
     direction, kind, peer = ("next", "act", 1) if rank == 0 else ("prev", "grad", 0)
     if transport == "shm":  # any host synchronisation on the hot path raises (NCCL's receiver
         torch.cuda.set_sync_debug_mode("error")  # thread must read each header back: not checked)
@@ -81,7 +83,7 @@ def _exchange_scenario(rank: int, world: int, transport: str) -> int:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["shm", "nccl"])
+@pytest.mark.parametrize("transport", ["shm-flags", "shm-events", "nccl"])
 def test_gpu_exchange_ordering_integrity_without_host_sync(transport):
     if transport == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL cannot put two ranks on one GPU: needs 2 GPUs")

@@ -89,6 +89,8 @@ class BenchConfig:
     rounds: int = 20
     """Rounds of the randomized-order exchange."""
     seed: int = 0
+    gpu_signals: str = "auto"
+    """Same-node GPU channels: "flags", "events" or "auto" (LinkOptions.gpu_signals)."""
 
     def __post_init__(self) -> None:
         allowed = {"cpu": {"shm", "gloo"}, "cuda": {"shm", "nccl"}}
@@ -250,7 +252,7 @@ def _copy_sample(size: int, src: torch.Tensor, dst: torch.Tensor) -> float:
 
 def _pairs(config: BenchConfig, rank: int, device: torch.device) -> tuple[dict, list]:
     topo = Topology(world_size=2, rank=rank, pipeline_parallel=2)
-    options = LinkOptions(credits=config.credits, shm_slot_bytes=config.slot_bytes)
+    options = LinkOptions(credits=config.credits, shm_slot_bytes=config.slot_bytes, gpu_signals=config.gpu_signals)
     pairs, links = {}, []
     for transport in config.transports:
         links.append(make_stage_links(topo, transport, device, timeout_s=config.timeout_s, options=options))
@@ -426,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-order", action="store_true", help="randomized-order exchange instead of timing")
     parser.add_argument("--rounds", type=int, default=20, help="rounds of --random-order")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random-order")
+    parser.add_argument("--gpu-signals", default="auto", choices=["auto", "flags", "events"],
+                        help="same-node GPU channels: how slot filled/freed is signalled")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     default_transports = "shm,gloo" if args.device == "cpu" else "shm,nccl"
@@ -437,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
             transports=tuple((args.transports or default_transports).split(",")),
             device=args.device, repeats=args.repeats, credits=args.credits,
             slot_bytes=parse_size(args.slot_bytes), timeout_s=args.timeout, busy=not args.no_busy,
-            random_order=args.random_order, rounds=args.rounds, seed=args.seed,
+            random_order=args.random_order, rounds=args.rounds, seed=args.seed, gpu_signals=args.gpu_signals,
         )  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))

@@ -10,12 +10,12 @@ opens the handle under the *receiver's* device: every sender then owned a second
 peer's GPU and every copy was a cross-device ``copy_`` with a two-way stream barrier on that foreign
 context -- 21 GB/s at 8 MiB on 4xH200, a tenth of a peer copy.)
 
-Ordering is carried by interprocess CUDA events, never by a host wait:
-
-- ``filled[k]`` (sender's event): recorded on the side stream after the copy into slot k; the
-  consumer's stream waits on it when ``poll``/``wait_any`` hands the message out;
-- ``freed[k]`` (receiver's event): recorded on the consumer's stream by ``release``; the sender's
-  side stream waits on it before it overwrites slot k.
+Ordering is carried by GPU-side signals (:mod:`trainer.transport.gpu_signals`), never by a host wait:
+the sender's side stream signals "slot k filled" after its copy, and the consumer's stream waits for
+it when ``poll``/``wait_any`` hands the message out; ``release`` signals "slot k freed" on the
+consumer's stream, and the sender's next copy into k waits for that. Signals are 32-bit flags
+written and awaited by the streams themselves (driver stream memory operations), or interprocess
+CUDA events where the driver lacks those.
 
 Which slot is full, and the self-describing header, travel over a header-only CPU shared-memory ring
 (:mod:`trainer.transport.shm_links`), whose K slots are the K credits; the receiver reads it from the
@@ -37,6 +37,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from trainer.transport import _shm_ring
 from trainer.transport.base import Direction, Header, Message, TransportError
 from trainer.transport.channels import Delivery, Inbox
+from trainer.transport.gpu_signals import EventSignals, FlagSignals, Signals, probe_stream_mem_ops
 from trainer.transport.shm_links import (
     ShmReceiver,
     _RingStatus,
@@ -54,19 +55,20 @@ _CONTROL_SLOT_BYTES = 64  # the control ring carries headers only; its payload a
 
 
 class CudaPeerSender:
-    """Outgoing half: copy engine work on a side stream into the peer's slot, an event, then the
-    header on the control ring. The host never waits on the GPU; it waits only for a credit."""
+    """Outgoing half: a device-to-device copy on a side stream into the peer's slot, a "filled"
+    signal, then the header on the control ring. The host never waits on the GPU; it waits only for
+    a credit (a free slot on the control ring)."""
 
     def __init__(
         self, rank: int, peer: int, direction: Direction, control: _shm_ring.Ring, peer_slots: torch.Tensor,
-        freed: list[torch.cuda.Event], filled: list[torch.cuda.Event], device: torch.device, poll_s: float,
+        signals: Signals, device: torch.device, poll_s: float,
     ) -> None:  # fmt: skip
         assert peer_slots.device == device, "peer slots must be mapped in the sender's own context"
         self.rank, self.peer, self.direction = rank, peer, direction
         self._ring, self._poll_s = control, poll_s
         self._status = _RingStatus(rank, peer, direction, control)
-        self._peer_slots, self._device = peer_slots, device
-        self._freed, self._filled = freed, filled
+        self._peer_slots, self._device, self._signals = peer_slots, device, signals
+        self._fills = [0] * peer_slots.shape[0]  # per slot: how often it was filled
         self._stream = torch.cuda.Stream(device)  # copies never queue behind this rank's compute
         self._lock = threading.Lock()  # the chunks of one message must be consecutive slots
         self._sequence = 0
@@ -80,10 +82,11 @@ class CudaPeerSender:
         stream = self._stream
 
         def fill(slot: int, offset: int, length: int) -> None:
-            stream.wait_event(self._freed[slot])  # the consumer is done with slot k
+            self._signals.wait(stream, slot, self._fills[slot])  # the consumer freed the last fill
             if length:
                 self._peer_slots[slot, :length].copy_(data[offset : offset + length], non_blocking=True)
-            self._filled[slot].record(stream)
+            self._fills[slot] += 1
+            self._signals.signal(stream, slot, self._fills[slot])
 
         with self._lock:
             if self._closed:
@@ -108,25 +111,30 @@ class CudaPeerSender:
 class CudaPeerReceiver(ShmReceiver):
     """Incoming half. Reading the control ring (headers, credits, ordering, dead-peer checks,
     draining, close) is the CPU ring reader's job, inherited; what differs is where the payload
-    lives: the message's tensor is a view of the GPU slot, and the consumer's stream waits on the
-    slot's "filled" event when ``poll``/``wait_any`` hands it out."""
+    lives: the message's tensor is a view of the GPU slot, and the consumer's stream waits for the
+    slot's "filled" signal when ``poll``/``wait_any`` hands it out."""
 
     def __init__(
         self, rank: int, peer: int, direction: Direction, control: _shm_ring.Ring, slots: torch.Tensor,
-        freed: list[torch.cuda.Event], filled: list[torch.cuda.Event], device: torch.device, poll_s: float,
-        timeout_s: float,
+        signals: Signals, device: torch.device, poll_s: float, timeout_s: float,
     ) -> None:  # fmt: skip
         super().__init__(rank, peer, direction, control, poll_s, timeout_s)
-        self._gpu_slots, self._device = slots, device
-        self._freed, self._filled = freed, filled
+        self._gpu_slots, self._device, self._signals = slots, device, signals
+        self._arrivals = [0] * slots.shape[0]  # per slot: how often it arrived (= the fill it holds)
         self._copy_stream = torch.cuda.Stream(device)  # only for reassembling oversized payloads
+
+    def _arrive(self, slot: int) -> int:
+        """The ring hands slots out in fill order, so the n-th arrival of a slot is its n-th fill."""
+        self._arrivals[slot] += 1
+        return self._arrivals[slot]
 
     def _message_at(self, slot: int) -> Message:
         frame = self._frame_at(slot)
         if frame.nbytes <= self._gpu_slots.shape[1]:  # also an empty payload: a view of the slot
             self._hold(slot, frame.sequence)
             view = from_bytes(self._gpu_slots[slot], frame.header)
-            return Message(frame.header, view, self.peer, Delivery(self, ("slot", slot, frame.sequence)))
+            handle = ("slot", slot, frame.sequence, self._arrive(slot))
+            return Message(frame.header, view, self.peer, Delivery(self, handle))
         with torch.cuda.stream(self._copy_stream):
             out = self._reassemble(slot, frame.nbytes, frame.sequence, empty_bytes(frame.nbytes, self._device))
             done = torch.cuda.Event()
@@ -134,18 +142,19 @@ class CudaPeerReceiver(ShmReceiver):
         return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, ("copy", done, out)))
 
     def _copy_chunk(self, slot: int, out: torch.Tensor, offset: int, length: int) -> None:
-        """Queued on the copy stream after the sender's copy into the slot; the sender's next copy
-        into it waits for this one through the "freed" event."""
-        self._copy_stream.wait_event(self._filled[slot])
+        """Queued on the copy stream after the sender's copy into the slot; the slot is freed (for
+        the sender's next copy into it) as soon as this copy is done."""
+        count = self._arrive(slot)
+        self._signals.wait(self._copy_stream, slot, count)
         out[offset : offset + length].copy_(self._gpu_slots[slot, :length], non_blocking=True)
-        self._freed[slot].record(self._copy_stream)
+        self._signals.signal(self._copy_stream, slot, count)
 
     def on_delivered(self, message: Message) -> None:
         """In the consumer's thread: its current stream waits for the data (no host sync)."""
         consumer = torch.cuda.current_stream(self._device)
         handle = message.token.handle
         if handle[0] == "slot":
-            consumer.wait_event(self._filled[handle[1]])
+            self._signals.wait(consumer, handle[1], handle[3])
         else:
             consumer.wait_event(handle[1])
             handle[2].record_stream(consumer)  # allocated on the copy stream, used on the consumer's
@@ -154,11 +163,11 @@ class CudaPeerReceiver(ShmReceiver):
         handle = message.token.handle
         if handle[0] != "slot":
             return  # a reassembled payload: the caching allocator owns its memory
-        _, slot, sequence = handle
+        _, slot, sequence, count = handle
         self._unhold(slot, sequence)
-        # Recorded before the slot goes back to the sender, whose next copy into it waits on this
-        # event: it waits for everything the consumer queued so far.
-        self._freed[slot].record(torch.cuda.current_stream(self._device))
+        # Queued before the slot goes back to the sender, whose next copy into it waits for this
+        # signal: it follows everything the consumer queued so far.
+        self._signals.signal(torch.cuda.current_stream(self._device), slot, count)
         self._ring.release(slot)
 
 
@@ -171,19 +180,31 @@ def build_cuda_peer_channels(
     torch.cuda.set_device(device)
     controls = open_rings(specs, rank, job, group, options.credits, _CONTROL_SLOT_BYTES)
     inbox.doorbell = open_doorbells(controls, rank, job, group)  # senders ring it on commit and close
+    ops = None if options.gpu_signals == "events" else probe_stream_mem_ops(device)
+    use_flags = all(all_gather(ops is not None, group))  # one kind of signal on every channel
+    if options.gpu_signals == "flags" and not use_flags:
+        raise TransportError(f"rank {rank}: gpu_signals='flags' but some rank's driver has no stream "
+                             "memory operations (see the warning); use 'auto' or 'events'")
     k, slot_bytes = options.credits, options.shm_slot_bytes
     mine: dict[tuple[int, int, str], dict] = {}
     local: dict[tuple[int, int, str], dict] = {}
     for key in controls:
         src, dst, _ = key
-        events = [torch.cuda.Event(interprocess=True) for _ in range(k)]
-        if dst == rank:  # receiver: owns the slots and the "freed" events
+        # Each endpoint owns what the *other* side signals to it: flags it waits on (zeroed, in
+        # its own memory) or the events it records.
+        if use_flags:
+            flags = torch.zeros(k, dtype=torch.int32, device=device)
+            local[key] = {"own": flags}
+            mine[key] = {"flags" + ("@dst" if dst == rank else "@src"): reduce_tensor(flags)}
+        else:
+            events = [torch.cuda.Event(interprocess=True) for _ in range(k)]
+            local[key] = {"own": events}
+            mine[key] = {"events" + ("@dst" if dst == rank else "@src"): [e.ipc_handle() for e in events]}
+        if dst == rank:  # the receiver owns the slots
             slots = torch.empty(k, slot_bytes, dtype=torch.uint8, device=device)
-            local[key] = {"slots": slots, "freed": events}
-            mine[key] = {"slots": reduce_tensor(slots), "freed": [e.ipc_handle() for e in events]}
-        else:  # sender: owns the "filled" events
-            local[key] = {"filled": events}
-            mine[key] = {"filled": [e.ipc_handle() for e in events]}
+            local[key]["slots"] = slots
+            mine[key]["slots"] = reduce_tensor(slots)
+    torch.cuda.synchronize(device)  # the zeroed flags exist before any peer can write them
     shared: dict = {}
     for entry in all_gather(mine, group):
         for key, value in entry.items():
@@ -193,18 +214,21 @@ def build_cuda_peer_channels(
     poll_s = options.poll_interval_s
     for key, control in controls.items():
         src, dst, direction = key
+        peer_side = "@dst" if src == rank else "@src"
+        if use_flags:
+            signals: Signals = FlagSignals(ops, map_in_own_context(shared[key]["flags" + peer_side], device),
+                                           local[key]["own"])
+        else:  # a peer's events are only waited on here (never recorded), so open them on our device
+            theirs = [torch.cuda.Event.from_ipc_handle(device, h) for h in shared[key]["events" + peer_side]]
+            signals = EventSignals(local[key]["own"], theirs)
         if src == rank:
-            # A peer's events are only waited on here (never recorded), so open them on our device.
-            freed = [torch.cuda.Event.from_ipc_handle(device, h) for h in shared[key]["freed"]]
             senders[direction] = CudaPeerSender(
-                rank, dst, direction, control, map_in_own_context(shared[key]["slots"], device), freed,
-                local[key]["filled"], device, poll_s,
+                rank, dst, direction, control, map_in_own_context(shared[key]["slots"], device), signals,
+                device, poll_s,
             )
         else:
-            filled = [torch.cuda.Event.from_ipc_handle(device, h) for h in shared[key]["filled"]]
             receivers.append(CudaPeerReceiver(
-                rank, src, direction, control, local[key]["slots"], local[key]["freed"], filled, device,
-                poll_s, timeout_s,
+                rank, src, direction, control, local[key]["slots"], signals, device, poll_s, timeout_s,
             ))  # fmt: skip
     return senders, receivers
 

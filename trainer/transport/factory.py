@@ -47,9 +47,15 @@ class LinkOptions:
     more on the receiver, so size slots to the usual activation)."""
     poll_interval_s: float = 0.05
     """How often a blocked shm wait wakes to check that its peer process is still alive."""
+    gpu_signals: str = "auto"
+    """Same-node GPU channels: how "slot filled/freed" is signalled between the processes
+    (trainer.transport.gpu_signals): "flags" (driver stream memory operations), "events"
+    (interprocess CUDA events), or "auto" (flags where the driver allows them)."""
 
     def __post_init__(self) -> None:
         problems = []
+        if self.gpu_signals not in ("auto", "flags", "events"):
+            problems.append(f"gpu_signals={self.gpu_signals!r} must be auto, flags or events")
         if self.credits < 1:
             problems.append(f"credits={self.credits} must be >= 1")
         if self.shm_slot_bytes < 4096 or self.shm_slot_bytes % 64:
