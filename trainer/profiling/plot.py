@@ -121,6 +121,9 @@ def _draw_panel(ax, panel: Panel, points_per_ms: float, span_ms: float) -> None:
             if e["cat"] in COMM_COLOURS:  # zero-length transfers still get a visible tick
                 ax.broken_barh([(e["ts"] / 1000.0, max(e["dur"] / 1000.0, span_ms * 1e-3))],
                                (top - row - 0.48, 0.06), facecolors=COMM_COLOURS[e["cat"]])
+            elif e["cat"] == "gpu":  # when the GPU ran the op (CUDA events): a strip above the host box
+                ax.broken_barh([(e["ts"] / 1000.0, e["dur"] / 1000.0)], (top - row + 0.33, 0.1),
+                               facecolors=COLOURS.get(e["args"].get("op", "F"), "#444444"))
     ax.set_yticks(range(len(panel.rows)))
     ax.set_yticklabels(list(reversed(panel.row_names)))
     ax.set_ylim(-0.6, len(panel.rows) - 0.4)
