@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from trainer.bench.lines import BenchConfig, Line, NotRun, balanced_split, plan
+from trainer.bench.lines import (
+    BenchConfig,
+    Line,
+    NotRun,
+    balanced_split,
+    plan,
+    variable_length_args,
+    variable_length_tokens,
+)
 from trainer.config import parse_config
 
 
@@ -19,10 +27,14 @@ def test_plan_gives_every_line_the_same_model_and_names_what_cannot_run() -> Non
                    ["a", "b", "c"], available_policies=("dpp",))
     lines = [p for p in planned if isinstance(p, Line)]
     skipped = {(p.scenario, p.name): p.reason for p in planned if isinstance(p, NotRun)}
-    assert "issue 13" in skipped[("b", "dpp-zb")]
-    assert "no --dpp-policy dpp-zb" in skipped[("a", "dpp-zb")]
+    assert "no --dpp-policy dpp-zb" in skipped[("a", "dpp-zb")] and ("b", "dpp-zb") in skipped
     assert [ln.key for ln in lines] == ["a-megatron-1f1b-default", "a-megatron-1f1b-best", "a-direct-megatron",
+                                        "b-megatron-1f1b-default", "b-megatron-1f1b-best", "b-direct-megatron",
                                         "c-megatron-1f1b-default", "c-megatron-1f1b-best", "c-direct-megatron"]
+    # scenario (b): every line, direct megatron-core included, on the same variable-length mock documents
+    assert all(ln.args[-len(variable_length_args(cfg)) - 2:-2] == variable_length_args(cfg)
+               for ln in lines if ln.scenario == "b")
+    assert not any("--variable-seq-lengths" in ln.args for ln in lines if ln.scenario != "b")
     best = next(ln for ln in lines if ln.key == "a-megatron-1f1b-best")
     assert best.split == (5, 3) and "--no-batch-p2p-sync" in best.args
     assert next(ln for ln in lines if ln.key == "a-megatron-1f1b-default").split is None
@@ -30,6 +42,14 @@ def test_plan_gives_every_line_the_same_model_and_names_what_cannot_run() -> Non
     for line in lines:  # every trainer line is a valid trainer configuration on PP ranks
         if line.module == "trainer.train":
             parse_config(line.args, world_size=cfg.pipeline_parallel)
+
+
+def test_variable_length_tokens_count_real_and_bucketed_tokens() -> None:
+    cfg = BenchConfig(train_iters=3)
+    real, padded = variable_length_tokens(cfg)
+    full = cfg.global_batch_size * cfg.seq_length
+    assert 0.3 * full < real < padded < 0.9 * full  # lognormal:0.6 around seq/2, rounded up to 64
+    assert variable_length_tokens(cfg) == (real, padded)
 
 
 def test_cpu_plan_labels_stand_ins_and_refuses_the_direct_line() -> None:

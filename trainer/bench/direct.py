@@ -4,7 +4,8 @@ by a minimal loop, so the benchmark shows what the trainer adds on top (issue 12
 Same model as the trainer (built by trainer.model.build from the same flags: megatron GPTModel,
 Float16Module, megatron DDP), same megatron optimizer (``--optimizer``, fp32 main weights, grad
 clip), same P2P settings and layer split. Left out on purpose, because they are the trainer's own
-costs: the data path (here one iteration's mock microbatches are made on the GPU once and reused),
+costs: the data path (here the mock microbatches are made on the GPU up front: one iteration's, reused,
+or with --variable-seq-lengths every iteration's, so the lengths follow the trainer's),
 the loss all-reduce/broadcast, the LR scheduler, logging, checkpoint and preemption checks.
 Each iteration ends with ``torch.cuda.synchronize()`` so the host time is the GPU's.
 
@@ -22,13 +23,30 @@ import torch
 import torch.distributed as dist
 
 
-def _microbatches(cfg, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    from trainer.model.batches import collate, mock_gpt_sample
+def _microbatches(cfg, device: torch.device, iteration: int = 0) -> list[dict[str, torch.Tensor]]:
+    """The trainer's mock microbatches of ``iteration`` (DP = 1); with --variable-seq-lengths its
+    documents, bucketed as the trainer does, so scenario (b) runs the very shapes the trainer runs."""
+    from trainer.data.varlen import Bucketing, parse_length_distribution
+    from trainer.model.batches import collate, mock_sample_source
 
-    m, o = cfg.model, cfg.optim
+    m, o, d = cfg.model, cfg.optim, cfg.data
+    lengths = parse_length_distribution(d.mock_seq_len_dist)[0] if d.variable_seq_lengths else None
+    bucketing = Bucketing(d.seq_length_divisible_by, m.seq_length) if d.variable_seq_lengths else None
+    source = mock_sample_source("gpt", o.seed, m.seq_length, m.vocab_size, lengths)
     count = cfg.num_microbatches(dist.get_world_size())
-    return [collate([mock_gpt_sample(o.seed, i * o.micro_batch_size + j, m.seq_length, m.vocab_size)
-                     for j in range(o.micro_batch_size)], "gpt", device) for i in range(count)]
+    start = iteration * o.global_batch_size
+    return [collate([source(start + i * o.micro_batch_size + j) for j in range(o.micro_batch_size)], "gpt",
+                    device, bucketing) for i in range(count)]
+
+
+def _mean_loss(losses: list[dict]) -> dict[str, float]:
+    """Megatron-LM's reduction: a [sum, tokens] report (per-token loss) is sum / tokens, else a mean."""
+    if not losses:
+        return {}
+    stacked = torch.stack([d["lm loss"].float().reshape(-1) for d in losses])
+    if stacked.shape[1] == 2:
+        return {"lm loss": float(stacked[:, 0].sum() / stacked[:, 1].sum().clamp(min=1))}
+    return {"lm loss": float(stacked.mean())}
 
 
 def run(argv: Sequence[str]) -> int:
@@ -69,9 +87,13 @@ def run(argv: Sequence[str]) -> int:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     schedule = get_forward_backward_func()
-    batches = _microbatches(cfg, device)
-    measure = RunMeasurement(cfg, topo, "direct megatron-core", len(batches))
-    forward_step = measure.wrap_forward_step(make_forward_step("gpt"), model)
+    # Fixed lengths: one iteration's microbatches serve every iteration (same shapes, same cost).
+    # Variable lengths: every iteration's own (a few MB of token ids), made up front all the same.
+    per_iteration = [_microbatches(cfg, device, it) for it in range(o.train_iters if cfg.data.variable_seq_lengths
+                                                                     else 1)]
+    measure = RunMeasurement(cfg, topo, "direct megatron-core", len(per_iteration[0]))
+    forward_step = measure.wrap_forward_step(make_forward_step("gpt", per_token_loss=cfg.data.variable_seq_lengths),
+                                             model)
     for step in range(o.train_iters):
         measure.before_step(step)
         torch.cuda.synchronize()
@@ -79,6 +101,7 @@ def run(argv: Sequence[str]) -> int:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        batches = per_iteration[step % len(per_iteration)]
         losses = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in model],
                           model=model, num_microbatches=len(batches), seq_length=cfg.model.seq_length,
                           micro_batch_size=o.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
@@ -86,8 +109,7 @@ def run(argv: Sequence[str]) -> int:
         optimizer.step()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        mean = {"lm loss": float(torch.stack([d["lm loss"].float() for d in losses]).mean())} if losses else {}
-        measure.after_step(step, seconds, mean)
+        measure.after_step(step, seconds, _mean_loss(losses))
     measure.write()
     dist.barrier()
     dist.destroy_process_group()

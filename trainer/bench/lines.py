@@ -29,6 +29,8 @@ CATALOGUE = {
 DEFAULT_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2", "dpp", "dpp-zb",
                  "dpp-zb-v2", "direct-megatron")
 SCENARIOS = {"a": "uniform", "b": "variable sequence lengths", "c": "transient stalls"}
+SEED = 1234
+"""--seed of every line (initialisation and mock data)."""
 MEGATRON_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2")
 """The trainer's megatron-core lines: the best of them is the bar every ratio is taken against."""
 
@@ -73,6 +75,10 @@ class BenchConfig:
     """First/last stage layers for v=2 lines; None = :func:`balanced_split` with v=2."""
     stall: str = "1:0.05:20:1234"
     """``--inject-stalls`` value of scenario (c)."""
+    seq_len_dist: str = "lognormal:0.6"
+    """``--mock-seq-len-dist`` of scenario (b): mock document lengths, seeded by --seed and sample index."""
+    seq_length_divisible_by: int = 64
+    """Scenario (b): each microbatch's length is its longest document rounded up to this (capped at seq_length)."""
     extra: tuple[str, ...] = ()
     """More trainer flags for every line (e.g. ``--transport nccl``)."""
 
@@ -139,8 +145,34 @@ def common_args(cfg: BenchConfig) -> list[str]:
             "--global-batch-size", str(cfg.global_batch_size),
             "--pipeline-model-parallel-size", str(cfg.pipeline_parallel), "--train-iters", str(cfg.train_iters),
             "--optimizer", cfg.optimizer, "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--seed", "1234", "--log-interval", "1", "--gpu-busy-iters", str(cfg.gpu_busy_iters)]
+            "--seed", str(SEED), "--log-interval", "1", "--gpu-busy-iters", str(cfg.gpu_busy_iters)]
     return args + (["--bf16"] if cfg.bf16 else []) + list(cfg.extra)
+
+
+def variable_length_args(cfg: BenchConfig) -> list[str]:
+    """Trainer flags of scenario (b): the same variable-length mock documents for every line."""
+    return ["--variable-seq-lengths", "--mock-seq-len-dist", cfg.seq_len_dist,
+            "--seq-length-divisible-by", str(cfg.seq_length_divisible_by)]
+
+
+def variable_length_tokens(cfg: BenchConfig) -> tuple[float, float]:
+    """Scenario (b)'s mean tokens per iteration over the run: (real tokens, tokens after bucketing,
+    padding included). Computed from the same seeded mock samples the lines train on."""
+    from trainer.data.varlen import LENGTH_KEY, Bucketing, parse_length_distribution
+    from trainer.model.batches import mock_sample_source
+
+    dist, problems = parse_length_distribution(cfg.seq_len_dist)
+    if dist is None:
+        raise ValueError("; ".join(problems))
+    source = mock_sample_source("gpt", SEED, cfg.seq_length, cfg.vocab_size, dist)
+    bucketing = Bucketing(cfg.seq_length_divisible_by, cfg.seq_length)
+    real = padded = 0
+    mbs = cfg.micro_batch_size
+    for first in range(0, cfg.train_iters * cfg.global_batch_size, mbs):
+        samples = [source(i) for i in range(first, first + mbs)]
+        real += sum(int(s[LENGTH_KEY]) for s in samples)
+        padded += mbs * len(bucketing.apply(samples)[0]["tokens"])
+    return real / cfg.train_iters, padded / cfg.train_iters
 
 
 def _split_for(cfg: BenchConfig, vp: int) -> tuple[int, int] | None:
@@ -155,9 +187,6 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
     for scenario in scenarios:
         for name in names:
             what, vp, flags, balanced = CATALOGUE[name]
-            if scenario == "b":
-                out.append(NotRun(name, scenario, "not available until issue 13 (variable sequence lengths) lands"))
-                continue
             reason = _cannot_run(cfg, name, flags, available_policies)
             if reason:
                 out.append(NotRun(name, scenario, reason))
@@ -169,6 +198,8 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
             if split is not None:
                 args += ["--decoder-first-pipeline-num-layers", str(split[0]),
                          "--decoder-last-pipeline-num-layers", str(split[1])]
+            if scenario == "b":
+                args += variable_length_args(cfg)
             if scenario == "c":
                 args += ["--inject-stalls", cfg.stall]
             args += ["--workload", f"bench-{scenario}-{name}"]

@@ -4,8 +4,9 @@ Each line (``--lines``) is a separate run of ``trainer.train`` (or, for ``direct
 minimal megatron-core loop in trainer.bench.direct) on PP processes of this host, with identical
 model, mock data, optimizer, precision, iterations and (except ``megatron-1f1b-default``) layer
 split; each rank writes ``--metrics-dir`` JSON that this command reads -- no log scraping. Scenarios
-(``--scenarios``): (a) uniform, (b) variable lengths (not available until issue 13), (c) transient
-stalls (``--stall``, the same ops for every line). Writes ``--report`` (markdown) and one timeline
+(``--scenarios``): (a) uniform, (b) variable lengths (``--variable-seq-lengths`` with mock documents of
+``--seq-len-dist`` lengths, the same for every line), (c) transient stalls (``--stall``, the same ops
+for every line). Writes ``--report`` (markdown) and one timeline
 PNG per line beside it; ``--out`` keeps each line's metrics, logs and traces.
 
 GPU, the issue 12 configuration (4 GPUs): ``python -m trainer.bench.pipeline --out $OUT/bench --report
@@ -24,7 +25,16 @@ import time
 from pathlib import Path
 
 from trainer.bench.launch import run_ranks
-from trainer.bench.lines import CATALOGUE, DEFAULT_LINES, SCENARIOS, BenchConfig, Line, NotRun, plan
+from trainer.bench.lines import (
+    CATALOGUE,
+    DEFAULT_LINES,
+    SCENARIOS,
+    BenchConfig,
+    Line,
+    NotRun,
+    plan,
+    variable_length_tokens,
+)
 from trainer.bench.report import plot_kernel_timeline, plot_trace_timeline, write_report
 from trainer.bench.results import LineResult, line_result
 from trainer.config import field_docs
@@ -78,6 +88,12 @@ def _available_policies() -> tuple[str, ...]:
 def _problems(args: argparse.Namespace) -> list[str]:
     p = [f"--lines: unknown line {n!r}" for n in args.lines.split(",") if n not in CATALOGUE]
     p += [f"--scenarios: unknown scenario {s!r}" for s in args.scenarios.split(",") if s not in SCENARIOS]
+    if "b" in args.scenarios.split(","):
+        from trainer.data.varlen import parse_length_distribution
+
+        p += parse_length_distribution(args.seq_len_dist)[1]
+        if args.seq_length_divisible_by < 1:
+            p.append(f"--seq-length-divisible-by={args.seq_length_divisible_by} must be >= 1")
     if args.device not in ("cuda", "cpu"):
         p.append(f"--device={args.device!r} must be cuda or cpu")
     return p
@@ -91,6 +107,8 @@ def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace) -> LineRes
     run = run_ranks(line.module, line.args + extra, cfg.pipeline_parallel, folder, cfg.device,
                     args.line_timeout, args.threads)
     result = line_result(line.key, line.name, line.scenario, line.label, folder, cfg.skip_iters)
+    if line.scenario == "b":  # the trainer counts batch x --seq-length; count the documents' real tokens
+        result.tokens_per_iteration = round(variable_length_tokens(cfg)[0])
     if run.returncode != 0:
         why = "timed out" if run.timed_out else f"exit {run.returncode}"
         result.status = f"FAILED ({why} after {run.seconds:.0f} s); log tail:\n{run.tail()}"

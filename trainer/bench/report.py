@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainer.bench.lines import MEGATRON_LINES, SCENARIOS, BenchConfig, NotRun
+from trainer.bench.lines import (
+    MEGATRON_LINES,
+    SCENARIOS,
+    BenchConfig,
+    NotRun,
+    variable_length_args,
+    variable_length_tokens,
+)
 from trainer.bench.results import LOSS_ITERATIONS, LineResult
 
 
@@ -49,6 +56,18 @@ def _losses(results: list[LineResult], scenario: str) -> list[str]:
     return rows
 
 
+def _variable_length_note(cfg: BenchConfig) -> list[str]:
+    real, padded = variable_length_tokens(cfg)
+    full = cfg.global_batch_size * cfg.seq_length
+    return [f"`{' '.join(variable_length_args(cfg))}` for every line: one mock document per sample, "
+            f"lengths {cfg.seq_len_dist} (mean-one log-normal ratio x seq/2, seeded by sample index), each "
+            f"microbatch cut to its longest document rounded up to {cfg.seq_length_divisible_by} (at most "
+            f"{cfg.seq_length}); megatron-core lines run with variable_seq_lengths=True (a shape exchange "
+            f"before each P2P transfer), GPT's loss averaged per token. Per iteration, on average, "
+            f"{real:,.0f} real tokens ({real / full:.0%} of batch x seq) and {padded:,.0f} after bucketing "
+            f"({padded / full:.0%}); tokens/s counts real tokens.", ""]
+
+
 def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_run: list[NotRun],
                  commands: dict[str, str], pictures: dict[str, str], wall_s: float) -> None:
     versions = next((r.versions for r in results if r.versions), {})
@@ -73,12 +92,11 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
     ]
     for scenario, title in SCENARIOS.items():
         lines += [f"## ({scenario}) {title}", ""]
-        if scenario == "b":
-            lines += ["not available until issue 13 lands (variable sequence lengths).", ""]
-            continue
         if not any(r.scenario == scenario for r in results):
             lines += ["not run in this call.", ""]
             continue
+        if scenario == "b":
+            lines += _variable_length_note(cfg)
         if scenario == "c":
             lines += [f"`--inject-stalls {cfg.stall}` (RANK:FRACTION:MS:SEED) for every line: the same forward "
                       "ops of that rank delayed (a GPU spin kernel on CUDA); backwards are not delayed.", ""]
