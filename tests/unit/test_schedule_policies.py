@@ -132,3 +132,27 @@ def test_state_rebuilt_from_prefilled_sets_matches_the_incremental_one():
     assert rebuilt.ready_actions() == live.ready_actions()
     assert rebuilt.open_microbatches() == live.open_microbatches() == {0: [2, 2], 1: [1, 1]}
     assert rebuilt.reserved_forwards == live.reserved_forwards == 1
+
+
+def test_cost_order_is_a_pyramid_and_index_without_costs():
+    from trainer.schedule.dynamic import cost_order
+
+    assert cost_order(None, 4) == [0, 1, 2, 3]
+    assert cost_order((1.0,) * 4, 4) == [0, 1, 2, 3]
+    # cheapest first, dearest in the middle, second cheapest last
+    assert cost_order((5.0, 1.0, 3.0, 2.0, 4.0), 5) == [1, 2, 0, 4, 3]
+
+
+def test_microbatch_costs_order_every_stage_the_same_way():
+    shape = PipelineShape(2, 4)
+    costs = (3.0, 1.0, 4.0, 2.0)
+    state = StageState(shape, 0, microbatch_costs=costs)
+    policy = make_policy("dpp", shape, 0)
+    assert policy.choose(state) == Action(Op.F, 1, 0)  # the cheapest starts the pipeline
+    assert make_policy("dpp", shape, 0, microbatch_order="index").choose(state) == Action(Op.F, 0, 0)
+    assert make_policy("1f1b", shape, 0, microbatch_order="cost").choose(state) == Action(Op.F, 1, 0)
+    assert make_policy("1f1b", shape, 0).choose(state) == Action(Op.F, 0, 0)
+    with pytest.raises(ValueError, match="microbatch_costs needs num_microbatches=4.*got 2"):
+        StageState(shape, 0, microbatch_costs=(1.0, 2.0))
+    with pytest.raises(ValueError, match="microbatch_order='size'.*weight_order='newest'"):
+        make_policy("dpp-zb", shape, 0, microbatch_order="size", weight_order="newest")

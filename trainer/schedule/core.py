@@ -16,6 +16,7 @@ discrete-event simulator and the runtime, so what we simulate is what we run.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -118,6 +119,12 @@ class StageState:
     reserved_forwards: int = 0
     """Forwards of later chunks still owed by microbatches whose chunk-0 forward ran here. A
     memory cap must keep room for them, or interleaved microbatches could starve each other."""
+    microbatch_costs: tuple[float, ...] | None = None
+    """Optional estimate of each microbatch's relative cost, known before its forward (e.g.
+    ``(1 - a) r + a r^2`` from its sequence length ratio ``r``). Every stage of a step must get
+    the same values: policies derive one microbatch order from them, and a stage that disagreed
+    would wait for microbatches its neighbours have not started. None: all alike (the order is
+    the microbatch index)."""
     _ready: dict[Op, set[Action]] = field(init=False, repr=False, compare=False)
     _done_keys: dict[Op, set[tuple[int, int]]] = field(init=False, repr=False, compare=False)
     """(microbatch, chunk) of the done actions, per op: cheaper to probe than building Actions."""
@@ -128,6 +135,14 @@ class StageState:
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.shape.num_stages:
             raise ValueError(f"stage={self.stage} outside [0, {self.shape.num_stages})")
+        if self.microbatch_costs is not None:
+            self.microbatch_costs = tuple(float(x) for x in self.microbatch_costs)
+            bad = [x for x in self.microbatch_costs if not (math.isfinite(x) and x > 0)]
+            if len(self.microbatch_costs) != self.shape.num_microbatches or bad:
+                raise ValueError(
+                    f"microbatch_costs needs num_microbatches={self.shape.num_microbatches} finite"
+                    f" values > 0: got {len(self.microbatch_costs)}"
+                    + (f", bad values {bad[:4]}" if bad else ""))
         # Built once (from scratch only if the public sets came pre-filled); incremental afterwards.
         self._ready = {op: set() for op in Op}
         if self.done or self.activations_arrived or self.grads_arrived:

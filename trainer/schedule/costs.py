@@ -7,7 +7,12 @@ split evenly over its ``v`` chunks. Variation models, all seeded:
   every stage cost ``(1 - a) r + a r^2`` times nominal, ``a`` being attention's quadratic share;
 * **jitter**: every op independently times a log-normal factor of mean 1 and coefficient of
   variation ``jitter`` (0.3 = 30% standard deviation: kernels, clocks, interference);
-* **straggler**: one stage is ``straggler_factor`` times slower on every op.
+* **straggler**: one stage is ``straggler_factor`` times slower on every op;
+* **transient stalls**: each op independently, with probability ``stall_probability``, is held up
+  ``stall_duration`` longer (a GC pause, a preempted kernel, a host hiccup): rare, large, and
+  unpredictable, unlike lengths, which the runtime knows before the forward;
+* **stage scale**: a fixed cost multiplier per stage (e.g. an uneven layer split, or the extra
+  embedding / output-head work of the first / last stage: :mod:`trainer.schedule.layers`).
 
 A full backward B costs I + W of the same draws, so split and unsplit schedules see the same work.
 """
@@ -49,6 +54,14 @@ class CostModel:
     """Stage that is uniformly slower, or None."""
     straggler_factor: float = 1.0
     """How much slower the straggler stage is (1.2 = 20% slower)."""
+    stall_probability: float = 0.0
+    """Chance that one op of a whole stage is held up by a transient stall (0 = never); a
+    chunk's op (1/v of a stage) has 1/v of it, so every v sees the same stalls per stage."""
+    stall_duration: float = 0.0
+    """Time a stalled op takes on top of its cost (units of one stage's forward)."""
+    stage_scale: tuple[float, ...] = ()
+    """Cost multiplier of each stage (one entry per stage; empty: all 1). E.g. the per-stage work
+    of a layer split with the head's extra work (``trainer.schedule.layers.stage_costs``)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -66,6 +79,14 @@ class CostModel:
                             f" numbers >= 0: {bad_edges}")
         if not 0 <= self.attention_fraction <= 1:
             problems.append(f"attention_fraction={self.attention_fraction} must lie in [0, 1]")
+        if not 0 <= self.stall_probability <= 1:
+            problems.append(f"stall_probability={self.stall_probability} must lie in [0, 1]")
+        if not (math.isfinite(self.stall_duration) and self.stall_duration >= 0):
+            problems.append(f"stall_duration={self.stall_duration} must be a finite number >= 0")
+        bad_scale = [x for x in self.stage_scale if not (math.isfinite(x) and x > 0)]
+        if bad_scale:
+            problems.append(f"stage_scale={self.stage_scale} has values that are not finite numbers"
+                            f" > 0: {bad_scale}")
         if not (math.isfinite(self.straggler_factor) and self.straggler_factor > 0):
             problems.append(f"straggler_factor={self.straggler_factor} must be a finite number > 0")
         if self.straggler_stage is not None and self.straggler_stage < 0:
@@ -75,7 +96,9 @@ class CostModel:
 
     @property
     def is_uniform(self) -> bool:
-        return self.jitter == 0 and self.seq_len_sigma == 0 and self.straggler_factor == 1.0
+        return (self.jitter == 0 and self.seq_len_sigma == 0 and self.straggler_factor == 1.0
+                and (self.stall_probability == 0 or self.stall_duration == 0)
+                and len(set(self.stage_scale)) <= 1)
 
     def draw(self, shape: PipelineShape, rng: np.random.Generator) -> CostTable:
         """One random realisation of every op's duration for ``shape``."""
@@ -85,11 +108,18 @@ class CostModel:
         if self.edge_transfer and len(self.edge_transfer) != p:
             raise ValueError(f"edge_transfer has {len(self.edge_transfer)} entries, need one per edge:"
                              f" num_stages={p}")
+        if self.stage_scale and len(self.stage_scale) != p:
+            raise ValueError(f"stage_scale has {len(self.stage_scale)} entries, need one per stage:"
+                             f" num_stages={p}")
         scale = np.ones((p, v, m))
+        microbatch_cost = np.ones(m)
         if self.seq_len_sigma > 0:
             ratio = _mean_one_lognormal(rng, self.seq_len_sigma, m)
             a = self.attention_fraction
-            scale *= ((1 - a) * ratio + a * ratio**2)[None, None, :]
+            microbatch_cost = (1 - a) * ratio + a * ratio**2
+            scale *= microbatch_cost[None, None, :]
+        if self.stage_scale:
+            scale *= np.asarray(self.stage_scale)[:, None, None]
         if self.straggler_stage is not None:
             scale[self.straggler_stage] *= self.straggler_factor
         jitter_sigma = math.sqrt(math.log1p(self.jitter**2))  # log-normal sigma giving that CV
@@ -102,8 +132,16 @@ class CostModel:
 
         forward, input_grad, weight_grad = (op_times(x) for x in
                                             (self.forward, self.input_grad, self.weight_grad))
+        if self.stall_probability > 0 and self.stall_duration > 0:
+            # Drawn last, so turning stalls on leaves every other draw of a seed as it was.
+            # Per chunk op 1/v of the chance: a stage meets as many stalls whatever v is.
+            chance = self.stall_probability / v
+            forward, input_grad, weight_grad = (
+                t + self.stall_duration * (rng.random(t.shape) < chance)
+                for t in (forward, input_grad, weight_grad))
         edges = list(self.edge_transfer) if self.edge_transfer else [self.transfer] * p
-        return CostTable(forward, input_grad, weight_grad, edges)
+        hints = microbatch_cost.tolist() if self.seq_len_sigma > 0 else None  # None: all alike
+        return CostTable(forward, input_grad, weight_grad, edges, hints)
 
 
 def _mean_one_lognormal(rng: np.random.Generator, sigma: float, size) -> np.ndarray:
@@ -115,9 +153,13 @@ class CostTable:
     lists: the event loop reads single items, where lists beat numpy indexing by ~10x)."""
 
     def __init__(self, forward: np.ndarray, input_grad: np.ndarray, weight_grad: np.ndarray,
-                 edge_transfer: list[float]) -> None:
+                 edge_transfer: list[float], microbatch_cost: list[float] | None = None) -> None:
         self.edge_transfer = edge_transfer
         """Time to cross edge s -> s+1 (mod p), both directions."""
+        self.microbatch_cost = microbatch_cost
+        """What the runtime can know of each microbatch's cost before running it: the
+        sequence-length factor (None without variable lengths: all alike); jitter and stalls are not
+        in it. The simulator hands it to the policies as ``StageState.microbatch_costs``."""
         self.durations = {
             Op.F: forward.tolist(),
             Op.I: input_grad.tolist(),

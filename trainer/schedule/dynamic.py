@@ -27,6 +27,24 @@ from trainer.schedule.static import interleaved_warmup
 PRIORITIES = ("forward", "backward")
 CHUNK_ORDERS = ("depth", "breadth")
 CAP_BASES = ("stage", "peak")
+MICROBATCH_ORDERS = ("cost", "index")
+WEIGHT_ORDERS = ("oldest", "youngest")
+
+
+def cost_order(costs: tuple[float, ...] | None, num_microbatches: int) -> list[int]:
+    """The order in which to start microbatches given their estimated relative ``costs``.
+
+    Cheapest first, rising to the dearest in the middle and falling again to the second
+    cheapest last (a "pyramid"): the pipeline fills behind the first microbatch's forward and
+    drains behind the last one's backward, so both ends want short ones; in between, neighbours of
+    similar length keep the stages in step (a long microbatch after a short one leaves the next
+    stage idle under any order of ops). Measured against the index order and against sorted
+    orders in docs/schedules.md. No costs, or all equal: the index order.
+    """
+    if costs is None or len(set(costs)) <= 1:
+        return list(range(num_microbatches))
+    ascending = sorted(range(num_microbatches), key=lambda m: (costs[m], m))
+    return ascending[0::2] + ascending[1::2][::-1]
 
 
 def one_f_one_b_cap(shape: PipelineShape, stage: int) -> int:
@@ -72,6 +90,13 @@ class DynamicOptions:
     """Backwards of different chunks: "breadth" = later chunks first (the gradient with the
     longest way still to go, as Megatron's groups do), "depth" = earlier chunks first (finish a
     microbatch). Measured: breadth is 2-5% faster for v >= 2 (docs/schedules.md)."""
+    microbatch_order: str = "cost"
+    """Which microbatch is "oldest" (runs first among ready ones of a kind and chunk): "cost" =
+    :func:`cost_order` of ``StageState.microbatch_costs`` when the runtime supplies them
+    (sequence lengths, known before the forward), else the index; "index" = always the index.
+    Every stage derives the same order from the same costs, so they agree without talking."""
+    weight_order: str = "oldest"
+    """dpp-zb: which deferred weight gradient fills an idle slot first (in the microbatch order)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,6 +114,10 @@ class DynamicOptions:
         for name in ("chunk_order", "backward_chunk_order"):
             if getattr(self, name) not in CHUNK_ORDERS:
                 problems.append(f"{name}={getattr(self, name)!r} not in {CHUNK_ORDERS}")
+        if self.microbatch_order not in MICROBATCH_ORDERS:
+            problems.append(f"microbatch_order={self.microbatch_order!r} not in {MICROBATCH_ORDERS}")
+        if self.weight_order not in WEIGHT_ORDERS:
+            problems.append(f"weight_order={self.weight_order!r} not in {WEIGHT_ORDERS}")
         if problems:
             raise ValueError("invalid dynamic schedule options: " + "; ".join(problems))
 
@@ -132,18 +161,40 @@ class DynamicPolicy:
         reserve = options.reserve_owed
         self.reserve_owed = (not split_backward) if reserve is None else reserve
         self._num_chunks = shape.num_chunks
-        # Sort keys: smaller wins; oldest microbatch first within a chunk. A forward's data flows
-        # to later chunks and a backward's to earlier ones, so "depth" means a higher chunk for
-        # forwards and a lower one for backwards.
-        if options.chunk_order == "depth":
-            self._forward_key = lambda a: (-a.chunk, a.microbatch)
-        else:
-            self._forward_key = lambda a: (a.chunk, a.microbatch)
-        if options.backward_chunk_order == "depth":
-            self._backward_key = lambda a: (a.chunk, a.microbatch)
-        else:
-            self._backward_key = lambda a: (-a.chunk, a.microbatch)
+        self._num_microbatches = shape.num_microbatches
+        self._forward_depth = options.chunk_order == "depth"
+        self._backward_depth = options.backward_chunk_order == "depth"
         self._forward_first = options.priority == "forward"
+        self._youngest_weight = options.weight_order == "youngest"
+        self._keys_for: object = ()  # the microbatch_costs the cached keys were built for
+        self._set_keys(list(range(shape.num_microbatches)))
+
+    def _set_keys(self, rank: list[int]) -> None:
+        """Sort keys: smaller wins; within a chunk, the earlier microbatch in ``rank``. A
+        forward's data flows to later chunks and a backward's to earlier ones, so "depth" means a
+        higher chunk for forwards and a lower one for backwards."""
+        self._rank = rank
+        if self._forward_depth:
+            self._forward_key = lambda a: (-a.chunk, rank[a.microbatch])
+        else:
+            self._forward_key = lambda a: (a.chunk, rank[a.microbatch])
+        if self._backward_depth:
+            self._backward_key = lambda a: (a.chunk, rank[a.microbatch])
+        else:
+            self._backward_key = lambda a: (-a.chunk, rank[a.microbatch])
+
+    def _refresh_keys(self, state: StageState) -> None:
+        """Rebuild the sort keys when a step brings other cost estimates (once per step: the
+        runtime keeps one policy and makes a new StageState each step)."""
+        costs = state.microbatch_costs if self.options.microbatch_order == "cost" else None
+        if costs is self._keys_for:
+            return
+        self._keys_for = costs
+        order = cost_order(costs, self._num_microbatches)
+        rank = [0] * self._num_microbatches
+        for position, m in enumerate(order):
+            rank[m] = position
+        self._set_keys(rank)
 
     def __repr__(self) -> str:
         return f"DynamicPolicy({self.name!r}, cap={self.cap}, live_cap={self.live_cap}, {self.options})"
@@ -176,15 +227,15 @@ class DynamicPolicy:
         """Banker's check: after ``forward``, can every started microbatch still get the slots for
         its remaining chunks here, serving them oldest first (each one then releases all it
         holds)? Without it, interleaved microbatches can fill the cap with early-chunk activations
-        and deadlock waiting for later-chunk slots. Oldest first is the order in which upstream
-        stages (oldest first themselves) deliver, so it is the order to check."""
+        and deadlock waiting for later-chunk slots. Oldest first (in the microbatch order every
+        stage shares) is the order in which upstream stages deliver, so it is the order to check."""
         free = self.cap - state.inflight - 1
         v = self._num_chunks
         owed = state.reserved_forwards + (v - 1 if forward.chunk == 0 else -1)
         if free >= owed:  # room for everything owed: the common, O(1) case (always when v == 1)
             return free >= 0
         open_microbatches = state.open_microbatches()
-        for m in sorted(open_microbatches.keys() | {forward.microbatch}):
+        for m in sorted(open_microbatches.keys() | {forward.microbatch}, key=self._rank.__getitem__):
             forwards_done, held = open_microbatches.get(m, (0, 0))
             if m == forward.microbatch:
                 forwards_done, held = forwards_done + 1, held + 1
@@ -194,6 +245,7 @@ class DynamicPolicy:
         return True
 
     def choose(self, state: StageState) -> Action | None:
+        self._refresh_keys(state)
         backward_ready = state.ready_of(state.backward_op)
         backward = min(backward_ready, key=self._backward_key) if backward_ready else None
         if backward is not None and not self._forward_first:
@@ -206,5 +258,6 @@ class DynamicPolicy:
         if self.split_backward:
             weight_ready = state.ready_of(Op.W)
             if weight_ready:  # nothing urgent is ready: fill the idle time with deferred W
-                return min(weight_ready, key=self._backward_key)
+                pick = max if self._youngest_weight else min
+                return pick(weight_ready, key=self._backward_key)
         return None

@@ -45,9 +45,11 @@ def _reject_options(name: str, options: dict[str, Any], allowed: tuple[str, ...]
 
 def _static(name: str, builder: Callable[..., list], split: bool = False):
     def build(shape: PipelineShape, stage: int, options: dict[str, Any]) -> Policy:
-        allowed = ("group_size",) if name == "interleaved" else ()
+        allowed = ("group_size", "microbatch_order") if name == "interleaved" else ("microbatch_order",)
         _reject_options(name, options, allowed)
-        return StaticPolicy(name, builder(shape, stage, **options), split_backward=split)
+        order = options.pop("microbatch_order", "index")
+        return StaticPolicy(name, builder(shape, stage, **options), split_backward=split,
+                            microbatch_order=order)
 
     return build
 
@@ -75,7 +77,9 @@ def make_policy(name: str, shape: PipelineShape, stage: int, **options: Any) -> 
 
     Dynamic options: ``max_inflight`` (int cap on held activations, chunk units), ``cap_factor``
     (x 1F1B's bound, default 1.0), ``priority`` ("forward" | "backward"), ``chunk_order``
-    ("depth" | "breadth"). ``interleaved`` takes ``group_size`` (Megatron's
+    ("depth" | "breadth"), ``microbatch_order`` ("cost": by ``StageState.microbatch_costs`` when
+    given | "index"), ``weight_order`` (dpp-zb: "oldest" | "youngest"). Static schedules take
+    ``microbatch_order`` too (default "index": Megatron's). ``interleaved`` takes ``group_size`` (Megatron's
     ``microbatch_group_size_per_vp_stage``). Raises ValueError naming any bad name, option or size.
     """
     if name not in _BUILDERS:

@@ -7,16 +7,20 @@ Example::
 
 prints one row per schedule: median step time, speedup vs 1F1B, bubble %, peak activations and the
 caps used. ``--cap-sweep 1,1.25,1.5,2`` prints throughput against the activation cap instead.
+``--layers 16 --head-cost 2 --resplit`` derives the stage costs from a layer split and prints the
+split that balances them (with Megatron-LM's flags for it), then the table for both splits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from trainer.schedule.compare import ScheduleSpec, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
+from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, split_of
 from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
 from trainer.schedule.trace import write_trace
 
@@ -46,6 +50,20 @@ def _parser() -> argparse.ArgumentParser:
     add("--attention-fraction", type=float, default=0.2,
         help="share of an op's cost quadratic in sequence length (default 0.2)")
     add("--straggler", default=None, help="'STAGE:FACTOR': that stage runs FACTOR times slower (e.g. 1:1.2)")
+    add("--stalls", default=None,
+        help="'PROB:DURATION': each op of a whole stage is held up DURATION longer with chance PROB"
+        " (transient stalls, e.g. 0.02:4)")
+    add("--layers", type=int, default=None,
+        help="transformer layers of the model: stage costs then come from a layer split (see"
+        " --split, --layer-cost, --embedding-cost, --head-cost; --straggler is a slow GPU)")
+    add("--layer-cost", type=float, default=1.0, help="with --layers: one layer's cost (default 1)")
+    add("--embedding-cost", type=float, default=0.0,
+        help="with --layers: extra cost of the first stage, in layer-cost units (default 0)")
+    add("--head-cost", type=float, default=0.0,
+        help="with --layers: extra cost of the last stage (output head + loss; default 0)")
+    add("--split", default=None, help="with --layers: layers per stage, e.g. 5,4,4,3 (default even)")
+    add("--resplit", action="store_true",
+        help="with --layers: print the balanced split (and Megatron-LM's flags for it) and simulate it too")
     add("--forward", type=float, default=1.0, help="forward cost of one stage (default 1)")
     add("--input-grad", type=float, default=1.0, help="input-gradient (I) cost of one stage (default 1)")
     add("--weight-grad", type=float, default=1.0,
@@ -68,6 +86,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--reserve-owed", choices=("yes", "no"), default=None,
         help="dpp/dpp-zb: keep the cap's slots owed to started microbatches from new ones"
         " (default: yes for dpp, no for dpp-zb)")
+    add("--microbatch-order", choices=("cost", "index"), default="cost",
+        help="dpp/dpp-zb: order microbatches by their length-based cost estimates (cost, default)"
+        " or by index")
+    add("--static-microbatch-order", choices=("index", "cost"), default="index",
+        help="static schedules: Megatron's index order (default) or the dynamic policies' cost"
+        " order (as if the data loader sorted each step's microbatches)")
+    add("--weight-order", choices=("oldest", "youngest"), default="oldest",
+        help="dpp-zb: which deferred weight gradient fills idle time first (default oldest)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
     add("--cap-sweep", default=None,
@@ -106,8 +132,17 @@ def _parse_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
             parser.error(f"--edge-transfer={args.edge_transfer!r}: expected comma-separated numbers")
         if len(edge_transfer) != args.pp:
             parser.error(f"--edge-transfer has {len(edge_transfer)} values, need --pp={args.pp}")
+    stall_probability, stall_duration = 0.0, 0.0
+    if args.stalls:
+        prob, _, duration = args.stalls.partition(":")
+        try:
+            stall_probability, stall_duration = float(prob), float(duration)
+        except ValueError:
+            parser.error(f"--stalls={args.stalls!r}: expected PROB:DURATION, e.g. 0.02:4")
     try:
         return CostModel(
+            stall_probability=stall_probability, stall_duration=stall_duration,
+            stage_scale=_stage_scale(args, parser, args.split_layers),
             forward=args.forward, edge_transfer=edge_transfer, input_grad=args.input_grad, weight_grad=args.weight_grad,
             transfer=args.transfer, jitter=args.jitter, seq_len_sigma=seq_sigma,
             attention_fraction=args.attention_fraction, straggler_stage=straggler_stage,
@@ -118,9 +153,51 @@ def _parse_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
         raise  # unreachable: parser.error exits
 
 
+def _layer_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LayerCosts:
+    speed = [1.0] * args.pp
+    if args.straggler:  # a persistent slow GPU: the re-split should give it fewer layers
+        stage, _, factor = args.straggler.partition(":")
+        speed[int(stage)] = float(factor)
+    try:
+        return LayerCosts(args.layers, args.layer_cost, args.embedding_cost, args.head_cost, tuple(speed))
+    except ValueError as error:
+        parser.error(str(error))
+        raise
+
+
+def _initial_split(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, ...] | None:
+    if args.layers is None:
+        if args.split or args.resplit:
+            parser.error("--split / --resplit need --layers")
+        return None
+    if args.split:
+        try:
+            layers = tuple(int(n) for n in args.split.split(","))
+        except ValueError:
+            parser.error(f"--split={args.split!r}: expected comma-separated layer counts")
+        if len(layers) != args.pp or sum(layers) != args.layers or min(layers) < 1:
+            parser.error(f"--split={args.split!r}: need --pp={args.pp} counts >= 1 summing to --layers={args.layers}")
+        return layers
+    if args.layers % args.pp:
+        parser.error(f"--layers={args.layers} is not divisible by --pp={args.pp}: give --split")
+    return (args.layers // args.pp,) * args.pp
+
+
+def _stage_scale(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                 layers: tuple[int, ...] | None) -> tuple[float, ...]:
+    if layers is None:
+        return ()
+    # The straggler is applied by CostModel itself; the split's own costs exclude it here.
+    costs = _layer_costs(args, parser)
+    return LayerCosts(costs.num_layers, costs.layer, costs.embedding, costs.head).stage_scale(layers)
+
+
 def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
     options = {"cap_factor": cap_factor, "priority": args.priority, "chunk_order": args.chunk_order,
-               "backward_chunk_order": args.backward_chunk_order}
+               "backward_chunk_order": args.backward_chunk_order,
+               "microbatch_order": args.microbatch_order}
+    if args.weight_order != "oldest":
+        options["weight_order"] = args.weight_order
     if args.cap_basis is not None:
         options["cap_basis"] = args.cap_basis
     if args.reserve_owed is not None:
@@ -139,6 +216,8 @@ def _specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Sc
     for name in names:
         chunks = 1 if name in ONE_CHUNK_SCHEDULES else args.vp
         options = _dynamic_options(args, args.cap_factor) if name in DYNAMIC_SCHEDULES else {}
+        if name not in DYNAMIC_SCHEDULES and args.static_microbatch_order != "index":
+            options = {"microbatch_order": args.static_microbatch_order}
         specs.append(ScheduleSpec(name, chunks, options))
     return specs
 
@@ -186,12 +265,22 @@ def _write_traces(args, specs: list[ScheduleSpec], costs: CostModel) -> list[Pat
     return written
 
 
+def _resplits(costs: LayerCosts, args: argparse.Namespace) -> list[LayerSplit]:
+    """The balanced split Megatron's flags express, and the free one when it is better."""
+    splits = [balanced_split(costs, args.pp, args.vp if args.layers % args.vp == 0 else 1)]
+    free = balanced_split(costs, args.pp, 1, megatron_flags=False)
+    if free.bottleneck < splits[0].bottleneck - 1e-9:
+        splits.append(free)
+    return splits
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     bad = [f"--{n}={getattr(args, n)}" for n in ("pp", "vp", "microbatches", "seeds") if getattr(args, n) < 1]
     if bad:
         parser.error("must be >= 1: " + ", ".join(bad))
+    args.split_layers = _initial_split(args, parser)
     costs = _parse_costs(args, parser)
     seeds = list(range(args.seed, args.seed + args.seeds))
     try:
@@ -199,8 +288,17 @@ def main(argv: list[str] | None = None) -> int:
             print(_cap_sweep(args, parser, costs, seeds))
             return 0
         specs = _specs(args, parser)
+        if args.split_layers is not None:
+            layer_costs = _layer_costs(args, parser)
+            print(f"layer split: {split_of(layer_costs, args.split_layers).describe()}")
         baseline, rows = compare(specs, args.pp, args.microbatches, costs, seeds)
         print(_format_table(baseline, rows))
+        if args.resplit:
+            for split in _resplits(layer_costs, args):
+                print(f"\nre-split: {split.describe()}")
+                resplit_costs = dataclasses.replace(costs, stage_scale=_stage_scale(args, parser, split.layers))
+                baseline, rows = compare(specs, args.pp, args.microbatches, resplit_costs, seeds)
+                print(_format_table(baseline, rows))
         if args.trace:
             for path in _write_traces(args, specs, costs):
                 print(f"trace written: {path}")

@@ -76,7 +76,10 @@ def simulate(
     p = shape.num_stages
     if len(policies) != p:
         raise ValueError(f"need one policy per stage: got {len(policies)} for num_stages={p}")
-    states = [StageState(shape, s, split_backward=pol.split_backward) for s, pol in enumerate(policies)]
+    # What the runtime can know before a forward (sequence lengths), never the drawn durations.
+    hints = costs.microbatch_cost
+    states = [StageState(shape, s, split_backward=pol.split_backward, microbatch_costs=hints)
+              for s, pol in enumerate(policies)]
     durations, edge_transfer = costs.durations, costs.edge_transfer
     busy = [0.0] * p
     running = [False] * p

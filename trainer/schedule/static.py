@@ -16,16 +16,33 @@ from trainer.schedule.core import Action, Op, PipelineShape, StageState
 class StaticPolicy:
     """Runs ``order`` as written. Pure: the position in the list is ``len(state.done)``."""
 
-    def __init__(self, name: str, order: Sequence[Action], split_backward: bool = False) -> None:
+    def __init__(self, name: str, order: Sequence[Action], split_backward: bool = False,
+                 microbatch_order: str = "index") -> None:
+        if microbatch_order not in ("index", "cost"):
+            raise ValueError(f"microbatch_order={microbatch_order!r} not in ('index', 'cost')")
         self.name = name
         self.split_backward = split_backward
         self.order: tuple[Action, ...] = tuple(order)
+        self.microbatch_order = microbatch_order
+        """"index": Megatron's order. "cost": the list's k-th microbatch is the k-th of
+        ``cost_order(state.microbatch_costs)`` - the static schedule over a data loader that
+        sorted the step's microbatches the way the dynamic policies order them (a baseline that
+        separates what reordering buys from what dynamic decisions buy)."""
+        self._relabel_for: object = ()
+        self._relabel: list[int] | None = None
 
     def choose(self, state: StageState) -> Action | None:
         position = len(state.done)
         if position >= len(self.order):
             return None
         action = self.order[position]
+        if self.microbatch_order == "cost" and state.microbatch_costs is not None:
+            if state.microbatch_costs is not self._relabel_for:
+                from trainer.schedule.dynamic import cost_order  # dynamic imports this module
+
+                self._relabel_for = state.microbatch_costs
+                self._relabel = cost_order(state.microbatch_costs, state.shape.num_microbatches)
+            action = Action(action.op, self._relabel[action.microbatch], action.chunk)
         return action if state.is_ready(action) else None
 
     def __repr__(self) -> str:
