@@ -77,8 +77,32 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def run_identity(cfg) -> dict[str, object]:
+    """What a resumed run must share with its checkpoint: model shape, seed, LR schedule, batch.
+
+    A run resumed with another seed or learning rate would quietly carry on with the checkpoint's
+    optimizer and scheduler state (the issue-15 case trained at learning rate 0); train_iters counts
+    only through the decay length it sets, so extending a run with --lr-decay-iters fixed is allowed.
+    """
+    m, o = cfg.model, cfg.optim
+    return {
+        "model": m.model, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size, "seq_length": m.seq_length,
+        "seed": o.seed, "lr": o.lr, "min_lr": o.min_lr, "lr_warmup_iters": o.lr_warmup_iters,
+        "lr_decay_style": o.lr_decay_style, "lr_decay_iters": o.decay_iters, "weight_decay": o.weight_decay,
+        "optimizer": o.optimizer, "micro_batch_size": o.micro_batch_size, "global_batch_size": o.global_batch_size,
+    }
+
+
+def identity_differences(saved: dict[str, object], current: dict[str, object]) -> list[str]:
+    """'name: checkpoint X, this run Y' for every setting that differs (keys missing on either side skipped)."""
+    return [f"{key}: checkpoint {saved[key]!r}, this run {current[key]!r}"
+            for key in current if key in saved and saved[key] != current[key]]
+
+
 def save_checkpoint(root: str, state: TrainState, model: list, optimizer, scheduler,
-                    layout: dict[str, int], use_distributed_optimizer: bool) -> Path:
+                    layout: dict[str, int], use_distributed_optimizer: bool,
+                    identity: dict[str, object] | None = None) -> Path:
     """COLLECTIVE: every rank writes its file; returns the final folder."""
     if use_distributed_optimizer:
         raise NotImplementedError("--save with --use-distributed-optimizer is not supported yet")
@@ -93,6 +117,7 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
         "layout": layout,
+        "identity": identity or {},
         "model": [chunk.state_dict() for chunk in model],
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -122,8 +147,12 @@ def latest_iteration(root: str | None) -> int | None:
     return int(text)
 
 
-def load_checkpoint(root: str, model: list, optimizer, scheduler, layout: dict[str, int]) -> TrainState | None:
-    """Restore this rank's state from ``root``; None when there is nothing to resume."""
+def load_checkpoint(root: str, model: list, optimizer, scheduler, layout: dict[str, int],
+                    identity: dict[str, object] | None = None, override: bool = False) -> TrainState | None:
+    """Restore this rank's state from ``root``; None when there is nothing to resume.
+
+    ValueError when the checkpoint's :func:`run_identity` differs from ``identity`` (unless ``override``).
+    """
     iteration = latest_iteration(root)
     if iteration is None:
         return None
@@ -133,6 +162,13 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, layout: dict[s
     payload = torch.load(path, map_location="cpu", weights_only=False)
     if payload["layout"] != layout:
         raise ValueError(f"checkpoint {path} was saved with layout {payload['layout']}, this run has {layout}")
+    differences = identity_differences(payload.get("identity", {}), identity or {})
+    if differences and not override:
+        raise ValueError(f"checkpoint {path.parent} belongs to a run with other settings ({'; '.join(differences)}): "
+                         "resume with the same settings, save to a new folder, or pass --override-checkpoint-config")
+    if differences:
+        log.warning("resuming %s despite other settings (--override-checkpoint-config): %s",
+                    path.parent, "; ".join(differences))
     for chunk, sd in zip(model, payload["model"], strict=True):
         chunk.load_state_dict(sd)
     optimizer.load_state_dict(payload["optimizer"])

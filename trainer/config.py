@@ -313,6 +313,9 @@ class CheckpointConfig:
     """Directory to resume from; an empty or missing one starts fresh."""
     save_interval: int | None = None
     """Save every N iterations (and at the end of training when --save is set)."""
+    override_checkpoint_config: bool = False
+    """Resume even when the checkpoint was saved with another seed, LR schedule, batch or model
+    shape (by default that is refused, naming each difference)."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
@@ -458,6 +461,9 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
         p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "
                  f"but the world size is {world_size}")
+    if par.use_distributed_optimizer and cfg.checkpoint.save:
+        p.append("--use-distributed-optimizer with --save: saving a sharded optimizer is not supported yet "
+                 "(trainer/checkpoint.py); drop one of them")
     if cfg.run.node_ips and world_size % len(cfg.run.node_ips):
         p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips "
                  "(every node runs the same number of ranks)")

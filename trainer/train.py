@@ -10,6 +10,7 @@ runs use the same runtime as DPP driven by the static ``1f1b`` (``interleaved`` 
 because megatron's P2P communicator allocates on CUDA.
 """
 
+# ruff: noqa: E402 (the imports after early_signals.install_for_main, on purpose)
 from __future__ import annotations
 
 import contextlib
@@ -24,10 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer import early_signals
+
+early_signals.install_for_main(__name__)  # before torch's import: see trainer/early_signals.py
+
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from trainer.checkpoint import TrainState, load_checkpoint, run_identity, save_checkpoint
 from trainer.config import ConfigError, TrainConfig, parse_config
 from trainer.data.varlen import Bucketing, parse_length_distribution
 from trainer.distributed import (
@@ -52,6 +57,13 @@ from trainer.topology import Topology
 from trainer.transport.factory import LinkOptions
 
 log = logging.getLogger("trainer.train")
+
+# Exit status of a rank that stopped on USR1/TERM before its last iteration (EX_TEMPFAIL: "try
+# again"): never 0, so no launcher mistakes an interrupted run for a finished one.
+EXIT_STOPPED = 75
+# File (environment) where rank 0 records how training ended, for the sbatch script: srun's own
+# status cannot tell a checkpointed stop from a crash once --kill-on-bad-exit has cut the peers.
+EXIT_RECORD_ENV = "MDPP_EXIT_RECORD"
 
 
 @dataclass
@@ -79,6 +91,8 @@ class PreemptionFlag:
     def install(self) -> None:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             self.previous[sig] = signal.signal(sig, self._handle)
+        if early_signals.received:  # arrived during start-up, before this handler existed
+            self.raised, self.signal_name = True, early_signals.received[-1]
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.raised, self.signal_name = True, signal.Signals(signum).name
@@ -106,6 +120,8 @@ class TrainingSession:
         self.cfg, self.launch, self.hooks = cfg, launch, hooks
         self.state = TrainState()
         self.preempt = PreemptionFlag()
+        self.preempt.install()  # first thing: a signal during set-up must still mean "checkpoint"
+        self.stopped_with_checkpoint = False
         self.shims = self.links = self.tracer = self.tp_channel = self.dpp_context = None
         self.measure: RunMeasurement | None = None
 
@@ -149,10 +165,10 @@ class TrainingSession:
         self.measure = RunMeasurement(cfg, self.topology, self._schedule_label(), self.num_microbatches)
         self.forward_step = self.measure.wrap_forward_step(self.forward_step, self.model)
         if cfg.checkpoint.load:
-            loaded = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.scheduler, self._layout())
+            loaded = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.scheduler, self._layout(),
+                                     run_identity(cfg), cfg.checkpoint.override_checkpoint_config)
             if loaded is not None:
                 self.state = loaded
-        self.preempt.install()
         self._log_layout(chunks, vocab_size)
 
     def _seed(self) -> None:
@@ -469,7 +485,8 @@ class TrainingSession:
     # ---- checkpoints -----------------------------------------------------------------------
     def _save(self) -> None:
         path = save_checkpoint(self.cfg.checkpoint.save, self.state, self.model, self.optimizer,
-                               self.scheduler, self._layout(), self.cfg.parallel.use_distributed_optimizer)
+                               self.scheduler, self._layout(), self.cfg.parallel.use_distributed_optimizer,
+                               run_identity(self.cfg))
         if self.launch.rank == 0:
             log.info("saved checkpoint at iteration %d to %s", self.state.iteration, path)
 
@@ -478,12 +495,30 @@ class TrainingSession:
             if self.launch.rank == 0:
                 log.warning("stopping on signal at iteration %d without a checkpoint (no --save)",
                             self.state.iteration)
-            return 0
+            return EXIT_STOPPED
         save_checkpoint(self.cfg.checkpoint.save, self.state, self.model, self.optimizer, self.scheduler,
-                        self._layout(), self.cfg.parallel.use_distributed_optimizer)
+                        self._layout(), self.cfg.parallel.use_distributed_optimizer, run_identity(self.cfg))
+        self.stopped_with_checkpoint = True
         if self.launch.rank == 0:
             log.info("saved checkpoint at iteration %d on signal", self.state.iteration)
-        return 0
+        return EXIT_STOPPED
+
+    def record_exit(self, code: int) -> None:
+        """Rank 0 writes how training ended to $MDPP_EXIT_RECORD: done, checkpointed or stopped + iteration."""
+        path = os.environ.get(EXIT_RECORD_ENV)
+        if not path or self.launch.rank != 0:
+            return
+        outcome = "done" if code == 0 else "checkpointed" if self.stopped_with_checkpoint else "stopped"
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as out:
+            out.write(f"{outcome} {self.state.iteration}\n")
+        os.replace(tmp, path)
+
+    def flush_traces(self) -> None:
+        """Best effort on a crash: write the trace this rank has so far (aggregation reads what exists)."""
+        if self.tracer is not None:
+            with contextlib.suppress(Exception):
+                self.tracer.close()
 
     # ---- tear-down -------------------------------------------------------------------------
     def close(self) -> None:
@@ -550,7 +585,8 @@ def _setup_logging(rank: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> int:
-    """Entry point; returns the exit code (0 done or saved on signal, 2 bad configuration, 1 failure)."""
+    """Entry point; returns the exit code (0 all iterations done, 75 stopped on a signal, 2 bad
+    configuration, 1 failure)."""
     try:
         cfg = parse_config(argv, _world_size_from_env())
         launch = read_launch_env(node_ips=cfg.run.node_ips)
@@ -566,9 +602,11 @@ def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> 
         faulthandler.dump_traceback_later(cfg.parallel.dpp_timeout_s + 60, exit=True)
         session.close()
         faulthandler.cancel_dump_traceback_later()
+        session.record_exit(code)
         return code
     except Exception:
         log.exception("rank %d failed", launch.rank)
+        session.flush_traces()
         sys.stdout.flush()
         # Peers may be blocked in a collective with this rank: exiting now (non-zero) lets the
         # launcher tear the job down instead of hanging in process-group destructors.

@@ -15,6 +15,8 @@ from workflows.recipes import Recipe
 from workflows.shell import Ref, as_text
 
 CONTAINER_WORKDIR = "/workspace/megatron-dpp"  # where containers/Dockerfile installs the package
+# Variables templates/_header.sh.j2 sets before any knob: a knob default may refer to them.
+HEADER_VARIABLES = ("REPO_DIR", "MODEL", "SIZE", "DEFAULT_OUTPUT_DIR")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Job:
 
 SHARED = (
     Knob("DATA_PATH", "preprocessed datasets live here (a shared file system on a real cluster)"),
-    Knob("OUTPUT_DIR", "checkpoints and traces of this run"),
+    Knob("OUTPUT_DIR", "checkpoints and traces of this run (default: runs/<model>-<job id>, its own)"),
     Knob("IMAGE", "enroot .sqsh or registry image: set it to run every step under Pyxis"),
     Knob("CONTAINER_WORKDIR", "the package's directory inside IMAGE"),
     Knob("PYTHON", "interpreter on the nodes (or in IMAGE)"),
@@ -96,6 +98,7 @@ TRAIN = Job("train", "2.distributed-training.sbatch", "trainer.train", "02:00:00
     Knob("DATASET", "indexed dataset written by 1.data-preprocessing.sbatch", ("--data-path",)),
 ) + TOKENIZER + (
     Knob("CHECKPOINT_DIR", "saved to and resumed from (requeue resumes here)", ("--save", "--load")),
+    Knob("RESUME", "1: continue a checkpoint another job left in CHECKPOINT_DIR (else that is refused)"),
     Knob("SAVE_INTERVAL", "checkpoint every N iterations", ("--save-interval",)),
     Knob("PROFILE_DIR", "per-rank Chrome traces", ("--profile-dir",)),
     Knob("TRANSPORT", "auto, shm, gloo, nccl or rdma", ("--transport",)),
@@ -118,7 +121,7 @@ def defaults(recipe: Recipe) -> dict[str, object]:
     tok, shape, training = recipe.tokenization, recipe.shape, recipe.training
     return {
         "DATA_PATH": Ref("REPO_DIR", "/runs/data"),
-        "OUTPUT_DIR": Ref("REPO_DIR", f"/runs/{recipe.model}"),
+        "OUTPUT_DIR": Ref("DEFAULT_OUTPUT_DIR"),
         "IMAGE": None,
         "CONTAINER_WORKDIR": CONTAINER_WORKDIR,
         "PYTHON": "python3",
@@ -147,6 +150,7 @@ def defaults(recipe: Recipe) -> dict[str, object]:
         "BF16": recipe.bf16,
         "DATASET": Ref("DATA_PREFIX", tok.dataset_suffix),
         "CHECKPOINT_DIR": Ref("OUTPUT_DIR", "/checkpoints"),
+        "RESUME": False,
         "SAVE_INTERVAL": training.save_interval,
         "PROFILE_DIR": Ref("OUTPUT_DIR", "/traces"),
         "TRANSPORT": recipe.transport,
@@ -159,9 +163,10 @@ def defaults(recipe: Recipe) -> dict[str, object]:
 def resolve(job: Job, recipe: Recipe, env: Mapping[str, str]) -> dict[str, str]:
     """Knob values as the job's bash computes them: a non-empty ``env`` entry wins over the default.
 
-    ``env`` must hold REPO_DIR (the only variable the knobs refer to that is not a knob).
+    ``env`` must hold REPO_DIR; DEFAULT_OUTPUT_DIR comes from SLURM_JOB_ID (``<pid>`` without one).
     """
     values = {"REPO_DIR": env["REPO_DIR"], "MODEL": recipe.model, "SIZE": recipe.size}
+    values["DEFAULT_OUTPUT_DIR"] = f"{env['REPO_DIR']}/runs/{recipe.model}-{env.get('SLURM_JOB_ID', '<pid>')}"
     recipe_defaults = defaults(recipe)
     for knob in job.knobs:
         default = recipe_defaults[knob.env]

@@ -21,6 +21,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -406,6 +407,9 @@ def _job_id(given: int | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A job's pre-timeout warning (USR1) reaches every process of the batch step, this probe too
+    # while the training script waits for it: it is meant for the ranks, which the script tells.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # Several nodes write to one job log (`address` runs on each): every line names its node.
     node = os.environ.get("SLURMD_NODENAME") or netinfo.short_hostname()
     logging.basicConfig(level=logging.INFO, format=f"workflows.nodes[{node}]: %(levelname)s: %(message)s")

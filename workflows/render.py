@@ -44,7 +44,7 @@ def arrange(job: Job, recipe_list: list[Recipe]) -> Settings:
     varying = {k.env for k in job.knobs if len({repr(d[k.env]) for d in per_recipe}) > 1}
     hoisted: list[Setting] = []
     trailing: list[Setting] = []
-    set_before_case = {"REPO_DIR", "MODEL", "SIZE"}
+    set_before_case = set(jobs.HEADER_VARIABLES)
     for knob in job.knobs:
         if knob.env in varying:
             continue
@@ -66,7 +66,7 @@ def arrange(job: Job, recipe_list: list[Recipe]) -> Settings:
 def _check_references(job: Job, settings: Settings) -> None:
     """Every Ref must name a variable the script has assigned by the time it reads it."""
     for _key, branch in settings.branches:
-        assigned = {"REPO_DIR", "MODEL", "SIZE"}
+        assigned = set(jobs.HEADER_VARIABLES)
         for knob, value in [*settings.hoisted, *branch, *settings.trailing]:
             if isinstance(value, shell.Ref) and value.variable not in assigned:
                 raise ValueError(

@@ -1,4 +1,6 @@
-"""SIGUSR1/SIGTERM: ranks agree at the next iteration boundary, save, and exit 0 (Slurm requeues)."""
+"""SIGUSR1/SIGTERM: ranks agree at the next iteration boundary, save, and exit 75 (never 0: the run
+did not finish); rank 0 records "checkpointed N" in $MDPP_EXIT_RECORD for the sbatch script, which
+requeues on that record. A signal during start-up (before torch is even imported) means the same."""
 
 from __future__ import annotations
 
@@ -11,15 +13,31 @@ import pytest
 
 from tests.dist.launch import start
 
+EXIT_STOPPED = 75
+ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--pipeline-model-parallel-size", "2", "--use-dpp", "--train-iters", "100000"]
+
+
+def assert_checkpointed_at(ckpt: Path, record: Path, results, at_least: int) -> int:
+    outputs = results[0].output[-3000:] + results[1].output[-3000:]
+    assert [r.returncode for r in results] == [EXIT_STOPPED, EXIT_STOPPED], outputs
+    match = re.search(r"saved checkpoint at iteration (\d+) on signal", results[0].output)
+    assert match, outputs
+    saved = int(match.group(1))
+    assert saved >= at_least
+    assert (ckpt / "latest").read_text().strip() == str(saved)
+    assert sorted(p.name for p in (ckpt / f"iter_{saved:07d}").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    assert not list(ckpt.glob("*.tmp"))
+    assert record.read_text() == f"checkpointed {saved}\n"
+    return saved
+
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("signum", [signal.SIGUSR1])
-def test_signal_to_one_rank_saves_on_all_ranks_and_exits_zero(signum, tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    args = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--pipeline-model-parallel-size", "2", "--use-dpp", "--train-iters", "100000", "--save", str(ckpt)]
-    ranks = start(["trainer.train", *args], 2)
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_signal_to_one_rank_saves_on_all_ranks_and_exits_75(signum, tmp_path: Path) -> None:
+    ckpt, record = tmp_path / "ckpt", tmp_path / "exit-record"
+    ranks = start(["trainer.train", *ARGS, "--save", str(ckpt)], 2, extra_env={"MDPP_EXIT_RECORD": str(record)})
     deadline = time.monotonic() + 400
     # Rank 1 (last stage) logs iterations; signal only rank 0 once training is under way, so the
     # all-reduce of the flag is what makes rank 1 stop too.
@@ -27,12 +45,24 @@ def test_signal_to_one_rank_saves_on_all_ranks_and_exits_zero(signum, tmp_path: 
         assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.procs), ranks.output(1)[-3000:]
         time.sleep(0.2)
     ranks.procs[0].send_signal(signum)
-    results = ranks.wait(120)
-    assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:] + results[1].output[-3000:]
-    match = re.search(r"saved checkpoint at iteration (\d+) on signal", results[0].output)
-    assert match, results[0].output[-3000:]
-    saved = int(match.group(1))
-    assert saved >= 3
-    assert (ckpt / "latest").read_text().strip() == str(saved)
-    assert sorted(p.name for p in (ckpt / f"iter_{saved:07d}").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
-    assert not list(ckpt.glob("*.tmp"))
+    assert_checkpointed_at(ckpt, record, ranks.wait(120), at_least=3)
+
+
+@pytest.mark.timeout(600)
+def test_usr1_during_start_up_checkpoints_instead_of_killing(tmp_path: Path) -> None:
+    """Before this fix the handler was installed after set-up: USR1 at start-up killed the rank."""
+    ckpt, record = tmp_path / "ckpt", tmp_path / "exit-record"
+    ranks = start(["trainer.train", *ARGS, "--save", str(ckpt)], 2, extra_env={"MDPP_EXIT_RECORD": str(record)})
+    time.sleep(0.5)  # the interpreter is up, torch is still being imported
+    for proc in ranks.procs:
+        proc.send_signal(signal.SIGUSR1)
+    assert_checkpointed_at(ckpt, record, ranks.wait(300), at_least=0)
+
+
+@pytest.mark.timeout(600)
+def test_finished_run_records_done(tmp_path: Path) -> None:
+    record = tmp_path / "exit-record"
+    args = [*ARGS[:-1], "3"]
+    results = start(["trainer.train", *args], 2, extra_env={"MDPP_EXIT_RECORD": str(record)}).wait(300)
+    assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:]
+    assert record.read_text() == "done 3\n"

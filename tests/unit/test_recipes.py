@@ -67,13 +67,14 @@ def test_every_knob_has_a_default_in_every_recipe():
 
 
 def test_resolve_applies_overrides_and_references_like_bash():
-    values = jobs.resolve(jobs.TRAIN, recipes.get("bert"), {"REPO_DIR": "/r", "DATA_PATH": "/fsx", "PP": "4"})
+    values = jobs.resolve(jobs.TRAIN, recipes.get("bert"), {"REPO_DIR": "/r", "DATA_PATH": "/fsx", "PP": "4",
+                                                            "SLURM_JOB_ID": "42"})
     assert values["DATASET"] == "/fsx/bert/sample_text_sentence"
-    assert values["CHECKPOINT_DIR"] == "/r/runs/bert/checkpoints"
+    assert values["CHECKPOINT_DIR"] == "/r/runs/bert-42/checkpoints"  # each job its own folder
     assert values["PP"] == "4" and values["MERGE_FILE"] == ""
     args = jobs.knob_arguments(jobs.TRAIN, values)
     assert args[:2] == ["--model", "bert"] and "--merge-file" not in args
-    assert args[args.index("--save") + 1] == args[args.index("--load") + 1] == "/r/runs/bert/checkpoints"
+    assert args[args.index("--save") + 1] == args[args.index("--load") + 1] == "/r/runs/bert-42/checkpoints"
 
 
 def test_a_reference_to_a_later_variable_is_refused_at_render_time():
@@ -91,9 +92,11 @@ def test_arrange_hoists_shared_defaults_and_keeps_references_after_their_targets
     hoisted = [k.env for k, _ in settings.hoisted]
     varying = [k.env for k, _ in settings.branches[0][1]]
     trailing = [k.env for k, _ in settings.trailing]
-    assert "TP" in hoisted and "NUM_LAYERS" in varying and "CHECKPOINT_DIR" in trailing
+    assert "TP" in hoisted and "NUM_LAYERS" in varying and trailing == []
     assert [key for key, _ in settings.branches] == [r.key for r in recipes.all_recipes()]
-    assert dict((k.env, v) for k, v in settings.trailing)["CHECKPOINT_DIR"] == Ref("OUTPUT_DIR", "/checkpoints")
+    # OUTPUT_DIR's default (the job's own folder) is the same for every recipe: both are hoisted
+    assert hoisted.index("OUTPUT_DIR") < hoisted.index("CHECKPOINT_DIR")
+    assert dict((k.env, v) for k, v in settings.hoisted)["CHECKPOINT_DIR"] == Ref("OUTPUT_DIR", "/checkpoints")
 
 
 def make_spec(tmp_path, **changes):

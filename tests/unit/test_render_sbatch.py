@@ -19,6 +19,23 @@ from workflows import jobs, recipes, render, shell
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SRUN = """#!/bin/bash
 printf '%s\\0' "$@" > "$FAKE_SRUN_LOG"
+# Plays the ranks: by default they finish ("done"); FAKE_RANKS=... picks another ending.
+record() { if [[ -n "${MDPP_EXIT_RECORD:-}" ]]; then echo "$1" > "$MDPP_EXIT_RECORD"; fi; }
+case "${FAKE_RANKS:-done}" in
+    done) record "done 20" ;;
+    crash) exit 1 ;;
+    stopped) record "stopped 9"; exit 75 ;;
+    killed-peer) record "checkpointed 9"; exit 143 ;;  # --kill-on-bad-exit's SIGTERM to the peer
+    exit0-no-record) exit 0 ;;
+    wait-signal)  # run until USR1 comes, then checkpoint as the ranks do
+        trap 'echo USR1 >> "$FAKE_SRUN_LOG.signals"; record "checkpointed 4"; exit 75' USR1
+        echo started > "$FAKE_SRUN_LOG.started"
+        for _ in $(seq 200); do sleep 0.1; done
+        exit 9 ;;
+esac
+"""
+FAKE_SCONTROL = """#!/bin/bash
+echo "$@" >> "$FAKE_SRUN_LOG.scontrol"
 """
 
 
@@ -28,6 +45,8 @@ def run_sbatch(job: jobs.Job, tmp_path: Path, **env: str) -> tuple[subprocess.Co
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+    (bin_dir / "scontrol").chmod(0o755)
     log = tmp_path / "srun.argv"
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in jobs.KNOB_NAMES}
     full_env = {
@@ -156,3 +175,76 @@ def test_unknown_recipe_is_one_clear_line_and_status_2(tmp_path, job):
 def test_preprocessing_refuses_a_missing_corpus(tmp_path):
     result, argv = run_sbatch(jobs.PREPROCESS, tmp_path, INPUT="datasets/nope.jsonl")
     assert (result.returncode, result.stderr.strip(), argv) == (2, "error: INPUT=datasets/nope.jsonl: no such file", [])
+
+
+# ---- how the training job ends: never COMPLETED unless every iteration ran -----------------------
+TRAIN_ENV = {"NODE_IPS": "10.0.0.1,10.0.0.2", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7"}
+
+
+@pytest.mark.parametrize(("ranks", "status", "requeued"), [
+    ("done", 0, False),
+    ("crash", 1, False),
+    ("stopped", 75, False),          # stopped on a signal without --save: nothing to resume
+    ("killed-peer", 0, True),        # checkpointed; srun says 143 because a peer was cut: requeue
+    ("exit0-no-record", 1, False),   # ranks exited 0 but never said they finished
+])
+def test_training_job_status_follows_the_exit_record(tmp_path, ranks, status, requeued):
+    result, _argv = run_sbatch(jobs.TRAIN, tmp_path, FAKE_RANKS=ranks, **TRAIN_ENV)
+    assert result.returncode == status, result.stdout + result.stderr
+    scontrol = tmp_path / "srun.argv.scontrol"
+    assert (scontrol.read_text() == "requeue 7\n") if requeued else not scontrol.exists()
+    assert not list((tmp_path / "out").glob(".train-exit-*"))  # the record is removed
+
+
+@pytest.mark.parametrize("signame", ["USR1", "TERM"])
+def test_a_signal_to_the_batch_shell_reaches_the_ranks_as_usr1_and_requeues(tmp_path, signame):
+    """Before: TERM to the shell was only logged and the job ran on to COMPLETED (or ended early as 0)."""
+    import signal
+    import sys
+    import time
+
+    bin_dir = tmp_path / "bin"
+    run_sbatch(jobs.TRAIN, tmp_path, FAKE_RANKS="done", **TRAIN_ENV)  # writes the fakes
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in jobs.KNOB_NAMES},
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(tmp_path / "srun.argv"),
+           "REPO_DIR": str(REPO), "OUTPUT_DIR": str(tmp_path / "out"), "DATA_PATH": str(tmp_path / "data"),
+           "FAKE_RANKS": "wait-signal", **TRAIN_ENV}
+    proc = subprocess.Popen(["bash", str(REPO / "sbatch" / jobs.TRAIN.filename)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "srun.argv.started").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, f"SIG{signame}"))
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out + err + sys.executable
+    assert (tmp_path / "srun.argv.signals").read_text() == "USR1\n"
+    assert (tmp_path / "srun.argv.scontrol").read_text() == "requeue 7\n"
+
+
+# ---- each run its own folder; resuming another run's checkpoint needs RESUME=1 -------------------
+def test_training_writes_into_its_own_folder_by_default(tmp_path):
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, OUTPUT_DIR="", **TRAIN_ENV)
+    assert result.returncode == 0, result.stderr
+    assert argv[argv.index("--save") + 1] == f"{REPO}/runs/gpt-7/checkpoints"  # job 7's own
+
+
+@pytest.mark.parametrize(("extra", "refused"), [({}, True), ({"RESUME": "1"}, False),
+                                                ({"SLURM_RESTART_COUNT": "1"}, False)])
+def test_a_new_job_refuses_another_runs_checkpoint_unless_resume(tmp_path, extra, refused):
+    """Before: every job passed --load and silently continued whatever the folder held."""
+    (tmp_path / "out" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("20\n")
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, **TRAIN_ENV, **extra)
+    if refused:
+        assert (result.returncode, argv) == (2, []), result.stderr
+        assert "already holds a checkpoint (iteration 20) of another run: set RESUME=1" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+
+
+def test_aggregation_by_hand_reads_the_folder_of_the_training_job_it_depends_on(tmp_path):
+    result, argv = run_sbatch(jobs.AGGREGATE, tmp_path, OUTPUT_DIR="", SLURM_JOB_ID="9",
+                              SLURM_JOB_DEPENDENCY="afterany:7")
+    assert result.returncode == 0, result.stderr
+    assert argv[argv.index("--benchmark_dir") + 1] == f"{REPO}/runs/gpt-7/traces"
