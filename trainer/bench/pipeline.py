@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report", type=Path, required=True, help="markdown report to write; PNGs go beside it")
     parser.add_argument("--line-timeout", type=float, default=300.0, help="seconds before a line is killed")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank (unless set)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole list of lines this many times, interleaved (A B C A B C), and pool "
+                             "each line's iterations: on a noisy host, drift then hits every line alike")
     parser.add_argument("--dry-plan", action="store_true", help="print the planned command lines and exit")
     return parser
 
@@ -141,17 +144,23 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"{key}: {command}" for key, command in commands.items()))
         return 0
     start = time.monotonic()
-    results, pictures = [], {}
-    for line in lines:
-        result = _run_line(line, cfg, args)
-        results.append(result)
-        picture = _picture(result, args.out / line.key, args.report.parent)
-        if picture:
-            pictures[line.key] = picture
-        # Rewritten after every line: a call cut off by its time limit still leaves a report.
-        write_report(args.report, cfg, results, not_run, commands, pictures, time.monotonic() - start)
+    results: dict[str, LineResult] = {}
+    pictures: dict[str, str] = {}
+    for round_ in range(args.rounds):
+        for line in lines:
+            result = _run_line(line, cfg, args)
+            if round_ and line.key in results and results[line.key].ok and result.ok:
+                results[line.key].timed_ms.extend(result.timed_ms)  # pooled over rounds
+            elif not round_ or not result.ok:
+                results[line.key] = result  # first round, or a failure that must show
+            picture = _picture(result, args.out / line.key, args.report.parent) if not round_ else None
+            if picture:
+                pictures[line.key] = picture
+            # Rewritten after every line: a call cut off by its time limit still leaves a report.
+            write_report(args.report, cfg, list(results.values()), not_run, commands, pictures,
+                         time.monotonic() - start)
     print(f"[bench] wrote {args.report} and {len(pictures)} timeline(s)", flush=True)
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if all(r.ok for r in results.values()) else 1
 
 
 if __name__ == "__main__":
