@@ -87,7 +87,9 @@ CASES = ([pytest.param(layout, "dpp", id=layout) for layout in LAYOUTS]
 # longest sample rounded up to 4 tokens (lengths 4..16 here, several per step), GPT's loss averaged
 # per token (megatron-core's calculate_per_token_loss). Its own references: the data differ.
 VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length-divisible-by", "4"]
-VARLEN_LAYOUTS = ["gpt-pp2", "gpt-pp4-vp2", "gpt-pp2-tp2", "gpt-pp2-dp2", "bert-pp2"]
+VARLEN_CASES = ([pytest.param(layout, "dpp", id=f"varlen-{layout}")
+                 for layout in ("gpt-pp2", "gpt-pp4-vp2", "gpt-pp2-tp2", "gpt-pp2-dp2", "bert-pp2")]
+                + [pytest.param("gpt-pp2", "dpp-zb", id="varlen-gpt-pp2-dpp-zb")])
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +113,12 @@ def test_dpp_matches_single_process_reference(layout: str, policy: str, referenc
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", VARLEN_LAYOUTS)
-def test_dpp_variable_lengths_match_single_process_reference(layout: str, varlen_references,
+@pytest.mark.parametrize(("layout", "policy"), VARLEN_CASES)
+def test_dpp_variable_lengths_match_single_process_reference(layout: str, policy: str, varlen_references,
                                                              tmp_path: Path) -> None:
     model, _, flags = LAYOUTS[layout]
-    _check_layout(layout, varlen_references[model], TINY + MODELS[model] + flags + VARLEN + ["--use-dpp"], tmp_path)
+    schedule = ["--use-dpp", "--dpp-policy", policy]
+    _check_layout(layout, varlen_references[model], TINY + MODELS[model] + flags + VARLEN + schedule, tmp_path)
 
 
 def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path) -> None:
