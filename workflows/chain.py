@@ -56,8 +56,23 @@ class ChainSpec:
         unknown = sorted(set(self.overrides) - jobs.KNOB_NAMES)
         if unknown:
             errors.append(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(jobs.KNOB_NAMES))}")
+        if not errors and self.nodes >= 1 and self.ranks % self.nodes:
+            errors.append(f"{self.ranks} training ranks (PP={self._knob('PP')} x TP={self._knob('TP')}) do not "
+                          f"split evenly over --nodes {self.nodes}")
         if errors:
             raise ValueError("; ".join(errors))
+
+    def _knob(self, name: str) -> int:
+        value = self.overrides.get(name) or str(jobs.defaults(self.recipe)[name])
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
+        return int(value)
+
+    @property
+    def ranks(self) -> int:
+        """Training ranks: one per GPU, or PP x TP CPU ranks (what the training sbatch file starts)."""
+        gpus = self.gpus_per_node or int(self.overrides.get("GPUS_PER_NODE") or 0)
+        return self.nodes * gpus if gpus else self._knob("PP") * self._knob("TP")
 
     def environment(self) -> dict[str, str]:
         """Variables the sbatch files read, on top of the caller's environment."""
@@ -139,7 +154,9 @@ def sbatch_options(spec: ChainSpec, step: str, logs: Path, after: str | None) ->
     if step == "preprocess":  # one core per tokenizer worker (the file's directive is the CPU demo's)
         options.append(f"--cpus-per-task={spec.overrides.get('WORKERS') or spec.recipe.preprocess_workers}")
     if step == "train":
-        options.append(f"--nodes={spec.nodes}")
+        # Ask for every rank's slot: an allocation of one task per node refuses the srun of several
+        # ranks per node ("More processors requested than permitted") unless whole nodes are given.
+        options += [f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ranks // spec.nodes}", "--cpus-per-task=1"]
         if spec.gpus_per_node:
             options.append(f"--gpus-per-node={spec.gpus_per_node}")
     if after:

@@ -144,7 +144,23 @@ def test_sbatch_options_chain_the_jobs_and_request_gpus_only_for_training(tmp_pa
     agg = chain.sbatch_options(spec, "aggregate", logs, after="afterany:12")
     assert pre == ["--job-name=mdpp-run-preprocess", f"--output={logs}/%x_%j.out", f"--chdir={REPO}",
                    "--partition=gpu", "--cpus-per-task=16"]
-    assert train[-4:] == ["--nodes=2", "--gpus-per-node=4", "--dependency=afterok:11", "--kill-on-invalid-dep=yes"]
+    assert train[-6:] == ["--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=1", "--gpus-per-node=4",
+                          "--dependency=afterok:11", "--kill-on-invalid-dep=yes"]
     assert agg[-2:] == ["--dependency=afterany:12", "--kill-on-invalid-dep=yes"]
     assert not any(o.startswith(("--nodes", "--gpus")) for o in pre + agg)
     assert spec.environment()["SIZE"] == "gpu" and spec.environment()["GPUS_PER_NODE"] == "4"
+
+
+@pytest.mark.parametrize(("nodes", "overrides", "per_node"), [(1, {}, 2), (2, {}, 1), (1, {"PP": "4"}, 4),
+                                                              (2, {"PP": "2", "TP": "2"}, 2)])
+def test_training_allocation_asks_for_every_rank_on_its_node(tmp_path, nodes, overrides, per_node):
+    """Before: no --ntasks-per-node, so `submit gpt --nodes 1` (2 ranks on one node) was refused by srun."""
+    spec = make_spec(tmp_path, nodes=nodes, overrides=overrides)
+    train = chain.sbatch_options(spec, "train", tmp_path, after=None)
+    assert f"--ntasks-per-node={per_node}" in train and "--cpus-per-task=1" in train
+
+
+def test_a_layout_that_does_not_split_over_the_nodes_is_refused_before_submitting(tmp_path):
+    """Before: --env PP=3 on 2 nodes failed 20 s into the chain."""
+    with pytest.raises(ValueError, match=r"3 training ranks \(PP=3 x TP=1\) do not split evenly over --nodes 2"):
+        make_spec(tmp_path, nodes=2, overrides={"PP": "3"})
