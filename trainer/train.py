@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import TrainState, load_checkpoint, run_identity, save_checkpoint
 from trainer.config import ConfigError, TrainConfig, parse_config
-from trainer.data.varlen import Bucketing, parse_length_distribution
+from trainer.data.varlen import LENGTH_KEY, Bucketing, bucket_length, parse_length_distribution
 from trainer.distributed import (
     LaunchError,
     LaunchInfo,
@@ -306,7 +306,8 @@ class TrainingSession:
         self.dpp_context = DppContext(topology=topo, policy=policy, links=self.links,
                                       timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self._microbatch,
                                       tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split,
-                                      gpu_timer=self._gpu_timer())
+                                      gpu_timer=self._gpu_timer(),
+                                      microbatch_costs=self._microbatch_costs if cfg.data.variable_seq_lengths else None)
         return make_forward_backward_func(self.dpp_context)
 
     def _gpu_timer(self):
@@ -342,6 +343,20 @@ class TrainingSession:
         d = self.cfg.data
         bucketing = Bucketing(d.seq_length_divisible_by, self.cfg.model.seq_length) if d.variable_seq_lengths else None
         return host_batch([self.samples(i) for i in indices], self.cfg.model.model, bucketing)
+
+    def _microbatch_costs(self) -> list[float]:
+        """This step's cost estimate per microbatch from its bucketed length (every stage of the
+        pipeline reads the same samples, so all agree): (1 - a) r + a r^2 with r = length /
+        --seq-length and a = 0.2 for attention's quadratic share (trainer.schedule's cost model)."""
+        topo, o, d = self.topology, self.cfg.optim, self.cfg.data
+        plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
+        seq = self.cfg.model.seq_length
+        costs = []
+        for m in range(self.num_microbatches):
+            lengths = [self.samples(i)[LENGTH_KEY] for i in plan.indices(self.state.consumed_samples, m)]
+            r = bucket_length(lengths, d.seq_length_divisible_by, seq) / seq
+            costs.append(0.8 * r + 0.2 * r * r)
+        return costs
 
     def _microbatch(self, microbatch: int, chunk: int = 0) -> dict[str, torch.Tensor]:
         """Microbatch m of this step on the device (copied ahead by the prefetcher: no host wait)."""

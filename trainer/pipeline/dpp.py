@@ -25,7 +25,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,10 @@ class DppContext:
     """Shared decision log when TP > 1 (leader publishes, followers replay)."""
     iteration: int = 0
     """Set by the trainer before each step; recorded in trace events."""
+    microbatch_costs: Callable[[], Sequence[float] | None] | None = None
+    """Called once per step: each microbatch's relative cost estimate (e.g. from its sequence length),
+    the same on every stage of the pipeline; dynamic policies order microbatches by it
+    (StageState.microbatch_costs). None: all alike."""
     gpu_timer: Any = None
     """trainer.profiling.gpu_spans.GpuOpTimer when tracing on CUDA: each op's GPU time becomes a
     "gpu" span of the trace (one synchronize per traced step); None otherwise."""
@@ -151,7 +155,9 @@ class _Step:
         if len(chunks) != topo.virtual_pipeline:
             raise ValueError(f"got {len(chunks)} model chunks but the topology has VP={topo.virtual_pipeline}")
         self.config = _model_config(chunks[0])
-        self.state = StageState(self.shape, self.stage, split_backward=ctx.policy.split_backward)
+        costs = ctx.microbatch_costs() if ctx.microbatch_costs is not None else None
+        self.state = StageState(self.shape, self.stage, split_backward=ctx.policy.split_backward,
+                                microbatch_costs=costs)
         if self.state.split_backward and ctx.split_backward is None and not forward_only:
             raise ValueError(f"policy {ctx.policy.name!r} splits the backward into I and W, but the DppContext "
                              "has no split_backward: install_split_backward(model chunks) first")
