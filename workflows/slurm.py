@@ -1,4 +1,4 @@
-"""Thin, typed wrappers over the Slurm commands the chain uses: sbatch, sacct, scancel.
+"""Thin, typed wrappers over the Slurm commands the chain uses: sbatch, sacct, scancel, scontrol.
 
 Every call has a timeout and raises :class:`SlurmError` with the command and Slurm's own message,
 so a CLI can print one line instead of a traceback.
@@ -114,3 +114,42 @@ def query(job_ids: Sequence[str] = (), names: Sequence[str] = ()) -> list[JobRec
         # Without a start time sacct only looks at today's jobs; a chain may have started earlier.
         args += ["--name", ",".join(names), "--starttime", "now-30days"]
     return parse_sacct(run(args))
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One partition as ``scontrol show partition --oneliner`` reports it."""
+
+    name: str
+    total_nodes: int
+    """TotalNodes: nodes in the partition."""
+    max_nodes: int | None
+    """MaxNodes per job; None when UNLIMITED."""
+    default: bool
+    """Default=YES: jobs without --partition go here."""
+
+    @property
+    def node_limit(self) -> int:
+        """Most nodes one job of this partition can ever get."""
+        return self.total_nodes if self.max_nodes is None else min(self.total_nodes, self.max_nodes)
+
+
+def parse_partitions(text: str) -> list[Partition]:
+    """Partitions from ``scontrol show partition --oneliner`` (one ``Key=Value ...`` line each)."""
+    found = []
+    for line in text.splitlines():
+        fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+        if "PartitionName" not in fields:
+            continue
+        max_nodes = fields.get("MaxNodes", "UNLIMITED")
+        found.append(Partition(
+            name=fields["PartitionName"], total_nodes=int(fields.get("TotalNodes", "0")),
+            max_nodes=None if max_nodes == "UNLIMITED" else int(max_nodes),
+            default=fields.get("Default") == "YES",
+        ))
+    return found
+
+
+def partitions() -> list[Partition]:
+    """Every partition of the cluster."""
+    return parse_partitions(run(["scontrol", "show", "partition", "--oneliner"]))

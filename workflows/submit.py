@@ -5,7 +5,8 @@
 
 Prints the job ids, the sacct command and the output folders. With --wait it shows each job's
 state as it changes and exits 0 only when all three end COMPLETED (1 otherwise, 3 on timeout).
-Bad input (unknown recipe, --nodes < 1, a missing data file) exits 2 with one line.
+Bad input (unknown recipe, --nodes < 1 or above the partition's nodes, a missing data file or
+image) exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from workflows import chain, recipes, slurm
+from workflows import chain, preflight, recipes, slurm
 from workflows.cli import OneLineParser, fail, parse_assignment
 from workflows.render import REPO
 
@@ -72,8 +73,11 @@ def spec_from_args(args: argparse.Namespace) -> chain.ChainSpec:
         overrides=overrides,
     )
     missing = spec.missing_inputs()
-    if missing:
-        raise ValueError(f"missing data file(s): {', '.join(missing)} (relative to {REPO})")
+    problems = [f"missing data file(s): {', '.join(missing)} (relative to {REPO})"] if missing else []
+    # What only the filesystem and the cluster can tell, still before anything is submitted.
+    problems += preflight.image_problems(args.image) + preflight.partition_problems(spec.nodes, spec.partition)
+    if problems:
+        raise ValueError("; ".join(problems))
     return spec
 
 

@@ -217,3 +217,24 @@ def test_bert_bad_arguments(gpt_prefix, bert_prefix, bert_tokenizer):
         BertSampleDataset(bert_prefix, 4, bert_tokenizer, seed=0, masked_lm_prob=0.0)
     with pytest.raises(ValueError, match="--split-sentences"):  # one sequence per document: no pairs
         BertSampleDataset(gpt_prefix, 64, bert_tokenizer, seed=0)
+
+
+# ---- issue 15, item 4: a .bin that does not match its .idx is named when opened, not mid-training ----
+@pytest.mark.parametrize("change", [-2, 4], ids=["short", "long"])
+def test_bin_size_is_checked_against_the_index_when_opened(gpt_prefix, bert_prefix, bert_tokenizer, tmp_path,
+                                                           change):
+    import shutil
+
+    for source, name in ((gpt_prefix, "gpt"), (bert_prefix, "bert")):
+        copy = tmp_path / name
+        shutil.copy(source + ".idx", f"{copy}.idx")
+        data = Path(source + ".bin").read_bytes()
+        Path(f"{copy}.bin").write_bytes(data[:change] if change < 0 else data + b"\0" * change)
+        expected = rf"{copy}\.bin is {len(data) + change} bytes but {copy}\.idx describes {len(data)} bytes"
+        with pytest.raises(ValueError, match=expected):
+            open_indexed_dataset(copy)
+        with pytest.raises(ValueError, match=expected):
+            if name == "gpt":
+                GPTSampleDataset(copy, 64, seed=0)
+            else:
+                BertSampleDataset(copy, 64, bert_tokenizer, seed=0)

@@ -167,3 +167,30 @@ def test_several_json_keys_stay_aligned_and_empty_lines_are_skipped(tmp_path):
     assert list(texts.document_indices) == [0, 1, 2] and list(titles.document_indices) == [0, 1, 1]
     assert [tokenizer.detokenize(d) for d in texts] == ["First body.", "Third body."]
     assert [tokenizer.detokenize(d) for d in titles] == ["One"]
+
+
+# ---- issue 15, item 4: inputs that cannot work fail here, naming the file --------------------------
+@pytest.mark.parametrize("content", ["", "\n\n   \n\t\n", '{"text": ""}\n\n{"text": ""}\n'],
+                         ids=["empty", "blank-only", "empty-texts"])
+def test_a_corpus_with_no_document_is_an_error_not_an_empty_dataset(tmp_path, capsys, content):
+    src = tmp_path / "empty.jsonl"
+    src.write_text(content)
+    assert main(_gpt_args(src, tmp_path / "out")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {src}: no documents to write"), err
+    assert len(err.splitlines()) == 1, err
+    assert _leftovers(tmp_path, "out") == []  # no 0-document dataset for training to trip over later
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("compression", "workers"), [("xz", 1), ("xz", 2), ("gz", 1)])
+def test_a_truncated_compressed_corpus_is_one_line_naming_the_file(tmp_path, capsys, compression, workers):
+    docs = [f"Document {i}: " + "some words here " * 40 for i in range(200)]
+    src = _write_jsonl(tmp_path / "docs.jsonl", docs, compression)
+    data = src.read_bytes()
+    src.write_bytes(data[: len(data) // 2])  # a copy cut off half-way
+    assert main(_gpt_args(src, tmp_path / "out", "--workers", str(workers))) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {src}: truncated or corrupt compressed input after line "), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert _leftovers(tmp_path, "out") == []

@@ -32,6 +32,8 @@ def run_cli(module: str, *args: str, tmp_path: Path) -> subprocess.CompletedProc
     (["gpt", "--env", "NUM_LAYER=3"], "unknown setting(s) NUM_LAYER"),
     (["gpt", "--env", "NUM_LAYERS"], "expected KEY=VALUE, got 'NUM_LAYERS'"),
     (["gpt", "--train-iters", "0"], "--train-iters 0: must be >= 1"),
+    (["gpt", "--image", "./no-such-image.sqsh"], "--image ./no-such-image.sqsh: no such file"),
+    (["gpt", "--image", "/nowhere/mdpp.sqsh"], "--image /nowhere/mdpp.sqsh: no such file"),
 ])
 def test_submit_bad_input_is_one_line_and_status_2(tmp_path, args, message):
     result = run_cli("workflows.submit", *args, tmp_path=tmp_path)

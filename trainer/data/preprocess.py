@@ -8,7 +8,8 @@ are readable by its ``IndexedDataset``.
 Unlike Megatron-LM's tool, a bad input never leaves half-written outputs: everything goes to temporary
 names that are renamed only after the last document, and removed on any error. Documents that
 tokenize to nothing are skipped (Megatron-LM writes them as empty documents, which samplers must
-then step around).
+then step around); an input with no document left is an error, not an empty dataset that would only
+fail later in training. A truncated or corrupt ``.xz``/``.gz`` is an error naming the file.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import sys
 import time
 import warnings
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,11 +187,22 @@ def _open_input(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _numbered_lines(handle: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+# What a truncated or corrupt compressed input raises while it is read (BadGzipFile is an OSError).
+_DECOMPRESSION_ERRORS = (EOFError, lzma.LZMAError, zlib.error, gzip.BadGzipFile)
+
+
+def _numbered_lines(handle: IO[bytes], path: Path) -> Iterator[tuple[int, bytes]]:
     # Raw bytes: UTF-8 decoding happens in the worker, so a bad byte is reported with its line number.
-    for number, raw in enumerate(handle, start=1):
-        if raw.strip():  # blank lines (a trailing newline, say) are not documents
-            yield number, raw
+    number = 0
+    try:
+        for number, raw in enumerate(handle, start=1):
+            if raw.strip():  # blank lines (a trailing newline, say) are not documents
+                yield number, raw
+    except _DECOMPRESSION_ERRORS as exc:
+        # The file ended (or broke) mid-stream: name it, and how far it got, instead of a traceback.
+        raise PreprocessError(
+            f"{path}: truncated or corrupt compressed input after line {number}: {exc or type(exc).__name__}"
+        ) from None
 
 
 class _AtomicIndexedDatasetWriter:
@@ -262,11 +275,17 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
             writers[key] = _AtomicIndexedDatasetWriter(bin_path, idx_path, vocab_size)
         start = time.perf_counter()  # after the (slow, one-off) megatron-core import in the writer
         with _open_input(config.input) as handle:
-            for doc in _encoded_documents(config, _numbered_lines(handle)):
+            for doc in _encoded_documents(config, _numbered_lines(handle, config.input)):
                 _write_document(doc, writers, stats)
                 if stats.documents and stats.documents % config.log_interval == 0:
                     logger.info("processed %d documents (%.1f MB/s)", stats.documents,
                                 stats.input_bytes / 1e6 / (time.perf_counter() - start))
+        if stats.documents == 0:
+            # A 0-document dataset "succeeds" here and fails only once training has its nodes.
+            raise PreprocessError(
+                f"{config.input}: no documents to write: the file is empty or blank-only, or every line's"
+                f" {'/'.join(config.json_keys)} tokenized to nothing ({stats.skipped_empty} such lines)"
+            )
         for writer in writers.values():
             writer.commit()
     except BaseException:
