@@ -19,6 +19,7 @@ from pathlib import Path
 
 from workflows import jobs, render, slurm
 from workflows.recipes import Recipe
+from workflows.sbatch_params import SbatchParams, as_flags
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,11 @@ class ChainSpec:
             errors.append(f"--nodes {self.nodes}: must be >= 1")
         if self.gpus_per_node < 0:
             errors.append(f"--gpus-per-node {self.gpus_per_node}: must be >= 0")
-        unknown = sorted(set(self.overrides) - jobs.KNOB_NAMES)
+        known = jobs.KNOB_NAMES | set(jobs.SCRIPT_VARIABLES)
+        unknown = sorted(set(self.overrides) - known)
         if unknown:
-            errors.append(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(jobs.KNOB_NAMES))}")
+            errors.append(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        errors += jobs.value_problems(self.overrides)
         if not errors and self.nodes >= 1 and self.ranks % self.nodes:
             errors.append(f"{self.ranks} training ranks (PP={self._knob('PP')} x TP={self._knob('TP')}) do not "
                           f"split evenly over --nodes {self.nodes}")
@@ -142,8 +145,10 @@ def chain_names(name: str) -> list[str] | None:
     return None
 
 
-def sbatch_options(spec: ChainSpec, step: str, logs: Path, after: str | None) -> list[str]:
+def sbatch_options(spec: ChainSpec, step: str, logs: Path, after: str | None,
+                   params: SbatchParams | None = None) -> list[str]:
     """sbatch flags of one step: name, log file, directory, partition; nodes/GPUs and the dependency."""
+    params = params or SbatchParams(gpus_per_node=spec.gpus_per_node)
     options = [
         f"--job-name={job_name(spec.run_dir, step)}",
         f"--output={logs}/%x_%j.out",
@@ -156,15 +161,17 @@ def sbatch_options(spec: ChainSpec, step: str, logs: Path, after: str | None) ->
     if step == "train":
         # Ask for every rank's slot: an allocation of one task per node refuses the srun of several
         # ranks per node ("More processors requested than permitted") unless whole nodes are given.
-        options += [f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ranks // spec.nodes}", "--cpus-per-task=1"]
-        if spec.gpus_per_node:
-            options.append(f"--gpus-per-node={spec.gpus_per_node}")
+        options += [f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ranks // spec.nodes}",
+                    f"--cpus-per-task={params.cpus_per_task or 1}"]
+        options += as_flags(params.training())  # GPU runs: --gpus-per-node, --exclusive, --wait-all-nodes=1
+    else:
+        options += as_flags(params.shared())
     if after:
         options += [f"--dependency={after}", "--kill-on-invalid-dep=yes"]
     return options
 
 
-def submit(spec: ChainSpec) -> Chain:
+def submit(spec: ChainSpec, params: SbatchParams | None = None) -> Chain:
     """Render the sbatch files into the run folder and submit them as a chain.
 
     If any submission fails, the jobs already submitted are cancelled: no half chain is left behind.
@@ -182,7 +189,7 @@ def submit(spec: ChainSpec) -> Chain:
     try:
         for job in jobs.JOBS:
             after = f"{dependency[job.key]}:{previous}" if previous else None
-            previous = slurm.sbatch(str(scripts[job.filename]), sbatch_options(spec, job.key, logs, after), env)
+            previous = slurm.sbatch(str(scripts[job.filename]), sbatch_options(spec, job.key, logs, after, params), env)
             job_ids[job.key] = previous
     except slurm.SlurmError:
         slurm.scancel(list(job_ids.values()))

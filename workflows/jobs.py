@@ -19,6 +19,43 @@ CONTAINER_WORKDIR = "/workspace/megatron-dpp"  # where containers/Dockerfile ins
 HEADER_VARIABLES = ("REPO_DIR", "MODEL", "SIZE", "DEFAULT_OUTPUT_DIR")
 
 
+# What trainer.train --transport accepts (an RDMA transport does not exist: never offer one).
+TRANSPORTS = ("auto", "shm", "nccl", "gloo")
+# The AWS test case's names (awsome-distributed-training, megatron-lm) for our settings. The sbatch
+# files and the driver accept them as aliases; a value that contradicts ours is refused, not ignored.
+ALIASES = {"TENSOR_PARALLEL": "TP", "PIPELINE_PARALLEL": "PP", "FSX_MOUNT": "CONTAINER_MOUNTS"}
+# Variables the scripts read that are not knobs (no recipe default, no trainer flag of their own).
+SCRIPT_VARIABLES = {
+    "CONTAINER_MOUNTS": "Pyxis --container-mounts (default: DATA_PATH and OUTPUT_DIR at the same paths)",
+    "NCCL_DEBUG": "NCCL's log level for the training ranks (WARN, INFO, TRACE); unset: NCCL's default",
+}
+
+
+def apply_aliases(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``env`` with the AWS names replaced by ours, and a problem for each alias that contradicts."""
+    out = dict(env)
+    problems = []
+    for alias, target in ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if out.get(target, value) != value:
+            problems.append(f"{alias}={value} and {target}={out[target]} disagree ({alias} is the AWS "
+                            f"test case's name for {target}): set one")
+        else:
+            out[target] = value
+    return out, problems
+
+
+def value_problems(env: Mapping[str, str]) -> list[str]:
+    """Settings whose value no job could run with, named (checked before anything is submitted)."""
+    problems = []
+    transport = env.get("TRANSPORT")
+    if transport and transport not in TRANSPORTS:
+        problems.append(f"TRANSPORT={transport}: not one of {', '.join(TRANSPORTS)}")
+    return problems
+
+
 @dataclass(frozen=True)
 class Knob:
     """One environment-overridable setting of an sbatch file."""
@@ -101,7 +138,7 @@ TRAIN = Job("train", "2.distributed-training.sbatch", "trainer.train", "02:00:00
     Knob("RESUME", "1: continue a checkpoint another job left in CHECKPOINT_DIR (else that is refused)"),
     Knob("SAVE_INTERVAL", "checkpoint every N iterations", ("--save-interval",)),
     Knob("PROFILE_DIR", "per-rank Chrome traces", ("--profile-dir",)),
-    Knob("TRANSPORT", "auto, shm, gloo, nccl or rdma", ("--transport",)),
+    Knob("TRANSPORT", "stage-to-stage transport: " + ", ".join(TRANSPORTS), ("--transport",)),
     Knob("LOG_INTERVAL", "log the loss every N iterations", ("--log-interval",)),
     Knob("SEED", "random seed", ("--seed",)),
     Knob("EXTRA_TRAIN_ARGS", "more trainer flags, split on spaces"),
@@ -165,6 +202,7 @@ def resolve(job: Job, recipe: Recipe, env: Mapping[str, str]) -> dict[str, str]:
 
     ``env`` must hold REPO_DIR; DEFAULT_OUTPUT_DIR comes from SLURM_JOB_ID (``<pid>`` without one).
     """
+    env, _problems = apply_aliases({k: v for k, v in env.items() if v})  # the bash refuses a contradiction
     values = {"REPO_DIR": env["REPO_DIR"], "MODEL": recipe.model, "SIZE": recipe.size}
     values["DEFAULT_OUTPUT_DIR"] = f"{env['REPO_DIR']}/runs/{recipe.model}-{env.get('SLURM_JOB_ID', '<pid>')}"
     recipe_defaults = defaults(recipe)

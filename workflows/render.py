@@ -134,6 +134,8 @@ def render_job(job: Job, recipe_list: list[Recipe] | None = None) -> str:
         section=arrange(job, recipe_list),
         optional=optional,
         recipe_keys=" ".join(r.key for r in recipe_list),
+        aliases=list(jobs.ALIASES.items()),
+        transports=jobs.TRANSPORTS,
     )
 
 

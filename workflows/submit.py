@@ -1,7 +1,12 @@
 """Submit a recipe's chain: preprocess -> train (afterok) -> aggregate (afterany).
 
     python -m workflows.submit gpt --nodes 2 --wait
-    python -m workflows.submit bert --nodes 1 --gpus-per-node 4 --partition gpu --image ./mdpp.sqsh
+    python -m workflows.submit bert --nodes 1 --gpus-per-node 4 --partition gpu --image ./mdpp.sqsh \
+        --time 04:00:00 --account proj --qos high --sbatch-arg mail-type=END
+
+Each step is a submitit job running its rendered sbatch file (workflows/submitit_chain.py);
+--via sbatch submits the same files with plain `sbatch` instead. With --wait, a failed step's
+state, exit code, log tail and remote traceback are printed, and the aggregation's summary.
 
 Prints the job ids, the sacct command and the output folders. With --wait it shows each job's
 state as it changes and exits 0 only when all three end COMPLETED (1 otherwise, 3 on timeout).
@@ -18,9 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from workflows import chain, preflight, recipes, slurm
+from workflows import chain, jobs, preflight, recipes, slurm, submitit_chain
 from workflows.cli import OneLineParser, fail, parse_assignment
 from workflows.render import REPO
+from workflows.sbatch_params import SbatchParams, parse_pass_through
 
 PROG = "python -m workflows.submit"
 EXIT_FAILED = 1
@@ -40,6 +46,20 @@ def build_parser() -> OneLineParser:
                         help="override any sbatch setting, e.g. --env NUM_LAYERS=8 (repeatable)")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs",
                         help="parent of the chain's output folder (default: runs/)")
+    sbatch = parser.add_argument_group("sbatch parameters (validated together before anything is submitted)")
+    sbatch.add_argument("--time", default=None, help="training job's time limit, e.g. 04:00:00 (default: 02:00:00)")
+    sbatch.add_argument("--account", default=None, help="--account of every job")
+    sbatch.add_argument("--qos", default=None, help="--qos of every job")
+    sbatch.add_argument("--constraint", default=None, help="node features of the training job")
+    sbatch.add_argument("--exclusive", action="store_true", help="whole nodes for training (always for GPU runs)")
+    sbatch.add_argument("--mem", default=None, help="memory per training node, e.g. 0 (all) or 64G")
+    sbatch.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per training rank (default 1)")
+    sbatch.add_argument("--sbatch-arg", type=parse_pass_through, action="append", default=[], metavar="KEY[=VALUE]",
+                        help="any other sbatch option for every job, e.g. mail-type=END (repeatable)")
+    parser.add_argument("--nccl-debug", default=None, metavar="LEVEL",
+                        help="NCCL_DEBUG for the training ranks (WARN, INFO, TRACE)")
+    parser.add_argument("--via", choices=("submitit", "sbatch"), default="submitit",
+                        help="submit through submitit (default) or plain sbatch; both run the same files")
     parser.add_argument("--wait", action="store_true", help="follow the chain until it finishes")
     parser.add_argument("--timeout", type=float, default=3600.0, help="--wait gives up after this many seconds")
     return parser
@@ -52,33 +72,49 @@ def image_reference(image: str | None) -> str | None:
     return image
 
 
-def spec_from_args(args: argparse.Namespace) -> chain.ChainSpec:
-    """Validated ChainSpec; ValueError naming the bad value otherwise."""
-    if args.gpus_per_node < 0:
-        raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be >= 0")
+def params_from_args(args: argparse.Namespace) -> SbatchParams:
+    return SbatchParams(
+        time=args.time, account=args.account, qos=args.qos, constraint=args.constraint,
+        exclusive=args.exclusive, mem=args.mem, cpus_per_task=args.cpus_per_task,
+        gpus_per_node=args.gpus_per_node, extra=dict(args.sbatch_arg),
+    )
+
+
+def spec_from_args(args: argparse.Namespace) -> tuple[chain.ChainSpec, SbatchParams]:
+    """Validated ChainSpec and sbatch parameters; one ValueError naming every bad value otherwise."""
+    params = params_from_args(args)
+    problems = params.problems()
     if args.train_iters is not None and args.train_iters < 1:
-        raise ValueError(f"--train-iters {args.train_iters}: must be >= 1")
-    recipe = recipes.get(args.recipe, "gpu" if args.gpus_per_node else "cpu")
-    overrides = dict(args.env)
+        problems.append(f"--train-iters {args.train_iters}: must be >= 1")
+    overrides, alias_problems = jobs.apply_aliases(dict(args.env))
+    problems += alias_problems
     if args.train_iters is not None:
         overrides["TRAIN_ITERS"] = str(args.train_iters)
-    spec = chain.ChainSpec(
-        recipe=recipe,
-        nodes=recipe.nodes if args.nodes is None else args.nodes,
-        repo_dir=REPO,
-        run_dir=chain.new_run_dir(args.runs_dir.resolve(), recipe),
-        gpus_per_node=args.gpus_per_node,
-        partition=args.partition,
-        image=image_reference(args.image),
-        overrides=overrides,
-    )
-    missing = spec.missing_inputs()
-    problems = [f"missing data file(s): {', '.join(missing)} (relative to {REPO})"] if missing else []
-    # What only the filesystem and the cluster can tell, still before anything is submitted.
-    problems += preflight.image_problems(args.image) + preflight.partition_problems(spec.nodes, spec.partition)
-    if problems:
+    if args.nccl_debug:
+        overrides["NCCL_DEBUG"] = args.nccl_debug
+    spec = None
+    try:
+        recipe = recipes.get(args.recipe, "gpu" if args.gpus_per_node > 0 else "cpu")
+        spec = chain.ChainSpec(
+            recipe=recipe,
+            nodes=recipe.nodes if args.nodes is None else args.nodes,
+            repo_dir=REPO,
+            run_dir=chain.new_run_dir(args.runs_dir.resolve(), recipe),
+            gpus_per_node=max(args.gpus_per_node, 0),
+            partition=args.partition,
+            image=image_reference(args.image),
+            overrides=overrides,
+        )
+    except ValueError as exc:
+        problems.append(str(exc))
+    if spec is not None:
+        missing = spec.missing_inputs()
+        problems += [f"missing data file(s): {', '.join(missing)} (relative to {REPO})"] if missing else []
+        # What only the filesystem and the cluster can tell, still before anything is submitted.
+        problems += preflight.image_problems(args.image) + preflight.partition_problems(spec.nodes, spec.partition)
+    if problems or spec is None:
         raise ValueError("; ".join(problems))
-    return spec
+    return spec, params
 
 
 def print_chain(submitted: chain.Chain) -> None:
@@ -94,7 +130,9 @@ def print_chain(submitted: chain.Chain) -> None:
     sys.stdout.flush()
 
 
-def follow(submitted: chain.Chain, timeout_s: float) -> int:
+def follow(submitted: chain.Chain, timeout_s: float,
+           through: submitit_chain.SubmittedChain | None = None) -> int:
+    """Show state changes until the chain ends; with submitit jobs, report failures and the summary."""
     def show(record: slurm.JobRecord, step: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {step:<11} {record.job_id:>6} {record.state}", flush=True)
 
@@ -103,10 +141,17 @@ def follow(submitted: chain.Chain, timeout_s: float) -> int:
     except TimeoutError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
-    bad = [f"{step} {r.job_id} {r.state} (exit {r.exit_code})"
-           for step, r in zip(chain.STEPS, final, strict=True) if r.state != "COMPLETED"]
+    records = dict(zip(chain.STEPS, final, strict=True))
+    bad = {step: r for step, r in records.items() if r.state != "COMPLETED"}
+    if through is not None:
+        for step, record in bad.items():
+            print(submitit_chain.failure_report(through, step, record), file=sys.stderr)
+        if records["aggregate"].state == "COMPLETED":
+            summary = submitit_chain.aggregation_result(through.jobs["aggregate"])
+            print(submitit_chain.format_summary(summary or {}))
     if bad:
-        print(f"chain failed: {'; '.join(bad)}; logs in {submitted.run_dir / 'logs'}", file=sys.stderr)
+        described = "; ".join(f"{step} {r.job_id} {r.state} (exit {r.exit_code})" for step, r in bad.items())
+        print(f"chain failed: {described}; logs in {submitted.run_dir / 'logs'}", file=sys.stderr)
         return EXIT_FAILED
     print("chain COMPLETED")
     return 0
@@ -116,13 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        spec = spec_from_args(args)
+        spec, params = spec_from_args(args)
     except ValueError as exc:
         fail(str(exc), PROG)
     try:
-        submitted = chain.submit(spec)
+        through = None
+        if args.via == "submitit":
+            through = submitit_chain.submit(spec, params)
+            submitted = through.chain
+        else:
+            submitted = chain.submit(spec, params)
         print_chain(submitted)
-        return follow(submitted, args.timeout) if args.wait else 0
+        return follow(submitted, args.timeout, through) if args.wait else 0
     except slurm.SlurmError as exc:  # the cluster's problem, not the input's: status 1, one line
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

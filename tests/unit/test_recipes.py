@@ -144,8 +144,8 @@ def test_sbatch_options_chain_the_jobs_and_request_gpus_only_for_training(tmp_pa
     agg = chain.sbatch_options(spec, "aggregate", logs, after="afterany:12")
     assert pre == ["--job-name=mdpp-run-preprocess", f"--output={logs}/%x_%j.out", f"--chdir={REPO}",
                    "--partition=gpu", "--cpus-per-task=16"]
-    assert train[-6:] == ["--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=1", "--gpus-per-node=4",
-                          "--dependency=afterok:11", "--kill-on-invalid-dep=yes"]
+    assert train[-8:] == ["--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=1", "--gpus-per-node=4",
+                          "--exclusive", "--wait-all-nodes=1", "--dependency=afterok:11", "--kill-on-invalid-dep=yes"]
     assert agg[-2:] == ["--dependency=afterany:12", "--kill-on-invalid-dep=yes"]
     assert not any(o.startswith(("--nodes", "--gpus")) for o in pre + agg)
     assert spec.environment()["SIZE"] == "gpu" and spec.environment()["GPUS_PER_NODE"] == "4"

@@ -19,6 +19,7 @@ from workflows import jobs, recipes, render, shell
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SRUN = """#!/bin/bash
 printf '%s\\0' "$@" > "$FAKE_SRUN_LOG"
+env > "$FAKE_SRUN_LOG.env"  # what the ranks would inherit
 # Plays the ranks: by default they finish ("done"); FAKE_RANKS=... picks another ending.
 record() { if [[ -n "${MDPP_EXIT_RECORD:-}" ]]; then echo "$1" > "$MDPP_EXIT_RECORD"; fi; }
 case "${FAKE_RANKS:-done}" in
@@ -123,6 +124,8 @@ def test_sbatch_runs_exactly_the_recipe_command(tmp_path, recipe, job):
 def test_training_sbatch_runs_the_recipe_command_with_node_addresses(tmp_path, recipe):
     env = {"MODEL": recipe.model, "SIZE": recipe.size, "NODE_IPS": "10.0.0.1,10.0.0.2",
            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "7"}
+    if recipe.gpus_per_node:
+        env["SLURM_GPUS_ON_NODE"] = str(recipe.gpus_per_node)  # what Slurm sets for --gpus-per-node
     result, argv = run_sbatch(jobs.TRAIN, tmp_path, **env)
     assert result.returncode == 0, result.stderr
     command = expected_command(jobs.TRAIN, recipe, {"REPO_DIR": str(REPO), "OUTPUT_DIR": str(tmp_path / "out"),
@@ -248,3 +251,43 @@ def test_aggregation_by_hand_reads_the_folder_of_the_training_job_it_depends_on(
                               SLURM_JOB_DEPENDENCY="afterany:7")
     assert result.returncode == 0, result.stderr
     assert argv[argv.index("--benchmark_dir") + 1] == f"{REPO}/runs/gpt-7/traces"
+
+
+def test_gpu_training_without_a_gpu_request_stops_and_names_the_flags(tmp_path):
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, SIZE="gpu", NODE_IPS="10.0.0.1", SLURM_JOB_NUM_NODES="1",
+                              SLURM_JOB_ID="7")
+    assert result.returncode == 2 and argv == []
+    assert "--gpus-per-node=4 --exclusive --wait-all-nodes=1" in result.stderr
+
+
+def test_gpu_training_sets_the_cuda_and_nccl_environment(tmp_path):
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, SIZE="gpu", NODE_IPS="10.0.0.1", SLURM_JOB_NUM_NODES="1",
+                              SLURM_JOB_ID="7", SLURM_GPUS_ON_NODE="4", NCCL_DEBUG="INFO")
+    assert result.returncode == 0, result.stderr
+    env = dict(line.split("=", 1) for line in (tmp_path / "srun.argv.env").read_text().splitlines() if "=" in line)
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["NCCL_DEBUG"] == "INFO"
+
+
+@pytest.mark.parametrize(("aws", "ours", "flag"), [
+    ("TENSOR_PARALLEL", "TP", "--tensor-model-parallel-size"),
+    ("PIPELINE_PARALLEL", "PP", "--pipeline-model-parallel-size"),
+])
+def test_aws_names_are_aliases_and_a_contradiction_is_refused(tmp_path, aws, ours, flag):
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, NODE_IPS="10.0.0.1", **{aws: "1"})
+    assert result.returncode == 0, result.stderr
+    assert argv[argv.index(flag) + 1] == "1"
+    assert jobs.resolve(jobs.TRAIN, recipes.get("gpt"), {"REPO_DIR": str(REPO), aws: "1"})[ours] == "1"
+    result, _ = run_sbatch(jobs.TRAIN, tmp_path, NODE_IPS="10.0.0.1", **{aws: "1", ours: "2"})
+    assert result.returncode == 2 and f"{aws}=1 and {ours}=2 disagree" in result.stderr
+
+
+def test_fsx_mount_is_the_container_mounts_alias(tmp_path):
+    result, argv = run_sbatch(jobs.PREPROCESS, tmp_path, IMAGE="/img.sqsh", FSX_MOUNT="/fsx:/fsx")
+    assert "--container-mounts=/fsx:/fsx" in argv, result.stderr
+
+
+def test_an_unknown_transport_is_refused_before_srun(tmp_path):
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, NODE_IPS="10.0.0.1", TRANSPORT="rdma")
+    assert result.returncode == 2 and argv == []
+    assert "TRANSPORT=rdma: not one of auto shm nccl gloo" in result.stderr
