@@ -53,6 +53,7 @@ from trainer.model.batches import (
 )
 from trainer.model.prefetch import MicrobatchPrefetcher
 from trainer.run_metrics import RunMeasurement
+from trainer.run_token import agreed_run_token
 from trainer.topology import Topology
 from trainer.transport.factory import LinkOptions
 
@@ -108,11 +109,6 @@ class PreemptionFlag:
         return bool(flag.item())
 
 
-def _job_id() -> str:
-    env = os.environ
-    return env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or f"p{env.get('MASTER_PORT', '0')}"
-
-
 class TrainingSession:
     """One rank's training run: set-up, the iteration loop, checkpoints, tear-down."""
 
@@ -132,6 +128,8 @@ class TrainingSession:
             launch, cfg.run.device, timeout_s=max(600.0, cfg.parallel.dpp_timeout_s),
             backend_choice=cfg.parallel.distributed_backend,
         )
+        # One token per run, agreed by all ranks: shared-memory names and every trace file carry it.
+        self.run_token = agreed_run_token(device=self.device)
         if cfg.run.device == "cpu":
             from trainer.megatron_compat import apply_cpu_shims
 
@@ -290,7 +288,7 @@ class TrainingSession:
             from trainer.transport.factory import make_stage_links
 
             self.links = make_stage_links(topo, cfg.parallel.transport, self.device,
-                                          timeout_s=cfg.parallel.dpp_timeout_s, job_id=_job_id(),
+                                          timeout_s=cfg.parallel.dpp_timeout_s, job_id=self.run_token,
                                           options=link_options(cfg, shape))
         if topo.tensor_parallel > 1:
             self.tp_channel = self._tp_channel(shape)
@@ -298,7 +296,7 @@ class TrainingSession:
             "stage": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank,
             "world_size": topo.world_size, "pipeline_parallel": topo.pipeline_parallel,
             "num_chunks": topo.virtual_pipeline, "num_microbatches": self.num_microbatches,
-            "schedule": name, "workload": cfg.run.workload})
+            "schedule": name, "workload": cfg.run.workload, "run_id": self.run_token})
         if self.tracer.enabled:
             from trainer.profiling.clock import measure_clock_offset
 
@@ -324,7 +322,7 @@ class TrainingSession:
         from trainer.pipeline.tp_decision import TpDecisionChannel
 
         topo = self.topology
-        name = f"mdpp-{_job_id()}-pp{topo.pp_rank}-dp{topo.dp_rank}-tpdecide"
+        name = f"mdpp-{self.run_token}-pp{topo.pp_rank}-dp{topo.dp_rank}-tpdecide"
         return TpDecisionChannel(name, capacity=3 * shape.num_microbatches * shape.num_chunks,
                                  is_leader=topo.tp_rank == 0,
                                  group=parallel_state.get_tensor_model_parallel_group(),

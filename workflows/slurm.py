@@ -21,6 +21,9 @@ TERMINAL_STATES = frozenset({
     "BOOT_FAIL", "DEADLINE",
 })
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NodeList", "Start", "End")
+# Every state, for sacct --state: with a time window and no --state, sacct leaves out jobs that never
+# became eligible, e.g. a chain's training job cancelled while pending because preprocessing failed.
+SACCT_ALL_STATES = "PD,R,RQ,S,RS,CD,CA,F,TO,NF,OOM,PR,BF,DL"
 
 
 class SlurmError(RuntimeError):
@@ -112,7 +115,8 @@ def query(job_ids: Sequence[str] = (), names: Sequence[str] = ()) -> list[JobRec
         args += ["-j", ",".join(job_ids)]
     if names:
         # Without a start time sacct only looks at today's jobs; a chain may have started earlier.
-        args += ["--name", ",".join(names), "--starttime", "now-30days"]
+        args += ["--name", ",".join(names), "--starttime", "now-30days", "--endtime", "now",
+                 "--state", SACCT_ALL_STATES]
     return parse_sacct(run(args))
 
 

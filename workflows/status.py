@@ -3,9 +3,10 @@
     python -m workflows.status 42
 
 The chain's jobs share a name stem (mdpp-<run>-preprocess/-train/-aggregate, set by
-workflows.submit), so one id finds the other two. A job submitted by hand with sbatch is shown
-alone. Exit status: 0 all COMPLETED, 1 any job ended otherwise, 3 still pending or running,
-2 bad input (not a job id, unknown job).
+workflows.submit), so one id finds the other two, including a job cancelled by a failed dependency
+before it ever ran. A job submitted by hand with sbatch is shown alone, said to be no chain. Exit
+status: 0 all COMPLETED, 1 any job ended otherwise, 3 still pending or running, 2 bad input (not a
+job id, a job sacct does not know, such as 0).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ EXIT_FAILED, EXIT_RUNNING = 1, 3
 
 def chain_records(job_id: str) -> list[slurm.JobRecord]:
     """The chain containing ``job_id`` in chain order; ValueError when sacct does not know it."""
-    own = slurm.query(job_ids=[job_id])
+    # Only the record of that very id: `sacct -j 0` lists every job, whose first would otherwise be
+    # taken for job 0 and its chain shown.
+    own = [r for r in slurm.query(job_ids=[job_id]) if r.job_id == job_id]
     if not own:
         raise ValueError(f"job {job_id}: not found in sacct")
     names = chain.chain_names(own[0].name)
@@ -52,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.job_id.isdigit():
         fail(f"job id {args.job_id!r}: expected a number", PROG)
+    job_id = str(int(args.job_id))  # sacct prints 7 for 007
     try:
-        records = chain_records(args.job_id)
+        records = chain_records(job_id)
     except ValueError as exc:
         fail(str(exc), PROG)
     except slurm.SlurmError as exc:
@@ -61,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     print(table(records))
     state, code = verdict(records)
-    print(f"chain: {state}")
+    if chain.chain_names(records[0].name) is None:
+        print(f"job {job_id}: {state} (not a workflows.submit chain: shown alone)")
+    else:
+        print(f"chain: {state}")
     return code
 
 

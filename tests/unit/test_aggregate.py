@@ -22,8 +22,8 @@ COSTS = UniformCosts(num_stages=4, num_microbatches=8, forward_us=1000.0, backwa
 
 
 def _write_run(folder: Path, costs: UniformCosts = COSTS, iterations: int = 2,
-               skew_us: tuple[float, ...] = ()) -> dict[int, dict]:
-    documents = rank_traces(costs, iterations=iterations, clock_skew_us=skew_us)
+               skew_us: tuple[float, ...] = (), **kwargs) -> dict[int, dict]:
+    documents = rank_traces(costs, iterations=iterations, clock_skew_us=skew_us, **kwargs)
     folder.mkdir(parents=True, exist_ok=True)
     for rank, document in documents.items():
         (folder / trace_file_name(rank)).write_text(json.dumps(document))
@@ -252,3 +252,27 @@ def test_peak_inflight_is_replayed_when_not_reported():
         del event["args"]["inflight"]
     summary = summarize(_merged_from_document(document))
     assert [s.peak_inflight for s in summary.stages] == [4, 3, 2, 1]
+
+
+# ---- issue 15, item 5: a folder mixing two runs is refused ---------------------------------------
+def test_a_folder_mixing_two_runs_is_refused_naming_each_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write_run(run, run_id="101.0-aaaa0001")
+    # A second, 100x slower run later wrote ranks 2 and 3 into the same folder (a reused --profile-dir).
+    slow = UniformCosts(num_stages=4, num_microbatches=8, forward_us=100_000.0, backward_us=200_000.0)
+    second = rank_traces(slow, iterations=2, run_id="202.0-bbbb0002", epoch_us=1.8e15)
+    for rank in (2, 3):
+        (run / trace_file_name(rank)).write_text(json.dumps(second[rank]))
+
+    assert aggregate.main(["--benchmark_dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {run}: the traces come from 2 different runs (run 101.0-aaaa0001: "
+                   "trace_rank00000.json, trace_rank00001.json; run 202.0-bbbb0002: trace_rank00002.json, "
+                   "trace_rank00003.json); aggregate one run's folder (each run writes its own, runs/<run>/traces)")
+    assert sorted(p.name for p in run.iterdir()) == [trace_file_name(r) for r in range(4)]  # nothing written
+
+
+def test_one_runs_traces_merge_and_keep_the_run_id(tmp_path):
+    _write_run(tmp_path, run_id="303.0-cccc0003")
+    assert aggregate.main(["--benchmark_dir", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "merged.json").read_text())["metadata"]["run_id"] == "303.0-cccc0003"

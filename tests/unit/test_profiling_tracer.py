@@ -17,7 +17,7 @@ from trainer.profiling.tracer import (
 )
 
 META = {"stage": 2, "world_size": 8, "pipeline_parallel": 4, "num_chunks": 1, "num_microbatches": 8,
-        "schedule": "dpp", "tp_rank": 1, "dp_rank": 0}
+        "schedule": "dpp", "tp_rank": 1, "dp_rank": 0, "run_id": "42.0-0badcafe"}
 
 
 def test_off_means_null_tracer_and_no_file(tmp_path):

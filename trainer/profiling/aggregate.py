@@ -6,8 +6,8 @@
 Writes ``merged.json`` (Chrome trace format: open it in https://ui.perfetto.dev or
 chrome://tracing), ``summary.json`` beside it and the PNG, and prints the per-stage table.
 Missing or unreadable rank files are reported by name and the other ranks still merge.
-Exit status: 0 when at least one rank merged, 1 when none could be read, 2 for bad arguments
-(then nothing is written).
+Exit status: 0 when at least one rank merged, 1 when none could be read, 2 for bad arguments or
+a folder holding traces of several runs (then nothing is written).
 """
 
 from __future__ import annotations
@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no readable trace_rank*.json in {args.benchmark_dir}", file=sys.stderr)
         return 1
 
-    merged = merge_traces(run.traces, run.missing_ranks, run.problems)
+    try:
+        merged = merge_traces(run.traces, run.missing_ranks, run.problems)
+    except ValueError as err:  # traces of several runs: any number computed from them would be wrong
+        print(f"error: {args.benchmark_dir}: {err}", file=sys.stderr)
+        return 2
     warnings = validate_trace(merged)
     for warning in warnings:
         print(f"warning: trace: {warning}", file=sys.stderr)

@@ -27,7 +27,7 @@ from trainer.profiling.tracer import THREADS
 THREAD_IDS = MappingProxyType({name: index for index, name in enumerate(THREADS)})
 """Merged ``tid`` of each per-rank thread name."""
 
-RUN_METADATA = ("schedule", "pipeline_parallel", "num_chunks", "num_microbatches", "world_size", "source")
+RUN_METADATA = ("schedule", "pipeline_parallel", "num_chunks", "num_microbatches", "world_size", "source", "run_id")
 """Run-wide metadata copied from the rank files into the merged trace."""
 
 
@@ -66,11 +66,30 @@ def _run_metadata(traces: Sequence[RankTrace]) -> dict[str, Any]:
     return merged
 
 
+def check_one_run(traces: Sequence[RankTrace]) -> None:
+    """ValueError naming every run and its files when the traces do not all carry one ``run_id``.
+
+    Ranks of two runs in one folder (a reused --profile-dir, a copy into the wrong place) would
+    otherwise merge into one timeline whose clocks and iterations belong to different runs: the
+    summary then comes out with iteration times 100x off and nothing says why. A file without a
+    ``run_id`` (written before traces carried one) counts as a run of its own.
+    """
+    by_run: dict[str, list[str]] = defaultdict(list)
+    for trace in traces:
+        by_run[str(trace.metadata.get("run_id", "<none>"))].append(trace.path.name)
+    if len(by_run) > 1:
+        runs = "; ".join(f"run {run_id}: {', '.join(sorted(names))}" for run_id, names in sorted(by_run.items()))
+        raise ValueError(f"the traces come from {len(by_run)} different runs ({runs}); "
+                         "aggregate one run's folder (each run writes its own, runs/<run>/traces)")
+
+
 def merge_traces(traces: Sequence[RankTrace], missing_ranks: Sequence[int] = (),
                  problems: Sequence[str] = ()) -> dict[str, Any]:
-    """One Chrome trace document (``traceEvents`` + ``metadata``) from the given rank traces."""
+    """One Chrome trace document (``traceEvents`` + ``metadata``) from the given rank traces of one
+    run; ValueError (see :func:`check_one_run`) when they come from several."""
     if not traces:
         raise ValueError("merge_traces needs at least one readable trace, got none")
+    check_one_run(traces)
     placed: list[tuple[int, int, float, dict[str, Any]]] = []  # (stage, rank, aligned ts, event)
     for trace in traces:
         for event in trace.events:

@@ -17,7 +17,8 @@ from types import MappingProxyType
 from trainer.profiling.tracer import NullTracer, make_tracer, now_us
 
 BENCH_METADATA = MappingProxyType({"stage": 0, "world_size": 1, "pipeline_parallel": 1, "num_chunks": 1,
-                                   "num_microbatches": 1, "schedule": "bench"})
+                                   "num_microbatches": 1, "schedule": "bench",
+                                   "run_id": "bench"})
 
 
 def best_us_per_call(fn: Callable[[], None], calls: int, repeats: int = 5) -> float:

@@ -91,13 +91,14 @@ def simulated_trace(costs: UniformCosts, iterations: int = 1, gap_us: float = 50
 
 
 def rank_traces(costs: UniformCosts, iterations: int = 1, clock_skew_us: tuple[float, ...] = (),
-                epoch_us: float = 1.7e15) -> dict[int, dict[str, Any]]:
+                epoch_us: float = 1.7e15, run_id: str = "synthetic") -> dict[int, dict[str, Any]]:
     """Per-rank runtime-shaped documents (one rank per stage) of the same schedule.
 
     Rank r's clock reads ``clock_skew_us[r]`` µs ahead of rank 0's (missing entries: 0), so its
     events are shifted by that much and its metadata carries the offset that undoes it, exactly as
     a rank whose start-up clock sync measured the skew would write them. ``epoch_us`` places the
     run at a realistic wall-clock time (µs since 1970) so that large-timestamp arithmetic is tested.
+    Every rank's metadata carries ``run_id``, as a real run's does.
     """
     base = simulated_trace(costs, iterations)
     documents = {}
@@ -107,5 +108,5 @@ def rank_traces(costs: UniformCosts, iterations: int = 1, clock_skew_us: tuple[f
                   if e["pid"] == rank]
         documents[rank] = {"traceEvents": events, "metadata": dict(
             base["metadata"], rank=rank, stage=rank, schedule="1f1b", source="runtime",
-            clock_offset_us=-skew)}
+            clock_offset_us=-skew, run_id=run_id)}
     return documents

@@ -39,8 +39,11 @@ the GPU time of an op (trainer.profiling.gpu_spans, CUDA runs)."""
 DEFAULT_KEEP_ITERATIONS = 20
 """Iterations a tracer keeps (the latest ones): enough to see steady state, bounded memory."""
 
-REQUIRED_METADATA = ("stage", "world_size", "pipeline_parallel", "num_chunks", "num_microbatches", "schedule")
-"""Metadata keys the runtime must give :func:`make_tracer`; the aggregator relies on each one."""
+REQUIRED_METADATA = ("stage", "world_size", "pipeline_parallel", "num_chunks", "num_microbatches", "schedule",
+                     "run_id")
+"""Metadata keys the runtime must give :func:`make_tracer`; the aggregator relies on each one.
+``run_id`` is the run's token (trainer.run_token), the same on every rank of one run and different
+for every run: the aggregation refuses a folder whose files disagree on it."""
 
 
 _EventTuple = tuple[str, str, str, float, float, int, dict[str, Any]]
