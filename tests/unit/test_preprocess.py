@@ -194,3 +194,25 @@ def test_a_truncated_compressed_corpus_is_one_line_naming_the_file(tmp_path, cap
     assert err.startswith(f"error: {src}: truncated or corrupt compressed input after line "), err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert _leftovers(tmp_path, "out") == []
+
+
+# ---- issue 15, item 6: a write error leaves no temporary file behind -------------------------------
+def _limit_file_size() -> None:  # in the child: writes past 64 KiB fail with EFBIG, as on a full disk
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+
+@pytest.mark.timeout(240)  # a fresh interpreter importing torch + megatron-core
+def test_a_write_error_leaves_no_temporary_files_and_reports_the_write_error(tmp_path):
+    src = REPO / "datasets" / "python-docs.jsonl.xz"  # MBs of tokens: the .bin outgrows the limit
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run([sys.executable, "-m", "trainer.preprocess", *_gpt_args(src, out / "gpt")],
+                            capture_output=True, text=True, cwd=REPO, timeout=200, preexec_fn=_limit_file_size)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().startswith("error: [Errno 27] File too large"), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == []  # no gpt_text_document.bin.tmp-<pid>

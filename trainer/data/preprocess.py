@@ -15,6 +15,7 @@ fail later in training. A truncated or corrupt ``.xz``/``.gz`` is an error namin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import logging
@@ -227,9 +228,16 @@ class _AtomicIndexedDatasetWriter:
             os.replace(temporary, final)
 
     def abort(self) -> None:
-        self.builder.data_file.close()
+        """Remove the temporary files; never raises, so the error that caused the abort is the one seen.
+
+        Closing flushes the builder's buffer, which fails again the way the write did (a full disk,
+        a file size limit): that second error is dropped, and the files are removed regardless.
+        """
+        with contextlib.suppress(OSError, ValueError):
+            self.builder.data_file.close()
         for temporary in self.temporary:
-            Path(temporary).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                Path(temporary).unlink(missing_ok=True)
 
 
 @dataclass

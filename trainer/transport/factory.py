@@ -16,14 +16,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
 import re
-import secrets
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from trainer.run_token import agreed_run_token
 from trainer.topology import Topology
 from trainer.transport.base import Direction, StageLinks
 from trainer.transport.channels import ChannelStageLinks, Inbox, RecvChannel, SendChannel
@@ -124,7 +123,7 @@ def make_stage_links(
 
     ``device``: where tensors live ("cpu" when None). ``timeout_s`` bounds every wait (send on
     exhausted credits, set-up, close). ``job_id`` makes shared-memory names unique per job (default:
-    SLURM_JOB_ID, TORCHELASTIC_RUN_ID, else a random token agreed between ranks).
+    a new run token agreed between ranks, see trainer.run_token).
     """
     device = torch.device(device if device is not None else "cpu")
     if timeout_s <= 0:
@@ -177,12 +176,10 @@ def make_stage_links(
 
 
 def _agreed_job_id(job_id: str | None, group: dist.ProcessGroup) -> str:
-    """A short token, identical on all ranks, that makes shared-memory names unique to this job."""
-    raw = job_id or os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-    if not raw:
-        token = [secrets.token_hex(4)]
-        dist.broadcast_object_list(token, src=0, group=group)
-        raw = token[0]
-    if "SLURM_STEP_ID" in os.environ and not job_id:  # two steps of one allocation may overlap
-        raw = f"{raw}.{os.environ['SLURM_STEP_ID']}"
-    return re.sub(r"[^A-Za-z0-9_.]", "_", raw)[:40]
+    """A short token, identical on all ranks, that makes shared-memory names unique to this job:
+    ``job_id`` when the caller has one (trainer.train passes its run token), else a new run token
+    (trainer.run_token, the one place that makes them: torchrun's default TORCHELASTIC_RUN_ID "none"
+    or a requeued Slurm job's id alone would repeat names, and a leftover segment would block)."""
+    if job_id:
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:40]
+    return agreed_run_token(group)

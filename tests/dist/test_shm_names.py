@@ -1,0 +1,65 @@
+"""Shared-memory names are unique per run without `torchrun --standalone`, and a segment a killed run
+left behind does not block a later one (issue 15, item 6).
+
+Before: torchrun without --standalone/--rdzv-id sets TORCHELASTIC_RUN_ID=none for every job, the
+trainer named its segments /mdpp-none-..., and segments are created O_EXCL: a second job on the host
+(or the leftovers of a SIGKILLed one) made set-up fail with "File exists".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.dist.launch import check_ok, free_port, launch
+from trainer.transport.factory import _agreed_job_id
+
+SHM = Path("/dev/shm")
+# What a PP=2 run named "none" creates: the receivers' rings and doorbells (trainer/transport/shm_links.py).
+OLD_NAMES = ("mdpp-none-0-1-next", "mdpp-none-1-0-prev", "mdpp-none-0-bell", "mdpp-none-1-bell")
+
+
+def _train(profile_dir: Path) -> None:
+    args = ["trainer.train", "--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "32", "--pipeline-model-parallel-size", "2",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--use-dpp",
+            "--transport", "shm", "--dpp-timeout", "60", "--profile-dir", str(profile_dir)]
+    env = {"TORCHELASTIC_RUN_ID": "none"}  # what torchrun sets without --standalone or --rdzv-id
+    check_ok(launch(args, 2, timeout_s=200, extra_env=env))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm")
+def test_runs_named_none_by_torchrun_do_not_collide_or_trip_over_leftovers(tmp_path, monkeypatch):
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    leftovers = [SHM / name for name in OLD_NAMES]
+    try:
+        for path in leftovers:  # segments of a killed earlier run, under the names "none" gave
+            path.write_bytes(b"\0" * 4096)
+            path.chmod(0o600)
+        _train(tmp_path / "a")
+        _train(tmp_path / "b")
+    finally:
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+    run_ids = [json.loads((tmp_path / run / "trace_rank00000.json").read_text())["metadata"]["run_id"]
+               for run in ("a", "b")]
+    assert run_ids[0] != run_ids[1] and not any(r.startswith("none") for r in run_ids), run_ids
+
+
+def test_the_transport_default_token_is_a_run_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        tokens = {_agreed_job_id(None, dist.group.WORLD) for _ in range(5)}
+    finally:
+        dist.destroy_process_group()
+    assert len(tokens) == 5 and not any(t.startswith("none") for t in tokens), tokens
+    assert _agreed_job_id("42.0-deadbeef", None) == "42.0-deadbeef"
