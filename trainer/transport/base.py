@@ -12,6 +12,7 @@ shapes cross without a shape round trip, and a receiver never needs to know the 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,15 +40,43 @@ class Header:
     shape: tuple[int, ...]
 
 
-@dataclass
 class Message:
-    """An arrived payload. ``tensor`` may view a receive slot until :meth:`StageLinks.release`."""
+    """An arrived payload. ``tensor`` may view a receive slot until :meth:`StageLinks.release`.
 
-    header: Header
-    tensor: Any  # torch.Tensor; typed loosely so this module never imports torch
-    source_rank: int
-    token: Any = None
-    """Transport-private handle used by ``release`` to return the slot's credit."""
+    On GPU the payload may still be in flight when the message is handed out: the transport then
+    registers (:meth:`wait_when_used`) the stream-side wait for it, and the first read of ``tensor``
+    queues that wait on the *then* current stream. Queuing it at hand-out instead would hold back
+    every later kernel of the consumer's stream until this payload lands -- also the forwards a
+    greedy policy runs before it gets to this message (measured: DPP 12% behind 1F1B on 2xH200).
+    """
+
+    __slots__ = ("header", "_tensor", "source_rank", "token", "_pending_wait")
+
+    def __init__(self, header: Header, tensor: Any, source_rank: int, token: Any = None) -> None:
+        self.header = header
+        self._tensor = tensor  # torch.Tensor; typed loosely so this module never imports torch
+        self.source_rank = source_rank
+        self.token = token
+        """Transport-private handle used by ``release`` to return the slot's credit."""
+        self._pending_wait: Callable[[], None] | None = None
+
+    @property
+    def tensor(self) -> Any:
+        if self._pending_wait is not None:
+            wait, self._pending_wait = self._pending_wait, None
+            wait()
+        return self._tensor
+
+    @tensor.setter
+    def tensor(self, value: Any) -> None:
+        self._tensor = value
+
+    def wait_when_used(self, wait: Callable[[], None]) -> None:
+        """Run ``wait`` (make the current stream wait for the payload) at the first read of ``tensor``."""
+        self._pending_wait = wait
+
+    def __repr__(self) -> str:
+        return f"Message({self.header!r}, source_rank={self.source_rank})"
 
 
 class StageLinks(abc.ABC):

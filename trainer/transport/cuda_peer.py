@@ -150,7 +150,11 @@ class CudaPeerReceiver(ShmReceiver):
         self._signals.signal(self._copy_stream, slot, count)
 
     def on_delivered(self, message: Message) -> None:
-        """In the consumer's thread: its current stream waits for the data (no host sync)."""
+        """The stream that first reads the tensor will wait for the data (no host sync): see
+        :class:`Message` for why not the current stream now."""
+        message.wait_when_used(lambda: self._wait_for_payload(message))
+
+    def _wait_for_payload(self, message: Message) -> None:
         consumer = torch.cuda.current_stream(self._device)
         handle = message.token.handle
         if handle[0] == "slot":

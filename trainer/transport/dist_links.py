@@ -368,7 +368,10 @@ class ProcessGroupReceiver:
                     f"({self.direction} channel) delivered out of order"
                 )
             self._posted.popleft()
-        self._complete(arrival, self._timeout_s)
+        if isinstance(arrival.done, _NcclDone):  # the stream that first reads it waits (see Message)
+            message.wait_when_used(arrival.done.work.wait)
+        else:
+            self._complete(arrival, self._timeout_s)
         arrival.state = "delivered"
         message.tensor = from_bytes(arrival.buffer, message.header)
 
