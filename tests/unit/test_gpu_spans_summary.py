@@ -24,6 +24,8 @@ def _trace(with_gpu: bool) -> dict:
 def test_gpu_busy_is_the_sum_of_gpu_spans_per_stage_and_shown_in_the_table() -> None:
     summary = summarize(_trace(with_gpu=True))
     assert [s.gpu_busy_ms for s in summary.stages] == [0.13, 0.04]
+    # GPU step: first gpu start (50 us) to last gpu end (390 us) over all stages = 0.34 ms
+    assert [round(s.gpu_idle_ms, 6) for s in summary.stages] == [0.21, 0.3]
     table = format_table(summary)
     assert "GPU busy ms" in table and "GPU idle ms" in table
     assert summary.median_op_ms == {"F": 0.1, "B": 0.1}  # gpu spans are not host compute spans
@@ -31,5 +33,5 @@ def test_gpu_busy_is_the_sum_of_gpu_spans_per_stage_and_shown_in_the_table() -> 
 
 def test_without_gpu_spans_there_is_no_gpu_column() -> None:
     summary = summarize(_trace(with_gpu=False))
-    assert all(s.gpu_busy_ms is None for s in summary.stages)
+    assert all(s.gpu_busy_ms is None and s.gpu_idle_ms is None for s in summary.stages)
     assert "GPU busy" not in format_table(summary)

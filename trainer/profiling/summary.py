@@ -45,7 +45,11 @@ class StageSummary:
     """Most activations held at once, over all iterations."""
     gpu_busy_ms: float | None = None
     """Mean GPU time of the stage's ops per iteration, from CUDA events ("gpu" spans; CUDA runs
-    only). ``T`` minus this is the time the GPU waited -- for inputs or for its host."""
+    only)."""
+    gpu_idle_ms: float | None = None
+    """Mean GPU step time (first to last gpu span of the iteration, all stages) minus ``gpu_busy_ms``:
+    the time this stage's GPU waited, for inputs or for its host. (The host's ``T`` does not serve:
+    a host that runs ahead finishes enqueuing long before its GPU finishes.)"""
 
 
 @dataclass
@@ -127,6 +131,8 @@ class _Grouped:
     """(stage, iteration) -> traced wait time, summed over the stage's ranks."""
     gpu_us: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
     """(stage, iteration) -> GPU time of the ops ("gpu" spans), summed over the stage's ranks."""
+    gpu_window: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """iteration -> (first start, last end) of its gpu spans over all stages."""
     ranks_of_stage: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     pids_of_stage: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
 
@@ -150,6 +156,8 @@ def _group(merged: dict[str, Any], wanted: set[int]) -> _Grouped:
             grouped.wait_us[(stage, iteration)] += event["dur"]
         elif event["cat"] == "gpu":
             grouped.gpu_us[(stage, iteration)] += event["dur"]
+            lo, hi = grouped.gpu_window.get(iteration, (event["ts"], event["ts"] + event["dur"]))
+            grouped.gpu_window[iteration] = (min(lo, event["ts"]), max(hi, event["ts"] + event["dur"]))
     return grouped
 
 
@@ -173,6 +181,16 @@ def _peak_inflight(grouped: _Grouped, stage: int) -> int:
         return max(reported)
     return max(_replayed_peak(e for e in events if e["pid"] == pid and e["args"]["iteration"] == it)
                for pid in grouped.pids_of_stage[stage] for it in grouped.compute)
+
+
+def _gpu_mean(grouped: _Grouped, stage: int, its: list[int], value) -> float | None:
+    """Mean over iterations of ``value(busy_us per rank, gpu window_us)`` in ms; None without gpu spans."""
+    its = [it for it in its if it in grouped.gpu_window]
+    if not its:
+        return None
+    ranks = len(grouped.pids_of_stage[stage])
+    return statistics.fmean(value(grouped.gpu_us[(stage, it)] / ranks,
+                                  grouped.gpu_window[it][1] - grouped.gpu_window[it][0]) for it in its) / US_PER_MS
 
 
 def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSummary:
@@ -199,8 +217,8 @@ def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSumm
         wait_ms=statistics.fmean(grouped.wait_us[(stage, it)] for it in its)
         / len(grouped.pids_of_stage[stage]) / US_PER_MS,
         peak_inflight=_peak_inflight(grouped, stage),
-        gpu_busy_ms=(statistics.fmean(grouped.gpu_us[(stage, it)] for it in its)
-                     / len(grouped.pids_of_stage[stage]) / US_PER_MS) if grouped.gpu_us else None,
+        gpu_busy_ms=_gpu_mean(grouped, stage, its, lambda busy, _: busy),
+        gpu_idle_ms=_gpu_mean(grouped, stage, its, lambda busy, window: window - busy),
     ) for stage in stages]
     meta = merged.get("metadata") or {}
     return TraceSummary(
@@ -236,7 +254,7 @@ def format_table(summary: TraceSummary) -> str:
         line = (f"{s.stage:>5} {ranks:>10} {s.busy_ms:>10.2f} {s.idle_ms:>10.2f} {s.bubble_fraction:>7.4f} "
                 f"{s.wait_ms:>9.2f} {s.peak_inflight:>13d}")
         if gpu:
-            line += f" {s.gpu_busy_ms:>11.2f} {s.busy_ms + s.idle_ms - s.gpu_busy_ms:>11.2f}"
+            line += f" {s.gpu_busy_ms:>11.2f} {s.gpu_idle_ms:>11.2f}"
         lines.append(line)
     if summary.missing_ranks:
         lines.append(f"missing ranks (no trace): {', '.join(map(str, summary.missing_ranks))}")
