@@ -156,3 +156,25 @@ def test_microbatch_costs_order_every_stage_the_same_way():
         StageState(shape, 0, microbatch_costs=(1.0, 2.0))
     with pytest.raises(ValueError, match="microbatch_order='size'.*weight_order='newest'"):
         make_policy("dpp-zb", shape, 0, microbatch_order="size", weight_order="newest")
+
+
+def test_dpp_zb_first_stage_runs_w_to_unblock_a_forward_before_an_i_that_feeds_nobody():
+    # PP=2, stage 0: F0 F1 fill the held cap (2); I0 ran; grad 1 arrived, so I1 and W0 are ready
+    # and F2 waits only for a slot. Stage 0's I feeds no upstream stage, while stage 1 waits for F2:
+    # W0 frees the slot (ZB-H1's F I W rhythm). A later stage keeps I first (its upstream waits).
+    shape = PipelineShape(2, 8)
+    for stage, expected in ((0, Action(Op.W, 0)), (1, Action(Op.I, 1))):
+        policy = make_policy("dpp-zb", shape, stage)
+        state = StageState(shape, stage, split_backward=True)
+        for m in (0, 1):
+            if stage == 1:
+                state.mark_activation_arrived(m, 0)
+            state.mark_done(Action(Op.F, m))
+        if stage == 0:
+            state.mark_grad_arrived(0, 0)
+            state.mark_grad_arrived(1, 0)
+        state.mark_done(Action(Op.I, 0))
+        if stage == 1:
+            state.mark_activation_arrived(2, 0)
+        assert state.inflight >= policy.cap and state.ready_of(Op.F) and state.ready_of(Op.W)
+        assert policy.choose(state) == expected, stage

@@ -162,6 +162,7 @@ class DynamicPolicy:
         self.reserve_owed = (not split_backward) if reserve is None else reserve
         self._num_chunks = shape.num_chunks
         self._num_microbatches = shape.num_microbatches
+        self._first_stage = stage == 0  # its chunk-0 input gradients feed no other stage
         self._forward_depth = options.chunk_order == "depth"
         self._backward_depth = options.backward_chunk_order == "depth"
         self._forward_first = options.priority == "forward"
@@ -253,6 +254,12 @@ class DynamicPolicy:
         forward = self._admissible_forward(state)
         if forward is not None:
             return forward
+        if (backward is not None and self.split_backward and self._first_stage and backward.chunk == 0
+                and state.inflight >= self.cap and state.ready_of(Op.F) and state.ready_of(Op.W)):
+            # The first virtual stage's I feeds nobody, while a forward blocked by the held cap
+            # is what the next stage waits for: the oldest W frees the slot that forward needs.
+            pick = max if self._youngest_weight else min
+            return pick(state.ready_of(Op.W), key=self._backward_key)
         if backward is not None:
             return backward
         if self.split_backward:
