@@ -30,17 +30,22 @@ class _EpochPlan:
     """Position in the token stream (in samples) of the epoch's j-th sample."""
 
 
+def _check_sizes(what: str, seq_length: int, num_samples: int | None) -> None:
+    """ValueError naming every bad size (both GPT datasets take the same two)."""
+    problems = []
+    if seq_length < 1:
+        problems.append(f"seq_length={seq_length} must be >= 1")
+    if num_samples is not None and num_samples < 1:
+        problems.append(f"num_samples={num_samples} must be >= 1 (or None for one epoch)")
+    if problems:
+        raise ValueError(f"invalid {what}: " + "; ".join(problems))
+
+
 class GPTSampleDataset:
     """Fixed-length causal-LM samples from a ``..._text_document`` indexed dataset."""
 
     def __init__(self, prefix: str | Path, seq_length: int, seed: int, num_samples: int | None = None) -> None:
-        problems = []
-        if seq_length < 1:
-            problems.append(f"seq_length={seq_length} must be >= 1")
-        if num_samples is not None and num_samples < 1:
-            problems.append(f"num_samples={num_samples} must be >= 1 (or None for one epoch)")
-        if problems:
-            raise ValueError("invalid GPT dataset: " + "; ".join(problems))
+        _check_sizes("GPT dataset", seq_length, num_samples)
         self.prefix = str(prefix)
         self.seq_length = seq_length
         self.seed = seed
@@ -118,13 +123,7 @@ class GPTDocumentDataset:
 
     def __init__(self, prefix: str | Path, seq_length: int, seed: int, num_samples: int | None = None,
                  pad_id: int = 0) -> None:
-        problems = []
-        if seq_length < 1:
-            problems.append(f"seq_length={seq_length} must be >= 1")
-        if num_samples is not None and num_samples < 1:
-            problems.append(f"num_samples={num_samples} must be >= 1 (or None for one epoch)")
-        if problems:
-            raise ValueError("invalid GPT document dataset: " + "; ".join(problems))
+        _check_sizes("GPT document dataset", seq_length, num_samples)
         self.prefix, self.seq_length, self.seed, self.pad_id = str(prefix), seq_length, seed, pad_id
         self._indexed = open_indexed_dataset(self.prefix)
         lengths = np.asarray(self._indexed.sequence_lengths, dtype=np.int64)
