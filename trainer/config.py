@@ -20,6 +20,7 @@ from typing import Literal
 
 from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
+from trainer.megatron_lm_flags import MEGATRON_LM_FLAGS
 from trainer.stall_injection import stall_problems
 
 TRANSPORTS = ("auto", "shm", "nccl", "gloo")
@@ -532,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.train",
         description="Train megatron-core GPT/BERT under DP x TP x PP (x VP), optionally with --use-dpp.",
+        # No prefix matching: "--lr-warmup 3" silently became --lr-warmup-iters, and a Megatron-LM flag
+        # that happens to prefix one of ours would be taken for it instead of being rejected.
+        allow_abbrev=False,
     )
     renames = {"dpp_timeout_s": "--dpp-timeout", "overlap_p2p_comm": "--no-overlap-p2p-communication"}
     for section in (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig):
@@ -554,6 +558,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _looks_like_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def unsupported_flag_problems(extras: Sequence[str]) -> list[str]:
+    """What argparse left unparsed, as at most three problems: the Megatron-LM flags this trainer does
+    not implement (one message naming all of them), unknown flags, and stray values.
+
+    Nothing is ever accepted and ignored: a Megatron-LM command line either runs with every flag
+    meaning what it means in Megatron-LM, or is refused before anything starts. Values after an
+    unknown flag are taken to be its own (``--split 949,50,1``), so only the flag is named.
+    """
+    megatron, unknown, stray = [], [], []
+    after_flag = False
+    for token in extras:
+        if token.startswith("-") and not _looks_like_number(token) and token != "--":
+            name = token.split("=", 1)[0]
+            (megatron if name in MEGATRON_LM_FLAGS else unknown).append(name)
+            after_flag = "=" not in token
+        elif not after_flag:
+            stray.append(token)
+    p = []
+    if megatron:
+        p.append("Megatron-LM flags not implemented by this trainer (refused rather than ignored): "
+                 + " ".join(dict.fromkeys(megatron)))
+    if unknown:
+        p.append("unknown flags (neither this trainer's nor Megatron-LM's; see --help): "
+                 + " ".join(dict.fromkeys(unknown)))
+    if stray:
+        p.append("unexpected arguments (no flag takes them): " + " ".join(stray))
+    return p
+
+
 def _parse_type(annotation: str):
     if annotation.startswith("int"):
         return int
@@ -564,8 +605,11 @@ def _parse_type(annotation: str):
 
 def parse_config(argv: Sequence[str] | None, world_size: int) -> TrainConfig:
     """Parse flags into a :class:`TrainConfig` checked against ``world_size``; ConfigError lists all problems."""
-    ns = vars(build_parser().parse_args(argv))
-    problems: list[str] = []
+    # parse_known_args, not parse_args: argparse's own exit would name the unknown flags in a usage
+    # dump and stop before the field checks; here they join every other problem in one ConfigError.
+    known, extras = build_parser().parse_known_args(argv)
+    ns = vars(known)
+    problems: list[str] = unsupported_flag_problems(extras)
     sections = {}
     for section in (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig):
         values = {f.name: ns[f"{section.__name__}.{f.name}"] for f in dataclasses.fields(section)}

@@ -36,7 +36,8 @@ def test_submitit_chain_returns_the_summary_and_reports_a_failed_step_with_its_t
     assert failed.returncode == 1, failed.describe()
     assert failed.states()["train"] == "FAILED"
     assert f"train job {failed.job_ids['train']}: FAILED, exit code 1:0" in failed.stderr
-    assert "unrecognized arguments: --no-such-flag" in failed.stderr  # the log tail
+    assert "unknown flags (neither this trainer's nor Megatron-LM's; see --help): --no-such-flag" \
+        in failed.stderr  # the log tail
     assert "remote traceback (submitit):" in failed.stderr
     assert "StepFailed: train: `bash " in failed.stderr and "exited 143" in failed.stderr
 

@@ -76,3 +76,36 @@ def test_distributed_optimizer_with_save_is_refused_before_any_process_group():
     with pytest.raises(ConfigError, match=r"--use-distributed-optimizer with --save: saving a sharded optimizer"):
         parse_config(["--mock-data", "--use-distributed-optimizer", "--save", "/tmp/x"], 1)
     parse_config(["--mock-data", "--use-distributed-optimizer"], 1)  # without --save it is fine
+
+
+# The flags of the AWS test case's pretrain_gpt.py line (issue 17) that this trainer does not implement.
+UNIMPLEMENTED_MEGATRON = ["--split", "949,50,1", "--eval-iters", "10", "--eval-interval", "1000",
+                          "--tensorboard-dir", "/tmp/tb"]
+
+
+def test_unimplemented_megatron_flags_are_refused_in_one_message_with_every_other_problem() -> None:
+    """Never accepted and ignored: every unimplemented Megatron-LM flag is named in one problem, next
+    to unknown flags, stray values and the field errors of the same command line."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + UNIMPLEMENTED_MEGATRON + ["--frobnicate=2", "--lr", "-1", "stray"], world_size=1)
+    problems = err.value.problems
+    assert problems[0] == ("Megatron-LM flags not implemented by this trainer (refused rather than ignored): "
+                           "--split --eval-iters --eval-interval --tensorboard-dir")
+    assert problems[1].startswith("unknown flags") and problems[1].endswith(": --frobnicate")
+    assert problems[2] == "unexpected arguments (no flag takes them): stray"
+    assert "--lr=-1.0" in problems[3] and len(problems) == 4
+
+
+def test_flags_are_never_abbreviated() -> None:
+    """argparse's prefix matching took --lr-warmup for --lr-warmup-iters; a prefix is now unknown."""
+    with pytest.raises(ConfigError, match="unknown flags .*: --lr-warmup$"):
+        parse_config(BASE + ["--lr-warmup", "3"], world_size=1)
+
+
+def test_train_main_exits_2_on_unimplemented_flags_before_any_process_group(capsys) -> None:
+    from trainer.train import main
+
+    assert main(BASE + ["--device", "cpu", "--split", "949,50,1", "--use-flash-attn"]) == 2
+    err = capsys.readouterr().err
+    assert "not implemented by this trainer (refused rather than ignored): --split --use-flash-attn" in err
+    assert "Traceback" not in err and "usage:" not in err
