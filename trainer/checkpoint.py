@@ -90,6 +90,9 @@ def run_identity(cfg) -> dict[str, object]:
         "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size, "seq_length": m.seq_length,
         "seed": o.seed, "lr": o.lr, "min_lr": o.min_lr, "lr_warmup_iters": o.lr_warmup_iters,
         "lr_decay_style": o.lr_decay_style, "lr_decay_iters": o.decay_iters, "weight_decay": o.weight_decay,
+        # The schedule in the scheduler's own units, whichever flags set it (sample-based training and
+        # --lr-warmup-fraction included); checkpoints older than these keys skip them.
+        "lr_warmup_samples": o.lr_schedule_samples[0], "lr_decay_samples": o.lr_schedule_samples[1],
         "optimizer": o.optimizer, "micro_batch_size": o.micro_batch_size, "global_batch_size": o.global_batch_size,
     }
 

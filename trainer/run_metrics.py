@@ -71,7 +71,7 @@ class RunMeasurement:
         if run.metrics_dir and run.device == "cuda" and run.gpu_busy_iters:
             from trainer.profiling.gpu_busy import GpuBusyMeter
 
-            last = self.cfg.optim.train_iters - 1
+            last = self.cfg.optim.total_iters - 1
             self.gpu_busy = GpuBusyMeter(first=max(0, last - run.gpu_busy_iters + 1), last=last)
 
     def wrap_forward_step(self, forward_step: Callable, chunks: list) -> Callable:

@@ -192,7 +192,7 @@ class TrainingSession:
             lengths = (parse_length_distribution(cfg.data.mock_seq_len_dist)[0]
                        if cfg.data.variable_seq_lengths else None)
             return mock_sample_source(m.model, seed, m.seq_length, m.vocab_size, lengths), m.vocab_size
-        total = cfg.optim.train_iters * cfg.optim.global_batch_size
+        total = cfg.optim.total_iters * cfg.optim.global_batch_size
         if cfg.data.tokenizer_type == "NullTokenizer":
             vocab, tokenizer = m.vocab_size, None
         else:
@@ -227,12 +227,14 @@ class TrainingSession:
                             bf16=o.bf16, fp16=o.fp16, params_dtype=params_dtype(self.cfg),
                             use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer),
             self.model)
-        gbs = o.global_batch_size
+        # Steps are samples (the scheduler advances by the global batch each iteration), so
+        # iteration- and sample-based settings land on the same scheduler, as in Megatron-LM.
+        warmup, decay, wd_incr = o.lr_schedule_samples
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_iters * gbs, lr_decay_steps=o.decay_iters * gbs,
+            self.optimizer, init_lr=0.0 if warmup else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=decay,
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=o.train_iters * gbs, wd_incr_style="constant")
+            wd_incr_steps=wd_incr, wd_incr_style="constant")
 
     def _wire_grad_sync(self) -> None:
         """The config hooks megatron's schedules read (as megatron/training/training.py sets them)."""
@@ -372,7 +374,7 @@ class TrainingSession:
     def run(self) -> int:
         self.setup()
         cfg = self.cfg
-        while self.state.iteration < cfg.optim.train_iters:
+        while self.state.iteration < cfg.optim.total_iters:
             if self.preempt.agreed(self.device):
                 return self._save_on_signal()
             self._train_step()
@@ -411,7 +413,7 @@ class TrainingSession:
         self.measure.after_step(step, time.perf_counter() - start, reduced)
         if self.hooks.after_step is not None:
             self.hooks.after_step(state.iteration, reduced)
-        if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.train_iters:
+        if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.total_iters:
             self._log_iteration(reduced, grad_norm, lr, time.perf_counter() - start, success)
 
     def _forward_backward(self) -> list:
@@ -491,7 +493,7 @@ class TrainingSession:
         norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
         log.info("iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): %.1f | "
                  "learning rate: %.6E | %s | grad norm: %s | tokens/s: %.0f%s",
-                 self.state.iteration, cfg.optim.train_iters, self.state.consumed_samples, seconds * 1e3,
+                 self.state.iteration, cfg.optim.total_iters, self.state.consumed_samples, seconds * 1e3,
                  lr, loss_text, norm, tokens / max(seconds, 1e-9),
                  memory + ("" if success else " | skipped (inf/nan grads)"))
 

@@ -109,3 +109,61 @@ def test_train_main_exits_2_on_unimplemented_flags_before_any_process_group(caps
     err = capsys.readouterr().err
     assert "not implemented by this trainer (refused rather than ignored): --split --use-flash-attn" in err
     assert "Traceback" not in err and "usage:" not in err
+
+
+def test_init_method_std_reaches_megatron_and_must_be_positive() -> None:
+    from trainer.model.build import transformer_config
+    from trainer.topology import Topology
+
+    cfg = parse_config(BASE + ["--init-method-std", "0.006", "--device", "cpu"], world_size=1)
+    assert cfg.model.init_method_std == pytest.approx(0.006)
+    assert transformer_config(cfg, Topology(world_size=1, rank=0)).init_method_std == pytest.approx(0.006)
+    with pytest.raises(ConfigError, match=r"--init-method-std=0.0 must be > 0"):
+        parse_config(BASE + ["--init-method-std", "0"], world_size=1)
+
+
+@pytest.mark.parametrize(("flags", "iters", "schedule"), [
+    # Megatron-LM's get_optimizer_param_scheduler: steps are samples; iteration flags x global batch.
+    ([], 10, (0, 80, 80)),
+    (["--train-iters", "20", "--lr-warmup-iters", "2", "--lr-decay-iters", "15"], 20, (16, 120, 160)),
+    (["--train-iters", "20", "--lr-warmup-fraction", "0.1"], 20, (16, 160, 160)),
+    # Sample-based: train_iters = train_samples // global batch (partial last batch dropped).
+    (["--train-samples", "100"], 12, (0, 100, 100)),
+    (["--train-samples", "100", "--lr-warmup-samples", "10", "--lr-decay-samples", "90"], 12, (10, 90, 100)),
+    (["--train-samples", "100", "--lr-warmup-fraction", "0.25", "--lr-decay-samples", "80"], 12, (20, 80, 100)),
+])
+def test_sample_and_iteration_schedules_map_onto_one_scheduler(flags, iters, schedule) -> None:
+    o = parse_config(BASE + ["--global-batch-size", "8"] + flags, world_size=1).optim
+    assert o.total_iters == iters
+    assert o.lr_schedule_samples == pytest.approx(schedule)
+
+
+def test_sample_based_training_follows_megatron_rules_naming_every_conflict() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + ["--train-samples", "100", "--train-iters", "5", "--lr-decay-iters", "4",
+                             "--lr-warmup-iters", "1", "--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "3"],
+                     world_size=1)
+    text = str(err.value)
+    for needle in ("--train-iters=5 is iteration-based but --train-samples=100",
+                   "--lr-decay-iters=4 is iteration-based", "--lr-warmup-iters=1 is iteration-based",
+                   "--lr-warmup-fraction=0.1 and --lr-warmup-samples=3: give only one"):
+        assert needle in text
+    assert len(err.value.problems) == 4
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + ["--lr-decay-samples", "50", "--lr-warmup-samples", "5", "--lr-warmup-iters", "1",
+                             "--lr-warmup-fraction", "1.5", "--train-samples", "0"], world_size=1)
+    assert {"--train-samples=0 must be >= 1", "--lr-warmup-fraction=1.5 must be in [0, 1)"} <= set(err.value.problems)
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + ["--lr-decay-samples", "50", "--lr-warmup-samples", "5", "--lr-warmup-iters", "1",
+                             "--lr-warmup-fraction", "0.5"], world_size=1)
+    assert set(err.value.problems) == {"--lr-decay-samples=50 is sample-based: it needs --train-samples",
+                                       "--lr-warmup-samples=5 is sample-based: it needs --train-samples",
+                                       "--lr-warmup-fraction=0.5 and --lr-warmup-iters=1: give only one"}
+
+
+def test_schedule_lengths_megatron_would_assert_on_are_refused_up_front() -> None:
+    with pytest.raises(ConfigError, match="less than one iteration of --global-batch-size=8"):
+        parse_config(BASE + ["--train-samples", "7", "--global-batch-size", "8"], world_size=1)
+    with pytest.raises(ConfigError, match="LR warm-up of 80 samples is not shorter than the decay of 80"):
+        parse_config(BASE + ["--train-iters", "10", "--lr-warmup-iters", "10", "--global-batch-size", "8"],
+                     world_size=1)

@@ -89,12 +89,12 @@ def run(argv: Sequence[str]) -> int:
     schedule = get_forward_backward_func()
     # Fixed lengths: one iteration's microbatches serve every iteration (same shapes, same cost).
     # Variable lengths: every iteration's own (a few MB of token ids), made up front all the same.
-    per_iteration = [_microbatches(cfg, device, it) for it in range(o.train_iters if cfg.data.variable_seq_lengths
+    per_iteration = [_microbatches(cfg, device, it) for it in range(o.total_iters if cfg.data.variable_seq_lengths
                                                                      else 1)]
     measure = RunMeasurement(cfg, topo, "direct megatron-core", len(per_iteration[0]))
     forward_step = measure.wrap_forward_step(make_forward_step("gpt", per_token_loss=cfg.data.variable_seq_lengths),
                                              model)
-    for step in range(o.train_iters):
+    for step in range(o.total_iters):
         measure.before_step(step)
         torch.cuda.synchronize()
         start = time.perf_counter()

@@ -78,7 +78,7 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         params_dtype=dtype,
         bf16=cfg.optim.bf16,
         fp16=cfg.optim.fp16,
-        init_method_std=0.02,
+        init_method_std=m.init_method_std,
         use_cpu_initialization=on_cpu,
         # Megatron frees a sent activation's storage and keeps its graph (deallocate_output_tensor).
         deallocate_pipeline_outputs=True,
