@@ -73,6 +73,17 @@ class ModelConfig:
     """Separate output layer instead of reusing the input embedding (Megatron's flag)."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer spec: local always works; TE when importable ("auto" picks TE on CUDA if present)."""
+    recompute_activations: bool = False
+    """Megatron-LM's shorthand for ``--recompute-granularity selective`` (``--recompute-activations``)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recompute (``--recompute-granularity``, TransformerConfig's field): full recomputes
+    whole transformer layers in the backward (needs --recompute-method and --recompute-num-layers),
+    selective only the core attention (megatron-core's default recompute module). None: off."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """Which layers full recompute covers (``--recompute-method``): uniform = every layer, in groups of
+    --recompute-num-layers; block = the first --recompute-num-layers layers of each model chunk."""
+    recompute_num_layers: int | None = None
+    """Group size (uniform) or layers per chunk (block) of full recompute (``--recompute-num-layers``)."""
     init_method_std: float = 0.02
     """Standard deviation of the zero-mean normal initialisation (``--init-method-std``, Megatron-LM's
     default 0.02); megatron-core scales it by 1/sqrt(2 x layers) for the output projections."""
@@ -96,7 +107,41 @@ class ModelConfig:
                 p.append(f"--{name.replace('_', '-')}={getattr(self, name)} must be in [0, 1)")
         if not self.init_method_std > 0:
             p.append(f"--init-method-std={self.init_method_std} must be > 0")
+        p.extend(self._recompute_problems())
         _check(p)
+
+    def _recompute_problems(self) -> list[str]:
+        """Megatron-LM's and megatron-core's recompute rules; and, since megatron-core would silently
+        ignore a method or layer count without a granularity, that is refused too."""
+        granularity, method, layers = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        p = []
+        if granularity not in (None, "full", "selective"):
+            p.append(f"--recompute-granularity={granularity!r} must be full or selective")
+        if method not in (None, "uniform", "block"):
+            p.append(f"--recompute-method={method!r} must be uniform or block")
+        if layers is not None and layers < 1:
+            p.append(f"--recompute-num-layers={layers} must be >= 1")
+        if self.recompute_activations and granularity == "full":
+            # Megatron-LM would quietly turn full into selective; a contradiction is named instead.
+            p.append("--recompute-activations means --recompute-granularity selective, not full: give one of them")
+        if self.recompute == "full":
+            p.extend(f"--recompute-granularity full needs {flag}" for flag, value in
+                     (("--recompute-method uniform|block", method), ("--recompute-num-layers N", layers))
+                     if value is None)
+        elif self.recompute == "selective":
+            p.extend(f"{flag}={value} applies to --recompute-granularity full only, not selective"
+                     for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+                     if value is not None)
+        else:
+            p.extend(f"{flag}={value} needs --recompute-granularity full (without it nothing is recomputed)"
+                     for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+                     if value is not None)
+        return p
+
+    @property
+    def recompute(self) -> str | None:
+        """The recompute granularity megatron-core gets (--recompute-activations means selective)."""
+        return "selective" if self.recompute_activations else self.recompute_granularity
 
     @property
     def ffn_size(self) -> int:

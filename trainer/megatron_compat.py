@@ -14,10 +14,16 @@ process without CUDA, :func:`apply_cpu_shims` patches them *at run time, in this
    ``Tensor.cuda()`` the identity; ``torch.cuda.current_device`` returns 0 (which the mode maps to CPU).
 4. ``clip_grads`` asserts ``grad.type() == 'torch.cuda.FloatTensor'``: the mode reports CPU tensors'
    ``Tensor.type()`` (no arguments) with the ``torch.cuda.`` prefix so these CUDA-only asserts pass.
+5. Activation recompute (``tensor_parallel.checkpoint``'s ``CheckpointFunction``, used by
+   ``--recompute-granularity``) saves the CPU generator *and* the CUDA generator before the forward and
+   restores both before recomputing it; the private ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
+   it calls are replaced by ones that keep no CUDA state (there is none). The CPU generator, the one
+   dropout draws from here, is still saved and restored, so recomputed dropout masks are the same.
 
 Everything is reversible (:class:`CpuShims.remove`) and refused when CUDA is available: a GPU run must
-never silently compute on the CPU. Only public names are patched (``CudaRNGStatesTracker``,
-``GlobalMemoryBuffer``, ``model_parallel_cuda_manual_seed``), which exist in megatron-core 0.16 and 0.19.
+never silently compute on the CPU. Public names are patched (``CudaRNGStatesTracker``,
+``GlobalMemoryBuffer``, ``model_parallel_cuda_manual_seed``), which exist in megatron-core 0.16 and 0.19,
+and, for recompute only, the two private RNG helpers of item 5, each only where the release has it.
 """
 
 from __future__ import annotations
@@ -73,6 +79,10 @@ def _cpu_get_tensor(self: Any, tensor_shape, dtype, name, mem_alloc_context=None
     return buf[:required].view(*tensor_shape)
 
 
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def _cpu_manual_seed(seed: int, *args: Any, **kwargs: Any) -> None:
     torch.manual_seed(seed)
 
@@ -110,6 +120,10 @@ def apply_cpu_shims() -> CpuShims:
     shims.patch(tp_random.CudaRNGStatesTracker, "add", _no_add)
     shims.patch(tp_random, "model_parallel_cuda_manual_seed", _cpu_manual_seed)
     shims.patch(tensor_parallel, "model_parallel_cuda_manual_seed", _cpu_manual_seed)
+    # Private, so only where this release has them (0.16 does; recompute needs them on CPU).
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
+        if hasattr(tp_random, name):
+            shims.patch(tp_random, name, _no_cuda_rng_state)
     shims.patch(torch.cuda, "current_device", lambda: 0)
     # Module-wide on purpose: the CUDA literals sit in megatron's optimizer, clip_grads and DDP
     # buffers; on a CUDA-less build every one of them would raise, so redirecting is strictly safer.

@@ -69,6 +69,10 @@ LAYOUTS = {
 LAYOUTS["gpt-pp2-uneven"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
                                          "5", "--decoder-last-pipeline-num-layers", "3"])
 UNEVEN = {"gpt-pp2-uneven": {0: set(range(5)), 1: set(range(5, 8))}}
+# Activation recompute (issue 17): full recompute of every layer re-runs each forward inside the DPP
+# runtime's backward (and, under dpp-zb, inside I); the reference recomputes nothing.
+LAYOUTS["gpt-pp2-recompute"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                                            "--recompute-method", "uniform", "--recompute-num-layers", "1"])
 LOSSES_ONLY = {"gpt-pp2-dp2-distopt"}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])

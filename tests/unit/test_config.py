@@ -167,3 +167,43 @@ def test_schedule_lengths_megatron_would_assert_on_are_refused_up_front() -> Non
     with pytest.raises(ConfigError, match="LR warm-up of 80 samples is not shorter than the decay of 80"):
         parse_config(BASE + ["--train-iters", "10", "--lr-warmup-iters", "10", "--global-batch-size", "8"],
                      world_size=1)
+
+
+def test_recompute_flags_reach_megatron_as_megatron_lm_passes_them() -> None:
+    from trainer.model.build import transformer_config
+    from trainer.topology import Topology
+
+    topo = Topology(world_size=1, rank=0)
+    selective = parse_config(BASE + ["--device", "cpu", "--recompute-activations"], world_size=1)
+    assert transformer_config(selective, topo).recompute_granularity == "selective"
+    full = parse_config(BASE + ["--device", "cpu", "--recompute-granularity", "full", "--recompute-method", "block",
+                                "--recompute-num-layers", "2"], world_size=1)
+    config = transformer_config(full, topo)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 2)
+    assert transformer_config(parse_config(BASE, world_size=1), topo).recompute_granularity is None
+
+
+@pytest.mark.parametrize(("flags", "problems"), [
+    (["--recompute-granularity", "full"],
+     ["--recompute-granularity full needs --recompute-method uniform|block",
+      "--recompute-granularity full needs --recompute-num-layers N"]),
+    (["--recompute-granularity", "selective", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     ["--recompute-method=uniform applies to --recompute-granularity full only, not selective",
+      "--recompute-num-layers=2 applies to --recompute-granularity full only, not selective"]),
+    (["--recompute-method", "block"],  # megatron-core would ignore it: nothing would be recomputed
+     ["--recompute-method=block needs --recompute-granularity full (without it nothing is recomputed)"]),
+    (["--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"],
+     ["--recompute-activations means --recompute-granularity selective, not full: give one of them",
+      "--recompute-method=uniform applies to --recompute-granularity full only, not selective",
+      "--recompute-num-layers=1 applies to --recompute-granularity full only, not selective"]),
+    (["--recompute-granularity", "some", "--recompute-method", "all", "--recompute-num-layers", "0"],
+     ["--recompute-granularity='some' must be full or selective", "--recompute-method='all' must be uniform or block",
+      "--recompute-num-layers=0 must be >= 1",
+      "--recompute-method=all needs --recompute-granularity full (without it nothing is recomputed)",
+      "--recompute-num-layers=0 needs --recompute-granularity full (without it nothing is recomputed)"]),
+])
+def test_recompute_rules_name_every_problem(flags, problems) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + flags, world_size=1)
+    assert err.value.problems == problems

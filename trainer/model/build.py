@@ -79,6 +79,10 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         bf16=cfg.optim.bf16,
         fp16=cfg.optim.fp16,
         init_method_std=m.init_method_std,
+        # Activation recompute, as Megatron-LM passes it (--recompute-activations = selective).
+        recompute_granularity=m.recompute,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
         use_cpu_initialization=on_cpu,
         # Megatron frees a sent activation's storage and keeps its graph (deallocate_output_tensor).
         deallocate_pipeline_outputs=True,
