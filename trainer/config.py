@@ -466,6 +466,9 @@ class RunConfig:
     metrics_dir: str | None = None
     """Each rank writes ``metrics_rank<R>.json`` here at the end (``--metrics-dir``): per-iteration
     ms, losses, peak GPU memory, GPU busy time -- what the pipeline benchmark reads, not log text."""
+    log_throughput: bool = False
+    """Add Megatron-LM's ``throughput per GPU (TFLOP/s/GPU)`` to each iteration line
+    (``--log-throughput``): its model-FLOPs count (trainer/flops.py) / (iteration time x world size)."""
     gpu_busy_iters: int = 2
     """With --metrics-dir on CUDA: measure GPU busy time (kernel time on the GPU, torch.profiler)
     over the last N iterations, which the benchmark then leaves out of its timings; 0 = off."""

@@ -167,6 +167,7 @@ class TrainingSession:
                                      run_identity(cfg), cfg.checkpoint.override_checkpoint_config)
             if loaded is not None:
                 self.state = loaded
+        self.padded_vocab_size = cfg.model.padded_vocab_size(vocab_size, self.topology.tensor_parallel)
         self._log_layout(chunks, vocab_size)
 
     def _seed(self) -> None:
@@ -491,10 +492,16 @@ class TrainingSession:
         tokens = cfg.optim.global_batch_size * cfg.model.seq_length
         loss_text = " | ".join(f"{k}: {v:.6E}" for k, v in losses.items())
         norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
-        log.info("iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): %.1f | "
+        throughput = ""
+        if cfg.run.log_throughput:  # where Megatron-LM puts it: right after the iteration time
+            from trainer.flops import tflops_per_gpu
+
+            tflops = tflops_per_gpu(cfg, self.padded_vocab_size, seconds, self.launch.world_size)
+            throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+        log.info("iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): %.1f |%s "
                  "learning rate: %.6E | %s | grad norm: %s | tokens/s: %.0f%s",
                  self.state.iteration, cfg.optim.total_iters, self.state.consumed_samples, seconds * 1e3,
-                 lr, loss_text, norm, tokens / max(seconds, 1e-9),
+                 throughput, lr, loss_text, norm, tokens / max(seconds, 1e-9),
                  memory + ("" if success else " | skipped (inf/nan grads)"))
 
     # ---- checkpoints -----------------------------------------------------------------------

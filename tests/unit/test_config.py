@@ -207,3 +207,22 @@ def test_recompute_rules_name_every_problem(flags, problems) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(BASE + flags, world_size=1)
     assert err.value.problems == problems
+
+
+def test_log_throughput_counts_flops_as_megatron_lm() -> None:
+    """GPT 16L h2048 (the docs' 4-GPU model): Megatron-LM's dense formula, term by term."""
+    from trainer.flops import flops_per_iteration, tflops_per_gpu
+
+    cfg = parse_config(["--mock-data", "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
+                        "--seq-length", "1024", "--max-position-embeddings", "1024", "--global-batch-size", "64",
+                        "--micro-batch-size", "2", "--log-throughput"], world_size=4)
+    assert cfg.run.log_throughput
+    b, s, L, h, f, V = 64, 1024, 16, 2048, 4 * 2048, 50304
+    expansion = 3 * 2 * 2  # fwd + 2 x bwd, 2 FLOPs per multiply-add, 2 GEMMs per MLP
+    attention = expansion * L * h * h * (1 + 1 + s / h / 2)
+    expected = b * s * (expansion * L * h * f + attention + 3 * 2 * h * V)
+    assert flops_per_iteration(cfg, V) == pytest.approx(expected, rel=1e-12)
+    # Roughly 6 x parameters x tokens (+ attention's s^2 part), as it should be.
+    params = L * (4 * h * h + 2 * h * f) + V * h
+    assert 1.0 < flops_per_iteration(cfg, V) / (6 * params * b * s) < 1.2
+    assert tflops_per_gpu(cfg, V, seconds=0.7, world_size=4) == pytest.approx(expected / (0.7e12 * 4))
