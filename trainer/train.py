@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
+import math
 import os
 import signal
 import sys
@@ -120,6 +121,9 @@ class TrainingSession:
         self.stopped_with_checkpoint = False
         self.shims = self.links = self.tracer = self.tp_channel = self.dpp_context = None
         self.measure: RunMeasurement | None = None
+        # Megatron-LM's per-log-interval counters: optimizer steps skipped (fp16 overflow) and, of
+        # those, steps whose loss was inf/nan; printed and reset by each iteration line.
+        self.skipped_iterations = self.nan_iterations = 0
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -411,11 +415,14 @@ class TrainingSession:
         state.iteration += 1
         state.consumed_samples += cfg.optim.global_batch_size
         reduced = self._reduce_losses(losses)
+        if not success:
+            self.skipped_iterations += 1
+            self.nan_iterations += not all(math.isfinite(v) for v in reduced.values())
         self.measure.after_step(step, time.perf_counter() - start, reduced)
         if self.hooks.after_step is not None:
             self.hooks.after_step(state.iteration, reduced)
         if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.total_iters:
-            self._log_iteration(reduced, grad_norm, lr, time.perf_counter() - start, success)
+            self._log_iteration(reduced, grad_norm, lr, time.perf_counter() - start)
 
     def _forward_backward(self) -> list:
         cfg = self.cfg
@@ -483,8 +490,10 @@ class TrainingSession:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return float(peak.item())
 
-    def _log_iteration(self, losses: dict[str, float], grad_norm, lr: float, seconds: float, success: bool) -> None:
+    def _log_iteration(self, losses: dict[str, float], grad_norm, lr: float, seconds: float) -> None:
         peak = self._peak_memory_gib()  # every rank takes part, so before the logger check
+        skipped, nans = self.skipped_iterations, self.nan_iterations
+        self.skipped_iterations = self.nan_iterations = 0
         if not self._is_logger:
             return
         cfg = self.cfg
@@ -498,11 +507,14 @@ class TrainingSession:
 
             tflops = tflops_per_gpu(cfg, self.padded_vocab_size, seconds, self.launch.world_size)
             throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+        loss_scale = float(self.optimizer.get_loss_scale())  # 1.0 unless --fp16's dynamic scaler
+        # Megatron-LM's fields in its order; tokens/s and peak memory are this trainer's additions.
         log.info("iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): %.1f |%s "
-                 "learning rate: %.6E | %s | grad norm: %s | tokens/s: %.0f%s",
+                 "learning rate: %.6E | global batch size: %5d | %s | loss scale: %.1f | grad norm: %s | "
+                 "number of skipped iterations: %3d | number of nan iterations: %3d | tokens/s: %.0f%s",
                  self.state.iteration, cfg.optim.total_iters, self.state.consumed_samples, seconds * 1e3,
-                 throughput, lr, loss_text, norm, tokens / max(seconds, 1e-9),
-                 memory + ("" if success else " | skipped (inf/nan grads)"))
+                 throughput, lr, cfg.optim.global_batch_size, loss_text, loss_scale, norm, skipped, nans,
+                 tokens / max(seconds, 1e-9), memory)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _save(self) -> None:
