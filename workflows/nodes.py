@@ -407,9 +407,6 @@ def _job_id(given: int | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # A job's pre-timeout warning (USR1) reaches every process of the batch step, this probe too
-    # while the training script waits for it: it is meant for the ranks, which the script tells.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # Several nodes write to one job log (`address` runs on each): every line names its node.
     node = os.environ.get("SLURMD_NODENAME") or netinfo.short_hostname()
     logging.basicConfig(level=logging.INFO, format=f"workflows.nodes[{node}]: %(levelname)s: %(message)s")
@@ -437,4 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # A job's pre-timeout warning (USR1) reaches every process of the batch step, this probe too
+    # while the training script waits for it: it is meant for the ranks, which the script tells.
+    # Only when run as the probe: an ignored signal is inherited by every later child process (a
+    # bash started with USR1 ignored can never trap it), so main() called in-process must not.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     sys.exit(main())

@@ -171,3 +171,13 @@ def test_env_without_probe_resolves_names_and_prints_exports(monkeypatch, capsys
     assert nodes.main(["env", "--nodelist", "localhost", "--job-id", "31", "--no-probe"]) == 0
     assert capsys.readouterr().out == (
         "export MASTER_ADDR=127.0.0.1\nexport MASTER_PORT=20031\nexport NODE_IPS=127.0.0.1\n")
+
+
+def test_main_called_in_process_leaves_the_signal_dispositions_alone():
+    # The probe ignores USR1 only when run as a program: an ignored signal is inherited by later
+    # child processes (a bash started so can never trap it; this broke the sbatch signal tests).
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    nodes.main(["hostnames", "rack[1-2]-n[1-2]", "--parser", "builtin"])
+    assert signal.getsignal(signal.SIGUSR1) == before
