@@ -8,7 +8,7 @@ from workflows import slurm, status
 
 STEM = "mdpp-gpt-20261126-070855-e4f5"
 JOBS = {  # what the cluster knows: an unrelated job 1, a chain whose preprocessing failed
-    "1": f"1|t1.sh|COMPLETED|0:0|00:00:01|node1|x|y",
+    "1": "1|t1.sh|COMPLETED|0:0|00:00:01|node1|x|y",
     "18": f"18|{STEM}-preprocess|FAILED|1:0|00:00:01|node1|x|y",
     "19": f"19|{STEM}-train|CANCELLED by 0|0:0|00:00:00|None assigned|None|y",
     "20": f"20|{STEM}-aggregate|COMPLETED|0:0|00:00:01|node1|x|y",
