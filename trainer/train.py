@@ -517,12 +517,13 @@ class TrainingSession:
                  tokens / max(seconds, 1e-9), memory)
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def _save(self) -> None:
+    def _save(self, on_signal: bool = False) -> None:
         path = save_checkpoint(self.cfg.checkpoint.save, self.state, self.model, self.optimizer,
                                self.scheduler, self._layout(), self.cfg.parallel.use_distributed_optimizer,
                                run_identity(self.cfg))
         if self.launch.rank == 0:
-            log.info("saved checkpoint at iteration %d to %s", self.state.iteration, path)
+            where = "on signal" if on_signal else f"to {path}"
+            log.info("saved checkpoint at iteration %d %s", self.state.iteration, where)
 
     def _save_on_signal(self) -> int:
         if not self.cfg.checkpoint.save:
@@ -530,11 +531,8 @@ class TrainingSession:
                 log.warning("stopping on signal at iteration %d without a checkpoint (no --save)",
                             self.state.iteration)
             return EXIT_STOPPED
-        save_checkpoint(self.cfg.checkpoint.save, self.state, self.model, self.optimizer, self.scheduler,
-                        self._layout(), self.cfg.parallel.use_distributed_optimizer, run_identity(self.cfg))
+        self._save(on_signal=True)
         self.stopped_with_checkpoint = True
-        if self.launch.rank == 0:
-            log.info("saved checkpoint at iteration %d on signal", self.state.iteration)
         return EXIT_STOPPED
 
     def record_exit(self, code: int) -> None:
