@@ -30,6 +30,8 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -40,6 +42,7 @@ from trainer.transport.channels import Delivery, Inbox
 from trainer.transport.gpu_signals import EventSignals, FlagSignals, Signals, probe_stream_mem_ops
 from trainer.transport.shm_links import (
     ShmReceiver,
+    SlotView,
     _RingStatus,
     all_gather,
     open_doorbells,
@@ -108,6 +111,22 @@ class CudaPeerSender:
                 self._ring.close()
 
 
+@dataclass(frozen=True)
+class GpuSlotView(SlotView):
+    """A payload viewed in GPU slot ``slot``; ``fill`` counts the slot's fills, the value its
+    "filled" and "freed" signals carry for this message."""
+
+    fill: int
+
+
+@dataclass(frozen=True)
+class GpuCopy:
+    """A payload reassembled into ``buffer`` on the copy stream; ``done`` is recorded after it."""
+
+    done: Any  # torch.cuda.Event
+    buffer: torch.Tensor
+
+
 class CudaPeerReceiver(ShmReceiver):
     """Incoming half. Reading the control ring (headers, credits, ordering, dead-peer checks,
     draining, close) is the CPU ring reader's job, inherited; what differs is where the payload
@@ -133,13 +152,13 @@ class CudaPeerReceiver(ShmReceiver):
         if frame.nbytes <= self._gpu_slots.shape[1]:  # also an empty payload: a view of the slot
             self._hold(slot, frame.sequence)
             view = from_bytes(self._gpu_slots[slot], frame.header)
-            handle = ("slot", slot, frame.sequence, self._arrive(slot))
+            handle = GpuSlotView(slot, frame.sequence, self._arrive(slot))
             return Message(frame.header, view, self.peer, Delivery(self, handle))
         with torch.cuda.stream(self._copy_stream):
             out = self._reassemble(slot, frame.nbytes, frame.sequence, empty_bytes(frame.nbytes, self._device))
             done = torch.cuda.Event()
             done.record(self._copy_stream)
-        return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, ("copy", done, out)))
+        return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, GpuCopy(done, out)))
 
     def _copy_chunk(self, slot: int, out: torch.Tensor, offset: int, length: int) -> None:
         """Queued on the copy stream after the sender's copy into the slot; the slot is freed (for
@@ -157,22 +176,21 @@ class CudaPeerReceiver(ShmReceiver):
     def _wait_for_payload(self, message: Message) -> None:
         consumer = torch.cuda.current_stream(self._device)
         handle = message.token.handle
-        if handle[0] == "slot":
-            self._signals.wait(consumer, handle[1], handle[3])
+        if isinstance(handle, GpuSlotView):
+            self._signals.wait(consumer, handle.slot, handle.fill)
         else:
-            consumer.wait_event(handle[1])
-            handle[2].record_stream(consumer)  # allocated on the copy stream, used on the consumer's
+            consumer.wait_event(handle.done)
+            handle.buffer.record_stream(consumer)  # allocated on the copy stream, used on the consumer's
 
     def release(self, message: Message) -> None:
         handle = message.token.handle
-        if handle[0] != "slot":
+        if not isinstance(handle, GpuSlotView):
             return  # a reassembled payload: the caching allocator owns its memory
-        _, slot, sequence, count = handle
-        self._unhold(slot, sequence)
+        self._unhold(handle.slot, handle.sequence)
         # Queued before the slot goes back to the sender, whose next copy into it waits for this
         # signal: it follows everything the consumer queued so far.
-        self._signals.signal(torch.cuda.current_stream(self._device), slot, count)
-        self._ring.release(slot)
+        self._signals.signal(torch.cuda.current_stream(self._device), handle.slot, handle.fill)
+        self._ring.release(handle.slot)
 
 
 def build_cuda_peer_channels(

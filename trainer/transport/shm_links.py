@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,23 @@ from trainer.transport.wire import Frame, decode, encode, pack, unpack
 logger = logging.getLogger(__name__)
 
 _WAIT_SLICE_S = 1.0  # a receiving/draining thread re-checks for close() at least this often while idle
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """``Message.token.handle`` of a payload viewed in place: ring slot ``slot`` holds message
+    ``sequence`` until released."""
+
+    slot: int
+    sequence: int
+
+
+@dataclass(frozen=True)
+class PooledCopy:
+    """``Message.token.handle`` of a payload reassembled into ``buffer``, a pool buffer handed back
+    on release."""
+
+    buffer: torch.Tensor
 
 
 def ring_name(job: str, src: int, dst: int, direction: str) -> str:
@@ -175,9 +193,9 @@ class ShmReceiver:
             start = self._ring.slot_offset(slot)
             self._hold(slot, frame.sequence)
             view = from_bytes(self._slots[start : start + frame.nbytes], frame.header)
-            return Message(frame.header, view, self.peer, Delivery(self, ("slot", slot, frame.sequence)))
+            return Message(frame.header, view, self.peer, Delivery(self, SlotView(slot, frame.sequence)))
         out = self._reassemble(slot, frame.nbytes, frame.sequence, self._pool.take(frame.nbytes))
-        return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, ("copy", out)))
+        return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, PooledCopy(out)))
 
     def _hold(self, slot: int, sequence: int) -> None:
         """``slot`` is viewed by message ``sequence`` until :meth:`release`."""
@@ -227,15 +245,14 @@ class ShmReceiver:
         handle = message.token.handle
         if handle is None:
             return  # an empty payload: nothing behind it
-        if handle[0] == "copy":  # a reassembled payload: its buffer serves a later one
+        if isinstance(handle, PooledCopy):  # a reassembled payload: its buffer serves a later one
             try:
-                self._pool.give_back(handle[1])
+                self._pool.give_back(handle.buffer)
             except ValueError as exc:
                 raise ValueError(f"rank {self.rank}: from rank {self.peer}: {exc}") from None
             return
-        _, slot, sequence = handle
-        self._unhold(slot, sequence)
-        self._ring.release(slot)
+        self._unhold(handle.slot, handle.sequence)
+        self._ring.release(handle.slot)
 
     def begin_close(self) -> None:
         """From now on arrivals are dropped (their slots freed) by a short-lived drain thread, so a
