@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trainer.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,12 +20,6 @@ class RankResult:
     rank: int
     returncode: int
     output: str
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 
 import pytest
 
+from trainer.ports import free_port
 from trainer.profiling.clock import RoundTrip, best_offset
 
 # Seconds-scale skews, far beyond the loopback round trip, in both directions.
@@ -17,12 +17,6 @@ SKEW_US = (0.0, 5_000_000.0, -3_250_000.0)
 # below the smallest skew, so a sign or bookkeeping error cannot pass.
 TOLERANCE_US = 50_000.0
 JOIN_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, skews: tuple[float, ...], results,
@@ -51,7 +45,7 @@ def _run_ranks(world_size: int, backend: str) -> dict[int, float]:
     """Offsets measured by ``world_size`` spawned ranks whose clocks are skewed by SKEW_US."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, SKEW_US, results, backend))
              for r in range(world_size)]
     for p in procs:

@@ -8,12 +8,13 @@ line's folder; a line past its deadline is killed (all ranks), never left hangin
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.ports import free_port
 
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set (unless already set) for every rank on CUDA: NVLink multicast stays off on the lent machines."""
@@ -36,12 +37,6 @@ class LineRun:
             if "Traceback" in text or "error" in text.lower() or log is self.logs[-1]:
                 return "\n".join(text.splitlines()[-lines:])
         return ""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(module: str, args: list[str], world_size: int, folder: Path, device: str,

@@ -10,12 +10,13 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from trainer.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,6 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.error is None and self.exitcode == 0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_processes(
