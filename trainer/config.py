@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
 from trainer.megatron_lm_flags import MEGATRON_LM_FLAGS
@@ -402,6 +403,11 @@ class DataConfig:
     MEAN tokens (default --seq-length / 2) x a mean-one log-normal ratio (the simulator's
     --seq-len-dist), drawn per sample from (--seed, sample index); required in that mode."""
 
+    split: str | None = None
+    """Train/valid/test shares (``--split 969,30,1``, Megatron-LM's weights), taken of sample indices
+    in repeating blocks (trainer/data/split.py): training reads only the train share, --eval-interval
+    the valid share. None: every sample trains, or Megatron-LM's default 969,30,1 when validating."""
+
     def __post_init__(self) -> None:
         p = []
         if self.seq_length_divisible_by < 1:
@@ -417,6 +423,8 @@ class DataConfig:
             p.append("one of --data-path or --mock-data is required")
         if self.mock_data and self.data_path:
             p.append(f"--mock-data and --data-path={self.data_path} are mutually exclusive")
+        if self.split is not None:
+            p.extend(parse_split(self.split)[1])
         if self.tokenizer_type not in TOKENIZERS:
             p.append(f"--tokenizer-type={self.tokenizer_type!r} must be one of {', '.join(TOKENIZERS)}")
         if self.data_path and self.tokenizer_type != "NullTokenizer" and not self.vocab_file:
@@ -469,6 +477,12 @@ class RunConfig:
     log_throughput: bool = False
     """Add Megatron-LM's ``throughput per GPU (TFLOP/s/GPU)`` to each iteration line
     (``--log-throughput``): its model-FLOPs count (trainer/flops.py) / (iteration time x world size)."""
+    eval_interval: int | None = None
+    """Every N iterations, run --eval-iters forward-only steps on the
+    validation share of --split through the training schedule and print Megatron-LM's ``validation
+    loss at iteration N`` line (``--eval-interval``). None: no validation (Megatron-LM's default is 1000)."""
+    eval_iters: int = 100
+    """Forward-only iterations (of --global-batch-size samples) per validation (``--eval-iters``)."""
     gpu_busy_iters: int = 2
     """With --metrics-dir on CUDA: measure GPU busy time (kernel time on the GPU, torch.profiler)
     over the last N iterations, which the benchmark then leaves out of its timings; 0 = off."""
@@ -490,6 +504,10 @@ class RunConfig:
             p.append(f"--num-gpus={self.num_gpus} must be >= 1")
         if self.log_interval < 1:
             p.append(f"--log-interval={self.log_interval} must be >= 1")
+        if self.eval_interval is not None and self.eval_interval < 1:
+            p.append(f"--eval-interval={self.eval_interval} must be >= 1")
+        if self.eval_iters < 0:
+            p.append(f"--eval-iters={self.eval_iters} must be >= 0")
         if self.gpu_busy_iters < 0:
             p.append(f"--gpu-busy-iters={self.gpu_busy_iters} must be >= 0")
         p.extend(stall_problems(self.inject_stalls))
@@ -523,6 +541,18 @@ class TrainConfig:
         per_stage = self.model.num_layers // self.parallel.pipeline_model_parallel_size
         vp_layers = self.parallel.num_layers_per_virtual_pipeline_stage
         return per_stage // vp_layers if vp_layers else 1
+
+    @property
+    def validates(self) -> bool:
+        """--eval-interval with --eval-iters > 0: validation runs."""
+        return self.run.eval_interval is not None and self.run.eval_iters > 0
+
+    @property
+    def sample_split(self) -> str | None:
+        """The --split in force: as given, else Megatron-LM's default when validating, else None."""
+        if self.data.split is not None:
+            return self.data.split
+        return MEGATRON_DEFAULT_SPLIT if self.validates else None
 
     @property
     def uneven_pipeline(self) -> bool:
@@ -582,6 +612,9 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
             and cfg.run.device == "cuda":
         p.append("--no-overlap-p2p-communication with interleaving needs --pipeline-model-parallel-size > 2 "
                  "(Megatron-LM's rule: batched sends and receives between the same 2 ranks)")
+    if cfg.validates and cfg.data.split is not None and parse_split(cfg.data.split)[0][1] == 0:
+        p.append(f"--eval-interval={cfg.run.eval_interval} needs validation samples but --split="
+                 f"{cfg.data.split} gives the valid share 0")
     p.extend(_split_backward_problems(cfg))
     p.extend(_variable_length_problems(cfg))
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:

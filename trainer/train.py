@@ -148,6 +148,11 @@ class TrainingSession:
         init_megatron_parallel(self.topology)
         self._seed()
         self.num_microbatches = cfg.num_microbatches(launch.world_size)
+        from trainer.data.split import SampleSplit
+
+        self.split = SampleSplit.parse(cfg.sample_split)
+        # Set only while validating: the global index of this evaluation step's first valid sample.
+        self._eval_start: int | None = None
         self.samples, vocab_size = self._sample_source()
         self.prefetcher = MicrobatchPrefetcher(self._host_microbatch, self.device)
         from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
@@ -165,6 +170,7 @@ class TrainingSession:
         self.forward_backward = self.hooks.forward_backward_func or self._schedule()
         # --metrics-dir / --inject-stalls: wrapping the forward step reaches every schedule alike.
         self.measure = RunMeasurement(cfg, self.topology, self._schedule_label(), self.num_microbatches)
+        self._eval_forward_step = self.forward_step  # validation stays out of the run's measurements
         self.forward_step = self.measure.wrap_forward_step(self.forward_step, self.model)
         if cfg.checkpoint.load:
             loaded = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.scheduler, self._layout(),
@@ -197,7 +203,11 @@ class TrainingSession:
             lengths = (parse_length_distribution(cfg.data.mock_seq_len_dist)[0]
                        if cfg.data.variable_seq_lengths else None)
             return mock_sample_source(m.model, seed, m.seq_length, m.vocab_size, lengths), m.vocab_size
-        total = cfg.optim.total_iters * cfg.optim.global_batch_size
+        gbs = cfg.optim.global_batch_size
+        total = self.split.span("train", cfg.optim.total_iters * gbs)
+        if cfg.validates:
+            evaluations = cfg.optim.total_iters // cfg.run.eval_interval
+            total = max(total, self.split.span("valid", evaluations * cfg.run.eval_iters * gbs))
         if cfg.data.tokenizer_type == "NullTokenizer":
             vocab, tokenizer = m.vocab_size, None
         else:
@@ -341,24 +351,30 @@ class TrainingSession:
                 "vp": t.virtual_pipeline, "rank": t.rank}
 
     # ---- data ------------------------------------------------------------------------------
-    def _host_microbatch(self, microbatch: int) -> dict[str, torch.Tensor]:
+    def _step_samples(self, microbatch: int) -> list:
+        """Samples of microbatch m of this step on this DP rank: the train share of --split from
+        consumed_samples on, or while validating the valid share from the evaluation step's start."""
         topo, o = self.topology, self.cfg.optim
         plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
-        indices = plan.indices(self.state.consumed_samples, microbatch)
+        if self._eval_start is None:
+            return [self.samples(self.split.index("train", k))
+                    for k in plan.indices(self.state.consumed_samples, microbatch)]
+        return [self.samples(self.split.index("valid", k)) for k in plan.indices(self._eval_start, microbatch)]
+
+    def _host_microbatch(self, microbatch: int) -> dict[str, torch.Tensor]:
         d = self.cfg.data
         bucketing = Bucketing(d.seq_length_divisible_by, self.cfg.model.seq_length) if d.variable_seq_lengths else None
-        return host_batch([self.samples(i) for i in indices], self.cfg.model.model, bucketing)
+        return host_batch(self._step_samples(microbatch), self.cfg.model.model, bucketing)
 
     def _microbatch_costs(self) -> list[float]:
         """This step's cost estimate per microbatch from its bucketed length (every stage of the
         pipeline reads the same samples, so all agree): (1 - a) r + a r^2 with r = length /
         --seq-length and a = 0.2 for attention's quadratic share (trainer.schedule's cost model)."""
-        topo, o, d = self.topology, self.cfg.optim, self.cfg.data
-        plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
+        d = self.cfg.data
         seq = self.cfg.model.seq_length
         costs = []
         for m in range(self.num_microbatches):
-            lengths = [self.samples(i)[LENGTH_KEY] for i in plan.indices(self.state.consumed_samples, m)]
+            lengths = [sample[LENGTH_KEY] for sample in self._step_samples(m)]
             r = bucket_length(lengths, d.seq_length_divisible_by, seq) / seq
             costs.append(0.8 * r + 0.2 * r * r)
         return costs
@@ -383,6 +399,8 @@ class TrainingSession:
             if self.preempt.agreed(self.device):
                 return self._save_on_signal()
             self._train_step()
+            if cfg.validates and self.state.iteration % cfg.run.eval_interval == 0:
+                self._evaluate()
             interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and interval and self.state.iteration % interval == 0:
                 self._save()
@@ -424,15 +442,42 @@ class TrainingSession:
         if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.total_iters:
             self._log_iteration(reduced, grad_norm, lr, time.perf_counter() - start)
 
-    def _forward_backward(self) -> list:
+    def _evaluate(self) -> None:
+        """Megatron-LM's evaluate: --eval-iters forward-only steps through the training schedule on
+        the valid share, dropout off, no autograd. Evaluation k (at iteration k x --eval-interval)
+        reads valid samples from (k - 1) x eval-iters x global batch on, as Megatron-LM's validation
+        iterator would have consumed them (so a resumed run validates on the same samples)."""
+        cfg, gbs = self.cfg, self.cfg.optim.global_batch_size
+        first = (self.state.iteration // cfg.run.eval_interval - 1) * cfg.run.eval_iters * gbs
+        losses: list = []
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                for step in range(cfg.run.eval_iters):
+                    if step and self.dpp_context is not None:
+                        # Forward-only steps have no optimizer step or loss reduction between them:
+                        # without a barrier stage s could send step i+1's activations before stage
+                        # s+1 has finished step i, whose runtime would take them for its own.
+                        dist.barrier()
+                    self._eval_start = first + step * gbs
+                    self.prefetcher.begin_step(self.num_microbatches)
+                    losses.extend(self._forward_backward(forward_only=True))
+        finally:
+            self._eval_start = None
+            for chunk in self.model:
+                chunk.train()
+        self._log_validation(self._reduce_losses(losses))
+
+    def _forward_backward(self, forward_only: bool = False) -> list:
         cfg = self.cfg
         return self.forward_backward(
-            forward_step_func=self.forward_step,
+            forward_step_func=self._eval_forward_step if forward_only else self.forward_step,
             # The DPP runtime fetches microbatch m by index itself; Megatron's schedules want iterators.
             data_iterator=None if self.dpp_context is not None else self._data_iterators(), model=self.model,
             num_microbatches=self.num_microbatches, seq_length=cfg.model.seq_length,
             micro_batch_size=cfg.optim.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
-            forward_only=False)
+            forward_only=forward_only)
 
     def _reduce_losses(self, losses: list[dict]) -> dict[str, float]:
         """Mean over microbatches on the last stage, then over DP; broadcast so every rank knows.
@@ -515,6 +560,17 @@ class TrainingSession:
                  self.state.iteration, cfg.optim.total_iters, self.state.consumed_samples, seconds * 1e3,
                  throughput, lr, cfg.optim.global_batch_size, loss_text, loss_scale, norm, skipped, nans,
                  tokens / max(seconds, 1e-9), memory)
+
+    def _log_validation(self, losses: dict[str, float]) -> None:
+        """Megatron-LM's validation report (value and PPL = exp(min(20, loss)) per loss, between
+        two rules of dashes), printed by the last stage's first rank."""
+        if not self._is_logger:
+            return
+        text = f" validation loss at iteration {self.state.iteration} | " + "".join(
+            f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | " for k, v in losses.items())
+        rule = "-" * (len(text) + 1)
+        for line in (rule, text, rule):
+            log.info("%s", line)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _save(self, on_signal: bool = False) -> None:
