@@ -7,14 +7,22 @@ workflows.submit), so one id finds the other two, including a job cancelled by a
 before it ever ran. A job submitted by hand with sbatch is shown alone, said to be no chain. Exit
 status: 0 all COMPLETED, 1 any job ended otherwise, 3 still pending or running, 2 bad input (not a
 job id, a job sacct does not know, such as 0).
+
+A sweep's job (named mdppsweep-<folder>-<step> by `workflows.submit --sweep`) shows the whole sweep
+as a table — configuration, training job and state, aggregation state, ms/iteration and bubble from
+each run's summary.json — read from <runs-dir>/<folder>/sweep.json (--runs-dir: the submit's, default
+runs/). Array task ids (12_1) are accepted.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
-from workflows import chain, slurm
+from workflows import chain, slurm, sweep
 from workflows.cli import OneLineParser, fail
+from workflows.render import REPO
 
 PROG = "python -m workflows.status"
 EXIT_FAILED, EXIT_RUNNING = 1, 3
@@ -24,7 +32,10 @@ def chain_records(job_id: str) -> list[slurm.JobRecord]:
     """The chain containing ``job_id`` in chain order; ValueError when sacct does not know it."""
     # Only the record of that very id: `sacct -j 0` lists every job, whose first would otherwise be
     # taken for job 0 and its chain shown.
-    own = [r for r in slurm.query(job_ids=[job_id]) if r.job_id == job_id]
+    found = slurm.query(job_ids=[job_id])
+    own = [r for r in found if r.job_id == job_id or r.job_id.startswith(f"{job_id}_")][:1]
+    if not own and len(found) == 1 and re.fullmatch(r"\d+_\d+", found[0].job_id):
+        own = found  # an array task's own id: sacct shows it as <array id>_<task>
     if not own:
         raise ValueError(f"job {job_id}: not found in sacct")
     names = chain.chain_names(own[0].name)
@@ -49,15 +60,33 @@ def verdict(records: list[slurm.JobRecord]) -> tuple[str, int]:
     return "FAILED", EXIT_FAILED
 
 
+def show_sweep(manifest_path: Path) -> int:
+    """Print a sweep's table; its exit status like a chain's. ValueError without its manifest."""
+    if not manifest_path.is_file():
+        raise ValueError(f"a sweep job, but {manifest_path} does not exist: pass the submit's --runs-dir")
+    manifest = sweep.read_manifest(manifest_path)
+    records = sweep.records_by_id(slurm.query(job_ids=sweep.job_ids(manifest)))
+    print(sweep.table(manifest, records))
+    state = sweep.verdict(manifest, records)
+    print(f"sweep: {state}")
+    return {"RUNNING": EXIT_RUNNING, "COMPLETED": 0}.get(state, EXIT_FAILED)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("job_id", help="any job id of the chain")
+    parser.add_argument("job_id", help="any job id of the chain or sweep")
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs",
+                        help="where the sweep's folder is (submit's --runs-dir; default: runs/)")
     args = parser.parse_args(argv)
-    if not args.job_id.isdigit():
+    match = re.fullmatch(r"(\d+)(_\d+)?", args.job_id)
+    if not match:
         fail(f"job id {args.job_id!r}: expected a number", PROG)
-    job_id = str(int(args.job_id))  # sacct prints 7 for 007
+    job_id = str(int(match.group(1))) + (match.group(2) or "")  # sacct prints 7 for 007
     try:
         records = chain_records(job_id)
+        name = sweep.sweep_of(records[0].name)
+        if name is not None:
+            return show_sweep(args.runs_dir / name / sweep.MANIFEST)
     except ValueError as exc:
         fail(str(exc), PROG)
     except slurm.SlurmError as exc:

@@ -17,13 +17,14 @@ image) exits 2 with one line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from workflows import chain, jobs, preflight, recipes, slurm, submitit_chain
+from workflows import chain, jobs, preflight, recipes, slurm, submitit_chain, sweep
 from workflows.cli import OneLineParser, fail, parse_assignment
 from workflows.render import REPO
 from workflows.sbatch_params import SbatchParams, parse_pass_through
@@ -58,6 +59,10 @@ def build_parser() -> OneLineParser:
                         help="any other sbatch option for every job, e.g. mail-type=END (repeatable)")
     parser.add_argument("--nccl-debug", default=None, metavar="LEVEL",
                         help="NCCL_DEBUG for the training ranks (WARN, INFO, TRACE)")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                        help="train once per value (repeatable: the cartesian product), e.g. --sweep pp=2,4 "
+                             "--sweep schedule=1f1b,dpp: one preprocessing job, the runs as a job array, "
+                             "one aggregation each (submitit only)")
     parser.add_argument("--via", choices=("submitit", "sbatch"), default="submitit",
                         help="submit through submitit (default) or plain sbatch; both run the same files")
     parser.add_argument("--wait", action="store_true", help="follow the chain until it finishes")
@@ -82,6 +87,15 @@ def params_from_args(args: argparse.Namespace) -> SbatchParams:
 
 def spec_from_args(args: argparse.Namespace) -> tuple[chain.ChainSpec, SbatchParams]:
     """Validated ChainSpec and sbatch parameters; one ValueError naming every bad value otherwise."""
+    spec, params, _runs = specs_from_args(args)
+    return spec, params
+
+
+def specs_from_args(
+    args: argparse.Namespace,
+) -> tuple[chain.ChainSpec, SbatchParams, list[tuple[sweep.Point, chain.ChainSpec]]]:
+    """The chain's (or the sweep's preprocessing) spec, sbatch parameters and, with --sweep, one
+    spec per run; all validated, one ValueError naming every bad value otherwise."""
     params = params_from_args(args)
     problems = params.problems()
     if args.train_iters is not None and args.train_iters < 1:
@@ -92,14 +106,22 @@ def spec_from_args(args: argparse.Namespace) -> tuple[chain.ChainSpec, SbatchPar
         overrides["TRAIN_ITERS"] = str(args.train_iters)
     if args.nccl_debug:
         overrides["NCCL_DEBUG"] = args.nccl_debug
+    axes, sweep_problems = sweep.parse(args.sweep, overrides)
+    problems += sweep_problems
+    if axes and args.via != "submitit":
+        problems.append("--sweep needs --via submitit (the runs are one submitit job array)")
     spec = None
+    runs: list[tuple[sweep.Point, chain.ChainSpec]] = []
     try:
         recipe = recipes.get(args.recipe, "gpu" if args.gpus_per_node > 0 else "cpu")
+        run_dir = chain.new_run_dir(args.runs_dir.resolve(), recipe)
+        if axes:  # every run reads the one dataset the sweep's preprocessing writes
+            overrides.setdefault("DATA_PATH", str(run_dir / "data"))
         spec = chain.ChainSpec(
             recipe=recipe,
             nodes=recipe.nodes if args.nodes is None else args.nodes,
             repo_dir=REPO,
-            run_dir=chain.new_run_dir(args.runs_dir.resolve(), recipe),
+            run_dir=run_dir,
             gpus_per_node=max(args.gpus_per_node, 0),
             partition=args.partition,
             image=image_reference(args.image),
@@ -107,6 +129,15 @@ def spec_from_args(args: argparse.Namespace) -> tuple[chain.ChainSpec, SbatchPar
         )
     except ValueError as exc:
         problems.append(str(exc))
+    if spec is not None and axes and not any("more than" in p for p in sweep_problems):
+        refused: dict[str, list[str]] = {}  # the same problem once, with every run it concerns
+        for point in sweep.points(axes):
+            try:
+                runs.append((point, dataclasses.replace(spec, run_dir=spec.run_dir / point.label,
+                                                        overrides={**overrides, **point.overrides})))
+            except ValueError as exc:
+                refused.setdefault(str(exc), []).append(point.description)
+        problems += [f"--sweep run(s) {', '.join(which)}: {why}" for why, which in refused.items()]
     if spec is not None:
         missing = spec.missing_inputs()
         problems += [f"missing data file(s): {', '.join(missing)} (relative to {REPO})"] if missing else []
@@ -114,7 +145,7 @@ def spec_from_args(args: argparse.Namespace) -> tuple[chain.ChainSpec, SbatchPar
         problems += preflight.image_problems(args.image) + preflight.partition_problems(spec.nodes, spec.partition)
     if problems or spec is None:
         raise ValueError("; ".join(problems))
-    return spec, params
+    return spec, params, runs
 
 
 def print_chain(submitted: chain.Chain) -> None:
@@ -157,14 +188,61 @@ def follow(submitted: chain.Chain, timeout_s: float,
     return 0
 
 
+def print_sweep(submitted: submitit_chain.SubmittedSweep) -> None:
+    manifest = submitted.manifest
+    print(f"sweep:      {submitted.sweep_dir} ({len(manifest['points'])} runs)")
+    print(f"preprocess job {manifest['preprocess']}")
+    for point in manifest["points"]:
+        print(f"run {point['description']}: train job {point['train']}, aggregate job {point['aggregate']}, "
+              f"folder {point['run_dir']}")
+    print(f"watch:      python -m workflows.status {manifest['preprocess']} --runs-dir {submitted.sweep_dir.parent}")
+    print(f"logs:       {manifest['logs']}")
+    sys.stdout.flush()
+
+
+def follow_sweep(submitted: submitit_chain.SubmittedSweep, timeout_s: float, poll_s: float = 2.0) -> int:
+    """Show each job's state changes until the sweep ends, then its table (exit 0: all COMPLETED)."""
+    manifest = submitted.manifest
+    names = {manifest["preprocess"]: "preprocess"}
+    for point in manifest["points"]:
+        names[point["train"]] = f"train {point['description']}"
+        names[point["aggregate"]] = f"aggregate {point['description']}"
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = sweep.records_by_id(slurm.query(job_ids=list(names)))
+        for job_id, what in names.items():
+            state = sweep.state_of(records, job_id)
+            if seen.get(job_id) != state:
+                seen[job_id] = state
+                print(f"{time.strftime('%H:%M:%S')} {job_id:>8} {state:<10} {what}", flush=True)
+        state = sweep.verdict(manifest, records)
+        if state != "RUNNING":
+            break
+        if time.monotonic() > deadline:
+            print(f"{PROG}: sweep not finished after {timeout_s:.0f} s", file=sys.stderr)
+            return EXIT_TIMEOUT
+        time.sleep(poll_s)
+    print(sweep.table(manifest, records))
+    if state != "COMPLETED":
+        print(f"sweep failed: logs in {manifest['logs']}", file=sys.stderr)
+        return EXIT_FAILED
+    print("sweep COMPLETED")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        spec, params = spec_from_args(args)
+        spec, params, runs = specs_from_args(args)
     except ValueError as exc:
         fail(str(exc), PROG)
     try:
+        if runs:
+            swept = submitit_chain.submit_sweep(spec, runs, params)
+            print_sweep(swept)
+            return follow_sweep(swept, args.timeout) if args.wait else 0
         through = None
         if args.via == "submitit":
             through = submitit_chain.submit(spec, params)

@@ -32,7 +32,7 @@ from typing import Any
 
 import submitit
 
-from workflows import chain, jobs, render, slurm
+from workflows import chain, jobs, render, slurm, sweep
 from workflows.sbatch_params import SbatchParams
 
 DEPENDENCY = {"preprocess": None, "train": "afterok", "aggregate": "afterany"}
@@ -269,3 +269,74 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                      f"bubble {stage['bubble_fraction']:.4f}, peak in-flight {stage['peak_inflight']}")
     return "\n".join(lines)
 
+
+
+@dataclass
+class SubmittedSweep:
+    """A sweep's submitit jobs and its manifest (sweep.json, what workflows.status reads)."""
+
+    sweep_dir: Path
+    manifest: dict[str, Any]
+    jobs: dict[str, submitit.Job]
+    """Job id -> submitit job (preprocess, every training task, every aggregation)."""
+
+
+def submit_sweep(base: chain.ChainSpec, runs: list[tuple[sweep.Point, chain.ChainSpec]],
+                 params: SbatchParams) -> SubmittedSweep:
+    """Preprocess once (``base``), train every point as a job array, aggregate each point on its own.
+
+    Points whose training allocations differ (PP x TP ranks per node) go in one array each: an array
+    shares its sbatch parameters. Each aggregation waits (afterany) for its own array task. A failed
+    submission cancels what was already submitted.
+    """
+    slurm.require("sbatch")
+    sweep_dir = base.run_dir
+    logs = sweep_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rendered = render.render_all()
+    if render.drift(rendered, render.SBATCH_DIR):
+        chain.log.warning("sbatch/ differs from the templates (submitting the fresh render); %s", render.HINT)
+    scripts = {path.name: str(path) for path in render.write(rendered, sweep_dir / "sbatch")}
+    script = {job.key: scripts[job.filename] for job in jobs.JOBS}
+    executor = ExecingSlurmExecutor(folder=sweep_dir / "submitit")
+    submitted: dict[str, submitit.Job] = {}
+
+    def parameters(spec: chain.ChainSpec, step: str, after: str | None) -> dict[str, Any]:
+        out = step_parameters(spec, params, step, logs, after)
+        out["job_name"] = sweep.job_name(sweep_dir, step)
+        return out
+
+    try:
+        executor.update_parameters(**parameters(base, "preprocess", None))
+        pre = executor.submit(StepScript("preprocess", script["preprocess"], base.environment()))
+        submitted[pre.job_id] = pre
+        groups: dict[str, list[tuple[sweep.Point, chain.ChainSpec]]] = {}
+        for point, spec in runs:  # one array per distinct training allocation
+            key = json.dumps(parameters(spec, "train", None), sort_keys=True, default=str)
+            groups.setdefault(key, []).append((point, spec))
+        train_jobs: dict[str, submitit.Job] = {}
+        for members in groups.values():
+            executor.update_parameters(**parameters(members[0][1], "train", f"afterok:{pre.job_id}"))
+            with executor.batch():
+                delayed = [executor.submit(StepScript("train", script["train"], spec.environment()))
+                           for _point, spec in members]
+            for (point, _spec), job in zip(members, delayed, strict=True):
+                train_jobs[point.label] = submitted[job.job_id] = job
+        manifest_points = []
+        for point, spec in runs:
+            train = train_jobs[point.label]
+            executor.update_parameters(**parameters(spec, "aggregate", f"afterany:{train.job_id}"))
+            summary = str(spec.run_dir / "traces" / "summary.json")
+            agg = executor.submit(StepScript("aggregate", script["aggregate"], spec.environment(), summary))
+            submitted[agg.job_id] = agg
+            manifest_points.append({"label": point.label, "description": point.description,
+                                    "config": point.config, "overrides": point.overrides,
+                                    "run_dir": str(spec.run_dir), "train": train.job_id, "aggregate": agg.job_id})
+    except (subprocess.CalledProcessError, OSError, RuntimeError, ValueError) as exc:
+        slurm.scancel(list(submitted))
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise slurm.SlurmError(f"submitting the sweep through submitit failed: {lines[-1]}") from exc
+    manifest = {"name": sweep_dir.name, "recipe": f"{base.recipe.model}/{base.recipe.size}",
+                "nodes": base.nodes, "preprocess": pre.job_id, "logs": str(logs), "points": manifest_points}
+    sweep.write_manifest(sweep_dir, manifest)
+    return SubmittedSweep(sweep_dir, manifest, submitted)

@@ -1,0 +1,123 @@
+"""--sweep parsing and validation, the runs it makes and the status table (issue 16, part 3); no
+cluster needed: nothing is submitted, sacct's answers are canned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workflows import preflight, slurm, status, submit, sweep
+
+
+def runs_of(tmp_path: Path, *argv: str):
+    args = submit.build_parser().parse_args(["gpt", "--nodes", "2", "--runs-dir", str(tmp_path), *argv])
+    return submit.specs_from_args(args)
+
+
+@pytest.fixture(autouse=True)
+def no_scontrol(monkeypatch):
+    monkeypatch.setattr(preflight, "partition_problems", lambda nodes, partition: [])
+
+
+def test_axes_are_parsed_with_short_names_aliases_and_schedules():
+    axes, problems = sweep.parse(["pp=2,4", "schedule=1f1b,dpp", "MICRO_BATCH_SIZE=1", "PIPELINE_PARALLEL=2"])
+    assert problems == ["--sweep PIPELINE_PARALLEL: PP is already swept by --sweep pp"]
+    assert [(a.key, a.knob, a.values) for a in axes] == [
+        ("pp", "PP", ("2", "4")), ("schedule", "USE_DPP", ("1f1b", "dpp")), ("MICRO_BATCH_SIZE", "MICRO_BATCH_SIZE", ("1",))]
+    points = sweep.points(axes)
+    assert [p.label for p in points] == ["pp-2_schedule-1f1b_micro_batch_size-1",
+                                         "pp-2_schedule-dpp_micro_batch_size-1",
+                                         "pp-4_schedule-1f1b_micro_batch_size-1",
+                                         "pp-4_schedule-dpp_micro_batch_size-1"]
+    assert points[1].overrides == {"PP": "2", "USE_DPP": "1", "MICRO_BATCH_SIZE": "1"}
+    assert points[2].description == "pp=4 schedule=1f1b MICRO_BATCH_SIZE=1"
+
+
+def test_every_bad_axis_is_named():
+    _axes, problems = sweep.parse(["pp", "pp=", "tp=0,x", "schedule=zb", "bf16=2", "data_path=/x", "nosuch=1",
+                                   "layers=2,2", "lr=a/b", "seed=1,", "train_iters=3"], fixed={"TRAIN_ITERS": "4"})
+    text = "; ".join(problems)
+    for part in ("--sweep 'pp': expected KEY=VALUE", "--sweep 'pp=': expected", "--sweep tp: '0' is not a positive",
+                 "--sweep tp: 'x' is not a positive", "--sweep schedule: 'zb' is not one of 1f1b, dpp",
+                 "--sweep bf16: '2' must be 0 or 1", "--sweep data_path: not a training setting",
+                 "--sweep nosuch: not a training setting", "--sweep layers: value(s) given twice: 2",
+                 "--sweep lr: value 'a/b' must be", "--sweep seed: empty value",
+                 "--sweep train_iters: TRAIN_ITERS is also set to 4"):
+        assert part in text, (part, text)
+
+
+def test_too_many_runs_are_refused():
+    _axes, problems = sweep.parse(["seed=" + ",".join(map(str, range(1, 9))), "layers=" + ",".join(map(str, range(1, 10)))])
+    assert problems == [f"--sweep: 72 runs, more than {sweep.MAX_POINTS}; split the sweep"]
+
+
+def test_each_run_has_its_folder_and_shares_the_sweeps_dataset(tmp_path):
+    base, _params, runs = runs_of(tmp_path, "--sweep", "schedule=1f1b,dpp", "--train-iters", "4")
+    assert [spec.run_dir for _p, spec in runs] == [base.run_dir / "schedule-1f1b", base.run_dir / "schedule-dpp"]
+    for (_point, spec), use_dpp in zip(runs, ("0", "1"), strict=True):
+        env = spec.environment()
+        assert env["DATA_PATH"] == str(base.run_dir / "data") == base.environment()["DATA_PATH"]
+        assert env["OUTPUT_DIR"] == str(spec.run_dir) and env["USE_DPP"] == use_dpp and env["TRAIN_ITERS"] == "4"
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # validation writes nothing
+
+
+def test_layout_problems_of_any_run_are_named_with_the_bad_values_in_one_message(tmp_path):
+    with pytest.raises(ValueError) as info:
+        runs_of(tmp_path, "--sweep", "pp=2,3", "--sweep", "schedule=1f1b,zb", "--via", "submitit")
+    text = str(info.value)
+    assert "--sweep schedule: 'zb' is not one of 1f1b, dpp" in text
+    assert "--sweep run(s) pp=3 schedule=1f1b, pp=3 schedule=zb: 3 training ranks (PP=3 x TP=1) do not split " \
+           "evenly over --nodes 2" in text
+    with pytest.raises(ValueError, match="--sweep needs --via submitit"):
+        runs_of(tmp_path, "--sweep", "pp=2", "--via", "sbatch")
+
+
+def test_no_sweep_is_the_plain_chain(tmp_path):
+    _spec, _params, runs = runs_of(tmp_path)
+    assert runs == []
+
+
+def test_job_names_lead_back_to_the_sweep_and_are_never_a_chains():
+    from workflows import chain
+    name = sweep.job_name(Path("/r/gpt-20260101-000000-abcd"), "train")
+    assert sweep.sweep_of(name) == "gpt-20260101-000000-abcd"
+    assert chain.chain_names(name) is None
+    assert sweep.sweep_of("mdpp-gpt-x-train") is None
+
+
+def test_status_shows_the_sweep_table_from_an_array_task_id(tmp_path, monkeypatch, capsys):
+    sweep_dir = tmp_path / "gpt-20260101-000000-abcd"
+    (sweep_dir / "schedule-1f1b" / "traces").mkdir(parents=True)
+    (sweep_dir / "schedule-1f1b" / "traces" / "summary.json").write_text(
+        json.dumps({"mean_iteration_time_ms": 812.345, "bubble_fraction": 0.31}))
+    points = [{"description": f"schedule={s}", "run_dir": str(sweep_dir / f"schedule-{s}"),
+               "train": f"11_{i}", "aggregate": str(12 + i)} for i, s in enumerate(("1f1b", "dpp"))]
+    sweep.write_manifest(sweep_dir, {"name": sweep_dir.name, "recipe": "gpt/cpu", "preprocess": "10",
+                                     "points": points, "logs": str(sweep_dir / "logs")})
+    stem = sweep.job_name(sweep_dir, "")
+    rows = {"10": f"10|{stem}preprocess|COMPLETED|0:0|00:00:05|node1|x|y",
+            "11_0": f"11_0|{stem}train|COMPLETED|0:0|00:01:00|node[1-2]|x|y",
+            "11_1": f"11_1|{stem}train|RUNNING|0:0|00:00:30|node[1-2]|x|None",
+            "12": f"12|{stem}aggregate|COMPLETED|0:0|00:00:02|node1|x|y",
+            "13": f"13|{stem}aggregate|PENDING|0:0|00:00:00|None assigned|None|None"}
+
+    def fake(args, **_kw):
+        args = list(args)
+        wanted = args[args.index("-j") + 1].split(",")
+        if wanted == ["14"]:  # task 1's own id: sacct answers with the array form
+            return rows["11_1"]
+        return "\n".join(rows[w] for w in wanted if w in rows)
+
+    monkeypatch.setattr(slurm, "run", fake)
+    assert status.main(["14", "--runs-dir", str(tmp_path)]) == status.EXIT_RUNNING
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"sweep {sweep_dir.name}: gpt/cpu, preprocess job 10 COMPLETED"
+    assert out[2].split() == ["schedule=1f1b", "11_0", "COMPLETED", "COMPLETED", "812.3", "0.3100"]
+    assert out[3].split() == ["schedule=dpp", "11_1", "RUNNING", "PENDING", "-", "-"]
+    assert out[-1] == "sweep: RUNNING"
+    with pytest.raises(SystemExit) as info:
+        status.main(["12", "--runs-dir", str(tmp_path / "elsewhere")])
+    assert info.value.code == 2
+    assert "pass the submit's --runs-dir" in capsys.readouterr().err

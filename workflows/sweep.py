@@ -1,0 +1,221 @@
+"""Sweeps: one preprocessing job, a job array of training runs, one aggregation per run.
+
+    python -m workflows.submit gpt --nodes 2 --sweep pp=2,4 --sweep schedule=1f1b,dpp
+
+``--sweep KEY=V1,V2,...`` (repeatable) names a training setting and its values; the sweep is the
+cartesian product, in the order given. KEY is a training knob of the sbatch file (``PP``,
+``NUM_LAYERS``, ``MICRO_BATCH_SIZE``, ... in any case), an AWS alias (``PIPELINE_PARALLEL``) or one
+of the short names below; ``schedule`` takes ``1f1b`` or ``dpp`` (``USE_DPP=0/1``). Everything is
+validated before anything is submitted, and every problem is named in one message.
+
+The sweep's folder ``runs/<model>-<date>-<time>-<hex>/`` holds ``sweep.json`` (this module's
+manifest: each point's configuration, folder and job ids), ``data/`` (the one dataset), ``logs/``
+and one folder per point (``pp-2_schedule-1f1b/``: checkpoints/, traces/ with summary.json).
+Its jobs are named ``mdppsweep-<folder>-<step>``, so ``workflows.status`` finds the manifest from
+any id. Nothing here imports submitit or torch (workflows/submitit_chain.py submits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workflows import jobs, slurm
+
+NAME_PREFIX = "mdppsweep-"  # not "mdpp-": chain.chain_names must not take a sweep job for a chain
+MANIFEST = "sweep.json"
+MAX_POINTS = 64
+SHORT_NAMES = {"pp": "PP", "tp": "TP", "schedule": "USE_DPP", "layers": "NUM_LAYERS",
+               "mbs": "MICRO_BATCH_SIZE", "gbs": "GLOBAL_BATCH_SIZE"}
+SCHEDULES = {"1f1b": "0", "dpp": "1"}
+# Training knobs a sweep may vary. Paths and the dataset are the sweep's (one preprocessing run).
+NOT_SWEPT = {"DATA_PATH", "OUTPUT_DIR", "IMAGE", "CONTAINER_WORKDIR", "PYTHON", "DATA_PREFIX", "DATASET",
+             "CHECKPOINT_DIR", "PROFILE_DIR", "RESUME", "EXTRA_TRAIN_ARGS",
+             "TOKENIZER_TYPE", "VOCAB_FILE", "MERGE_FILE"}
+SWEEPABLE = tuple(k.env for k in jobs.TRAIN.knobs if k.env not in NOT_SWEPT)
+SWITCHES = {k.env for k in jobs.TRAIN.knobs if k.switch}
+INTEGERS = {"GPUS_PER_NODE", "PP", "TP", "NUM_LAYERS", "HIDDEN_SIZE", "NUM_ATTENTION_HEADS", "SEQ_LENGTH",
+            "MAX_POSITION_EMBEDDINGS", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "SAVE_INTERVAL",
+            "LOG_INTERVAL", "SEED"}
+VALUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+-]*$")  # also a folder name part: no '/', '_', '=', space
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One --sweep option: the name as typed, the knob it sets, its values as typed."""
+
+    key: str
+    knob: str
+    values: tuple[str, ...]
+
+    def knob_value(self, value: str) -> str:
+        return SCHEDULES[value] if self.knob == "USE_DPP" and value in SCHEDULES else value
+
+
+@dataclass(frozen=True)
+class Point:
+    """One training run of the sweep."""
+
+    config: dict[str, str]
+    """Axis key (as typed) -> value (as typed), in axis order."""
+    overrides: dict[str, str]
+    """Knob -> value for the sbatch file."""
+
+    @property
+    def label(self) -> str:
+        """Folder name, e.g. pp-2_schedule-1f1b."""
+        return "_".join(f"{key.lower()}-{value}" for key, value in self.config.items())
+
+    @property
+    def description(self) -> str:
+        return " ".join(f"{key}={value}" for key, value in self.config.items())
+
+
+def knob_of(key: str) -> str | None:
+    """The training knob a --sweep key names (None: not a sweepable setting)."""
+    name = SHORT_NAMES.get(key.lower()) or jobs.ALIASES.get(key.upper()) or key.upper()
+    return name if name in SWEEPABLE else None
+
+
+def value_problem(axis_key: str, knob: str, value: str) -> str | None:
+    if not VALUE.match(value):
+        return f"--sweep {axis_key}: value {value!r} must be letters, digits, '.', '+' or '-'"
+    if knob == "USE_DPP":
+        if value not in SCHEDULES and value not in ("0", "1"):
+            return f"--sweep {axis_key}: {value!r} is not one of 1f1b, dpp (or 0, 1)"
+    elif knob in SWITCHES and value not in ("0", "1"):
+        return f"--sweep {axis_key}: {value!r} must be 0 or 1"
+    elif knob in INTEGERS and not (value.isdigit() and int(value) >= (0 if knob == "GPUS_PER_NODE" else 1)):
+        return f"--sweep {axis_key}: {value!r} is not a positive integer"
+    return None
+
+
+def parse(texts: Sequence[str], fixed: Mapping[str, str] | None = None) -> tuple[list[Axis], list[str]]:
+    """--sweep KEY=V1,V2 options -> axes, and every problem found (none when the list is empty).
+
+    ``fixed``: the knobs already set by --env/--train-iters (a knob set there cannot also be swept).
+    """
+    fixed = fixed or {}
+    axes: list[Axis] = []
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for text in texts:
+        key, sep, values_text = text.partition("=")
+        key = key.strip()
+        values = tuple(v.strip() for v in values_text.split(","))
+        if not sep or not key or not values_text.strip():
+            problems.append(f"--sweep {text!r}: expected KEY=VALUE[,VALUE...]")
+            continue
+        knob = knob_of(key)
+        if knob is None:
+            problems.append(f"--sweep {key}: not a training setting one can sweep; one of "
+                            f"{', '.join(sorted(SHORT_NAMES))} or {', '.join(SWEEPABLE)}")
+            continue
+        if knob in seen:
+            problems.append(f"--sweep {key}: {knob} is already swept by --sweep {seen[knob]}")
+            continue
+        seen[knob] = key
+        if knob in fixed:
+            problems.append(f"--sweep {key}: {knob} is also set to {fixed[knob]} (--env/--train-iters): set one")
+        if "" in values:
+            problems.append(f"--sweep {key}: empty value in {values_text!r}")
+        duplicates = sorted({v for v in values if values.count(v) > 1})
+        if duplicates:
+            problems.append(f"--sweep {key}: value(s) given twice: {', '.join(duplicates)}")
+        problems += [p for v in values if v and (p := value_problem(key, knob, v))]
+        axes.append(Axis(key, knob, values))
+    if axes:
+        count = 1
+        for axis in axes:
+            count *= len(axis.values)
+        if count > MAX_POINTS:
+            problems.append(f"--sweep: {count} runs, more than {MAX_POINTS}; split the sweep")
+    return axes, problems
+
+
+def points(axes: Sequence[Axis]) -> list[Point]:
+    """The cartesian product of the axes, first axis slowest."""
+    out = []
+    for combo in itertools.product(*(axis.values for axis in axes)):
+        config = {axis.key: value for axis, value in zip(axes, combo, strict=True)}
+        overrides = {axis.knob: axis.knob_value(value) for axis, value in zip(axes, combo, strict=True)}
+        out.append(Point(config, overrides))
+    return out
+
+
+def job_name(sweep_dir: Path, step: str) -> str:
+    return f"{NAME_PREFIX}{sweep_dir.name}-{step}"
+
+
+def sweep_of(name: str) -> str | None:
+    """The sweep folder's name from one of its job names (None: not a sweep job)."""
+    match = re.match(rf"^{re.escape(NAME_PREFIX)}(.+)-(preprocess|train|aggregate)$", name)
+    return match.group(1) if match else None
+
+
+def write_manifest(sweep_dir: Path, manifest: Mapping[str, Any]) -> Path:
+    path = sweep_dir / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def job_ids(manifest: Mapping[str, Any]) -> list[str]:
+    ids = [manifest["preprocess"]]
+    for point in manifest["points"]:
+        ids += [point["train"], point["aggregate"]]
+    return ids
+
+
+def summary_of(point: Mapping[str, Any]) -> dict[str, Any] | None:
+    path = Path(point["run_dir"]) / "traces" / "summary.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def records_by_id(records: Sequence[slurm.JobRecord]) -> dict[str, slurm.JobRecord]:
+    return {r.job_id: r for r in records}
+
+
+def state_of(records: Mapping[str, slurm.JobRecord], job_id: str) -> str:
+    record = records.get(job_id)
+    if record is None:  # a pending array is one sacct line, 12_[0-1]: its tasks are PENDING
+        main = job_id.partition("_")[0]
+        if any(i.startswith(f"{main}_[") and r.state == "PENDING" for i, r in records.items()):
+            return "PENDING"
+        return "UNKNOWN"
+    return record.state
+
+
+def table(manifest: Mapping[str, Any], records: Mapping[str, slurm.JobRecord]) -> str:
+    """One row per run: configuration, train job and state, aggregation state, ms/iteration, bubble."""
+    rows = [("configuration", "train", "state", "aggregate", "ms/iter", "bubble")]
+    for point in manifest["points"]:
+        summary = summary_of(point) or {}
+        ms, bubble = summary.get("mean_iteration_time_ms"), summary.get("bubble_fraction")
+        rows.append((point["description"], point["train"], state_of(records, point["train"]),
+                     state_of(records, point["aggregate"]),
+                     f"{ms:.1f}" if isinstance(ms, int | float) else "-",
+                     f"{bubble:.4f}" if isinstance(bubble, int | float) else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    head = (f"sweep {manifest['name']}: {manifest['recipe']}, preprocess job {manifest['preprocess']} "
+            f"{state_of(records, manifest['preprocess'])}")
+    return "\n".join([head, *lines])
+
+
+def verdict(manifest: Mapping[str, Any], records: Mapping[str, slurm.JobRecord]) -> str:
+    states = [state_of(records, i) for i in job_ids(manifest)]
+    if not all(s in slurm.TERMINAL_STATES for s in states):
+        return "RUNNING"
+    return "COMPLETED" if all(s == "COMPLETED" for s in states) else "FAILED"
