@@ -22,9 +22,9 @@ from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
 from trainer.megatron_lm_flags import MEGATRON_LM_FLAGS
+from trainer.names import TRANSPORTS, Transport
 from trainer.stall_injection import stall_problems
 
-TRANSPORTS = ("auto", "shm", "nccl", "gloo")
 DPP_POLICIES = ("dpp", "dpp-zb", "zb-h1")
 DECAY_STYLES = ("constant", "linear", "cosine")
 DEFAULT_TRAIN_ITERS = 10  # without --train-iters or --train-samples (Megatron-LM requires one)
@@ -178,7 +178,7 @@ class ParallelConfig:
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
     the runtime's non-DPP CPU path). Split backward needs megatron-core's local layer spec."""
-    transport: Literal["auto", "shm", "nccl", "gloo"] = "auto"
+    transport: Transport = "auto"
     """Stage-to-stage transport (``--transport``): shm within a node, nccl/gloo across."""
     dpp_timeout_s: float = 300.0
     """Watchdog: a stage that can run nothing for this long fails naming what it waits for."""

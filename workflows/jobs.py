@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from trainer.names import TRANSPORTS
 from workflows.recipes import Recipe
 from workflows.shell import Ref, as_text
 
@@ -19,8 +20,6 @@ CONTAINER_WORKDIR = "/workspace/megatron-dpp"  # where containers/Dockerfile ins
 HEADER_VARIABLES = ("REPO_DIR", "MODEL", "SIZE", "DEFAULT_OUTPUT_DIR")
 
 
-# What trainer.train --transport accepts (an RDMA transport does not exist: never offer one).
-TRANSPORTS = ("auto", "shm", "nccl", "gloo")
 # The AWS test case's names (awsome-distributed-training, megatron-lm) for our settings. The sbatch
 # files and the driver accept them as aliases; a value that contradicts ours is refused, not ignored.
 ALIASES = {"TENSOR_PARALLEL": "TP", "PIPELINE_PARALLEL": "PP", "FSX_MOUNT": "CONTAINER_MOUNTS"}

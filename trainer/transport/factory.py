@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.names import TRANSPORTS
 from trainer.run_token import agreed_run_token
 from trainer.topology import Topology
 from trainer.transport.base import Direction, StageLinks
@@ -31,7 +32,6 @@ from trainer.transport.edge_groups import build_edge_groups
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "shm", "nccl", "gloo")
 DIRECTIONS: tuple[Direction, Direction] = ("next", "prev")
 
 
