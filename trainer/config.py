@@ -22,13 +22,12 @@ from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
 from trainer.megatron_lm_flags import MEGATRON_LM_FLAGS
-from trainer.names import TRANSPORTS, Transport
+from trainer.names import TOKENIZERS, TRANSPORTS, TokenizerType, Transport
 from trainer.stall_injection import stall_problems
 
 DPP_POLICIES = ("dpp", "dpp-zb", "zb-h1")
 DECAY_STYLES = ("constant", "linear", "cosine")
 DEFAULT_TRAIN_ITERS = 10  # without --train-iters or --train-samples (Megatron-LM requires one)
-TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "NullTokenizer")
 
 
 class ConfigError(ValueError):
@@ -387,7 +386,7 @@ class DataConfig:
     """Tokenizer vocabulary (``--vocab-file``): GPT-2 vocab.json or BERT vocab.txt."""
     merge_file: str | None = None
     """GPT-2 BPE merges (``--merge-file``)."""
-    tokenizer_type: str = "GPT2BPETokenizer"
+    tokenizer_type: TokenizerType = "GPT2BPETokenizer"
     """``--tokenizer-type`` (Megatron's names)."""
     variable_seq_lengths: bool = False
     """Megatron-LM's ``--variable-seq-lengths``: each microbatch is as long as its documents (GPT: one

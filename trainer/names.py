@@ -13,3 +13,12 @@ Transport = Literal["auto", "shm", "nccl", "gloo"]
 """Stage-to-stage transports (``--transport``, the TRANSPORT knob). An RDMA transport does not
 exist: never offer one."""
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
+
+FileTokenizer = Literal["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
+"""Tokenizers read from local vocabulary files (Megatron-LM's ``--tokenizer-type`` names): what
+preprocessing and the recipes accept (trainer/data/tokenizer.py builds each)."""
+FILE_TOKENIZERS: tuple[str, ...] = get_args(FileTokenizer)
+TokenizerType = Literal[FileTokenizer, "NullTokenizer"]
+"""What training's ``--tokenizer-type`` accepts: a file tokenizer, or NullTokenizer (token ids as
+they are in the dataset, with ``--vocab-size``)."""
+TOKENIZERS: tuple[str, ...] = get_args(TokenizerType)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainer.names import FILE_TOKENIZERS
+
 SIZES = ("cpu", "gpu")
 CORPUS = "datasets/python-docs.jsonl.xz"  # shipped offline corpus (datasets/ README gives provenance)
 
@@ -94,7 +96,7 @@ class Tokenization:
     """How the corpus becomes a Megatron indexed dataset, and the tokenizer training reads back."""
 
     tokenizer_type: str
-    """--tokenizer-type: GPT2BPETokenizer or BertWordPieceLowerCase."""
+    """--tokenizer-type: a file tokenizer of trainer/names.py (Megatron-LM's names)."""
     vocab_file: str
     """--vocab-file, relative to the repository (or container work) directory."""
     merge_file: str | None
@@ -106,7 +108,7 @@ class Tokenization:
     append_eod: bool = True
     """--append-eod: separate documents with the end-of-document token."""
 
-    TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase")
+    TOKENIZERS = FILE_TOKENIZERS
 
     def __post_init__(self) -> None:
         errors = []

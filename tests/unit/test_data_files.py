@@ -10,6 +10,7 @@ import pytest
 
 from trainer.data.sentence_splitter import load_sentence_splitter
 from trainer.data.tokenizer import GPT2_EOD, build_tokenizer
+from trainer.names import FILE_TOKENIZERS
 
 DATASETS = Path(__file__).resolve().parents[2] / "datasets"
 GPT2_VOCAB, GPT2_MERGES = DATASETS / "gpt2" / "vocab.json", DATASETS / "gpt2" / "merges.txt"
@@ -51,6 +52,20 @@ def test_bert_files_and_tokenizer():
     ids = tokenizer.tokenize("The Interpreter RETURNS a Value.")
     assert tokenizer.cls not in ids and tokenizer.sep not in ids
     assert tokenizer.detokenize(ids) == "the interpreter returns a value."
+
+
+def test_cased_bert_tokenizer_keeps_case_and_accents():
+    cased, uncased = (build_tokenizer(name, BERT_VOCAB) for name in ("BertWordPieceCase", "BertWordPieceLowerCase"))
+    assert (cased.vocab_size, cased.pad, cased.cls, cased.sep, cased.mask) == (8192, 0, 2, 3, 4)
+    assert cased.detokenize(cased.tokenize("the interpreter returns a value.")) == "the interpreter returns a value."
+    assert cased.tokenize("The Naïve Value") != uncased.tokenize("The Naïve Value")
+    assert "naive" in uncased.detokenize(uncased.tokenize("Naïve")) and "naive" not in cased.detokenize(
+        cased.tokenize("Naïve"))
+
+
+def test_every_file_tokenizer_is_built():
+    for name in FILE_TOKENIZERS:
+        assert build_tokenizer(name, GPT2_VOCAB if name == "GPT2BPETokenizer" else BERT_VOCAB, GPT2_MERGES).name == name
 
 
 def test_punkt_model_splits_sentences_and_knows_abbreviations():

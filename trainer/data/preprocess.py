@@ -34,7 +34,8 @@ from typing import IO
 import numpy as np
 
 from trainer.data.sentence_splitter import DEFAULT_PUNKT_PARAMS, load_sentence_splitter
-from trainer.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from trainer.data.tokenizer import build_tokenizer
+from trainer.names import FILE_TOKENIZERS
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class PreprocessConfig:
     output_prefix: str
     """Outputs are ``{output_prefix}_{key}_{document|sentence}.{bin,idx}``."""
     tokenizer_type: str
-    """``GPT2BPETokenizer`` or ``BertWordPieceLowerCase`` (Megatron-LM's names)."""
+    """A file tokenizer of trainer/names.py (Megatron-LM's ``--tokenizer-type`` names)."""
     vocab_file: Path
     """vocab.json (GPT-2 BPE) or vocab.txt (WordPiece)."""
     merge_file: Path | None = None
@@ -72,8 +73,8 @@ class PreprocessConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.tokenizer_type not in TOKENIZER_TYPES:
-            problems.append(f"tokenizer_type={self.tokenizer_type!r} is not one of {list(TOKENIZER_TYPES)}")
+        if self.tokenizer_type not in FILE_TOKENIZERS:
+            problems.append(f"tokenizer_type={self.tokenizer_type!r} is not one of {list(FILE_TOKENIZERS)}")
         if self.tokenizer_type == "GPT2BPETokenizer" and self.merge_file is None:
             problems.append("tokenizer_type='GPT2BPETokenizer' needs merge_file (--merge-file)")
         if not self.json_keys or any(not k for k in self.json_keys):
@@ -326,7 +327,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--input", type=Path, required=True, help="JSONL file (.jsonl, .jsonl.xz, .jsonl.gz)")
     parser.add_argument("--output-prefix", required=True, help="output path prefix")
-    parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-type", required=True, choices=FILE_TOKENIZERS)
     parser.add_argument("--vocab-file", type=Path, required=True)
     parser.add_argument("--merge-file", type=Path, default=None)
     parser.add_argument("--json-keys", "--json-key", nargs="+", default=["text"], dest="json_keys",

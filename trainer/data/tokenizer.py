@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-TokenizerType = Literal["GPT2BPETokenizer", "BertWordPieceLowerCase"]
-TOKENIZER_TYPES: tuple[str, ...] = ("GPT2BPETokenizer", "BertWordPieceLowerCase")
+from trainer.names import FILE_TOKENIZERS
+
 GPT2_EOD = "<|endoftext|>"
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -78,6 +78,8 @@ class BertWordPieceLowerCase:
     """Uncased BERT WordPiece from vocab.txt; ``tokenize`` adds no [CLS]/[SEP] (the dataset does)."""
 
     name = "BertWordPieceLowerCase"
+    lowercase = True
+    """Lowercase and strip accents, as Megatron-LM's BERT tokenizer with do_lower_case."""
 
     def __init__(self, vocab_file: str | Path) -> None:
         vocab_path = _require_file(vocab_file, "vocab file", self.name)
@@ -86,7 +88,7 @@ class BertWordPieceLowerCase:
         if missing:
             raise ValueError(f"vocab file {vocab_path} lacks the special tokens {missing}")
         self._tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-        self._tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+        self._tokenizer.normalizer = normalizers.BertNormalizer(lowercase=self.lowercase, strip_accents=self.lowercase)
         self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         self._tokenizer.decoder = decoders.WordPiece(prefix="##")
         self.vocab_size = len(vocab)
@@ -101,6 +103,13 @@ class BertWordPieceLowerCase:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class BertWordPieceCase(BertWordPieceLowerCase):
+    """Cased BERT WordPiece: case and accents kept (Megatron-LM strips accents only when lowercasing)."""
+
+    name = "BertWordPieceCase"
+    lowercase = False
 
 
 def _read_wordpiece_vocab(path: Path) -> dict[str, int]:
@@ -119,5 +128,7 @@ def build_tokenizer(
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "BertWordPieceLowerCase":
         return BertWordPieceLowerCase(vocab_file)
-    raise ValueError(f"tokenizer_type={tokenizer_type!r} is not one of {list(TOKENIZER_TYPES)}")
+    if tokenizer_type == "BertWordPieceCase":
+        return BertWordPieceCase(vocab_file)
+    raise ValueError(f"tokenizer_type={tokenizer_type!r} is not one of {list(FILE_TOKENIZERS)}")
 
