@@ -25,7 +25,7 @@ import numpy as np
 
 from trainer.data.indexed import open_indexed_dataset
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 NOT_PREDICTED = -1  # label of positions without a masked-LM target (Megatron's value)
 
@@ -95,7 +95,7 @@ class BertSampleDataset:
         self.num_samples = num_samples if num_samples is not None else self.samples_per_epoch
         self._epoch_order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
         self._random_tokens = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.special_ids))
-        logger.info("BERT data %s: %d sentences, %d samples/epoch of %d tokens, %d samples", self.prefix,
+        log.info("BERT data %s: %d sentences, %d samples/epoch of %d tokens, %d samples", self.prefix,
                     len(lengths), self.samples_per_epoch, seq_length, self.num_samples)
 
     def __len__(self) -> int:

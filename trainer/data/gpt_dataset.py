@@ -17,7 +17,7 @@ import numpy as np
 
 from trainer.data.indexed import open_indexed_dataset
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class GPTSampleDataset:
             )
         self.num_samples = num_samples if num_samples is not None else self.samples_per_epoch
         self._plans: dict[int, _EpochPlan] = {}
-        logger.info("GPT data %s: %d documents, %d tokens, %d samples/epoch of %d tokens, %d samples",
+        log.info("GPT data %s: %d documents, %d tokens, %d samples/epoch of %d tokens, %d samples",
                     self.prefix, len(self._lengths), total_tokens, self.samples_per_epoch, seq_length,
                     self.num_samples)
 
@@ -138,7 +138,7 @@ class GPTDocumentDataset:
             raise ValueError(f"{self.prefix} has no document of 2 or more tokens")
         self.num_samples = num_samples if num_samples is not None else self.samples_per_epoch
         self._epoch_order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
-        logger.info("GPT documents %s: %d documents, %d pieces/epoch of at most %d positions (mean %.0f), "
+        log.info("GPT documents %s: %d documents, %d pieces/epoch of at most %d positions (mean %.0f), "
                     "%d samples", self.prefix, len(lengths), self.samples_per_epoch, seq_length,
                     float(self._positions.mean()), self.num_samples)
 

@@ -37,7 +37,7 @@ from trainer.data.sentence_splitter import DEFAULT_PUNKT_PARAMS, load_sentence_s
 from trainer.data.tokenizer import build_tokenizer
 from trainer.names import FILE_TOKENIZERS
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 class PreprocessError(ValueError):
@@ -287,7 +287,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
             for doc in _encoded_documents(config, _numbered_lines(handle, config.input)):
                 _write_document(doc, writers, stats)
                 if stats.documents and stats.documents % config.log_interval == 0:
-                    logger.info("processed %d documents (%.1f MB/s)", stats.documents,
+                    log.info("processed %d documents (%.1f MB/s)", stats.documents,
                                 stats.input_bytes / 1e6 / (time.perf_counter() - start))
         if stats.documents == 0:
             # A 0-document dataset "succeeds" here and fails only once training has its nodes.

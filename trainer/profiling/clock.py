@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from trainer.profiling.tracer import now_us
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,6 @@ def measure_clock_offset(group=None, rounds: int = 8, *, timeout_s: float = 120.
         received = clock_us()
         trips.append(RoundTrip(sent, float(buffer.item()), received))
     best = best_offset(trips)
-    logger.info("rank %d: clock offset to rank 0 %.1f us (best RTT %.1f us of %d round trips)",
+    log.info("rank %d: clock offset to rank 0 %.1f us (best RTT %.1f us of %d round trips)",
                 me, best.offset_us, best.rtt_us, rounds)
     return best.offset_us

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 TRACE_FILE_FORMAT = "trace_rank{rank:05d}.json"
 """Name of one rank's trace file inside the profile directory."""
@@ -213,7 +213,7 @@ class Tracer:
             return
         self._closed = True
         self.flush()
-        logger.info("rank %d: wrote %d trace events to %s%s", self.rank, self.num_events, self.path,
+        log.info("rank %d: wrote %d trace events to %s%s", self.rank, self.num_events, self.path,
                     f" ({self._dropped_iterations} earlier iterations dropped)" if self._dropped_iterations else "")
 
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from trainer.transport.base import Direction, Message, StageLinks, TransportError, TransportTimeout
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _CLOSE_AFTER_FAILURE_S = 1.0
 
@@ -375,4 +375,4 @@ class ChannelStageLinks(StageLinks):
                 errors.append(str(exc))
         self._release_undelivered()
         if errors:
-            logger.warning("rank %d: stage links closed with errors: %s", self.rank, "; ".join(errors))
+            log.warning("rank %d: stage links closed with errors: %s", self.rank, "; ".join(errors))

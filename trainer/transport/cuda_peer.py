@@ -52,7 +52,7 @@ from trainer.transport.shm_links import (
 from trainer.transport.tensors import as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import encode, pack
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _CONTROL_SLOT_BYTES = 64  # the control ring carries headers only; its payload area stays unused
 

@@ -46,7 +46,7 @@ from trainer.transport.edge_groups import HEADER_TAG, PAYLOAD_TAG, EdgeGroup
 from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import HEADER_WORDS, Frame, decode, encode
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _MAX_PAUSE_S = 1e-3  # longest sleep between two looks at an unfinished operation
 
@@ -435,7 +435,7 @@ class ProcessGroupReceiver:
             try:
                 self._complete(arrival, timeout_s)
             except TransportError as exc:
-                logger.debug("rank %d: dropping an undelivered message: %s", self.rank, exc)
+                log.debug("rank %d: dropping an undelivered message: %s", self.rank, exc)
             arrival.state = "dropped"
 
     def close(self, timeout_s: float) -> None:

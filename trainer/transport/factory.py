@@ -30,7 +30,7 @@ from trainer.transport.channels import ChannelStageLinks, Inbox, RecvChannel, Se
 from trainer.transport.dist_links import DistProgress, ProcessGroupReceiver, ProcessGroupSender
 from trainer.transport.edge_groups import build_edge_groups
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 DIRECTIONS: tuple[Direction, Direction] = ("next", "prev")
 
@@ -171,7 +171,7 @@ def make_stage_links(
         senders.update(shm_senders)
         receivers.extend(shm_receivers)
     description = " ".join(f"{s.direction}:{s.src}->{s.dst}:{s.transport}" for s in plan if rank in (s.src, s.dst))
-    logger.info("rank %d: stage links %s", rank, description or "(none: pipeline_parallel == 1)")
+    log.info("rank %d: stage links %s", rank, description or "(none: pipeline_parallel == 1)")
     return ChannelStageLinks(rank, senders, receivers, inbox, timeout_s, description, options.poll_interval_s)
 
 

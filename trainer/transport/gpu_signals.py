@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: wait until (int32)(*addr - value) >= 0
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: with a memory barrier before the write
@@ -116,5 +116,5 @@ def probe_stream_mem_ops(device: torch.device) -> StreamMemOps | None:
             raise RuntimeError(f"flag reads {int(flag.item())} after writing 7")
         return ops
     except (OSError, AttributeError, RuntimeError) as exc:
-        logger.warning("cuda:%s: stream memory operations unavailable (%s)", device_index, exc)
+        log.warning("cuda:%s: stream memory operations unavailable (%s)", device_index, exc)
         return None

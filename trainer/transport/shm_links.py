@@ -25,7 +25,7 @@ from trainer.transport.channels import Delivery, Inbox
 from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import Frame, decode, encode, pack, unpack
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _WAIT_SLICE_S = 1.0  # a receiving/draining thread re-checks for close() at least this often while idle
 
@@ -331,7 +331,7 @@ def open_rings(
         if dst == rank:
             ring.unlink()  # the sender did already; make sure nothing can outlive a crash now
         if not ring.pid_checks_possible:
-            logger.warning(
+            log.warning(
                 "rank %d: ranks %d and %d are in different pid namespaces: a dead peer is noticed "
                 "only by timeout", rank, src, dst,
             )  # fmt: skip
