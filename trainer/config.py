@@ -482,6 +482,11 @@ class RunConfig:
     loss at iteration N`` line (``--eval-interval``). None: no validation (Megatron-LM's default is 1000)."""
     eval_iters: int = 100
     """Forward-only iterations (of --global-batch-size samples) per validation (``--eval-iters``)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard event files here (``--tensorboard-dir``, torch.utils.tensorboard; needs the
+    tensorboard package): Megatron-LM's scalars ``lm loss``, ``learning-rate``, ``grad-norm``,
+    ``loss-scale`` every iteration and ``lm loss validation`` at each validation, by the last
+    stage's first rank."""
     gpu_busy_iters: int = 2
     """With --metrics-dir on CUDA: measure GPU busy time (kernel time on the GPU, torch.profiler)
     over the last N iterations, which the benchmark then leaves out of its timings; 0 = off."""

@@ -124,6 +124,7 @@ class TrainingSession:
         # Megatron-LM's per-log-interval counters: optimizer steps skipped (fp16 overflow) and, of
         # those, steps whose loss was inf/nan; printed and reset by each iteration line.
         self.skipped_iterations = self.nan_iterations = 0
+        self.tensorboard = None  # --tensorboard-dir's SummaryWriter, on the logging rank only
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -170,6 +171,10 @@ class TrainingSession:
         self.forward_backward = self.hooks.forward_backward_func or self._schedule()
         # --metrics-dir / --inject-stalls: wrapping the forward step reaches every schedule alike.
         self.measure = RunMeasurement(cfg, self.topology, self._schedule_label(), self.num_microbatches)
+        if cfg.run.tensorboard_dir and self._is_logger:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=cfg.run.tensorboard_dir, max_queue=1000)
         self._eval_forward_step = self.forward_step  # validation stays out of the run's measurements
         self.forward_step = self.measure.wrap_forward_step(self.forward_step, self.model)
         if cfg.checkpoint.load:
@@ -439,6 +444,13 @@ class TrainingSession:
         self.measure.after_step(step, time.perf_counter() - start, reduced)
         if self.hooks.after_step is not None:
             self.hooks.after_step(state.iteration, reduced)
+        if self.tensorboard is not None:  # Megatron-LM's tags, every iteration
+            for key, value in reduced.items():
+                self.tensorboard.add_scalar(key, value, state.iteration)
+            self.tensorboard.add_scalar("learning-rate", lr, state.iteration)
+            self.tensorboard.add_scalar("loss-scale", float(self.optimizer.get_loss_scale()), state.iteration)
+            if grad_norm is not None:
+                self.tensorboard.add_scalar("grad-norm", grad_norm, state.iteration)
         if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.total_iters:
             self._log_iteration(reduced, grad_norm, lr, time.perf_counter() - start)
 
@@ -568,6 +580,10 @@ class TrainingSession:
             return
         text = f" validation loss at iteration {self.state.iteration} | " + "".join(
             f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | " for k, v in losses.items())
+        if self.tensorboard is not None:
+            for key, value in losses.items():
+                self.tensorboard.add_scalar(f"{key} validation", value, self.state.iteration)
+                self.tensorboard.add_scalar(f"{key} validation vs samples", value, self.state.consumed_samples)
         rule = "-" * (len(text) + 1)
         for line in (rule, text, rule):
             log.info("%s", line)
@@ -613,6 +629,9 @@ class TrainingSession:
         self.preempt.restore()
         if self.measure is not None:
             self.measure.write()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         for resource in (self.tracer, self.tp_channel, self.links):
             if resource is not None:
                 resource.close()

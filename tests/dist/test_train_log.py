@@ -65,3 +65,19 @@ def test_iteration_line_has_megatrons_batch_loss_scale_and_skipped_nan_counts() 
                          line), line
     # Counted per log interval, as Megatron-LM: the second line covers iterations 3 and 4 only.
     assert "number of skipped iterations:   2 | number of nan iterations:   2 |" in lines[1], lines[1]
+
+
+@pytest.mark.timeout(180)
+def test_tensorboard_dir_holds_the_training_and_validation_loss(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = _iteration_lines(["--tensorboard-dir", str(tmp_path / "tb"), "--eval-interval", "2", "--eval-iters", "1"])
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "lm loss validation"):
+        assert tag in scalars, scalars
+    loss = events.Scalars("lm loss")
+    assert [e.step for e in loss] == [1, 2]
+    assert f"lm loss: {loss[1].value:.6E}" in lines[1]
+    assert [e.step for e in events.Scalars("lm loss validation")] == [2]
