@@ -177,6 +177,11 @@ class ParallelConfig:
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
     the runtime's non-DPP CPU path). Split backward needs megatron-core's local layer spec."""
+    dpp_cuda_graphs: bool = False
+    """Replay the forward and backward of every chunk but the last stage's from CUDA graphs, one graph
+    pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
+    the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
+    --dpp-policy dpp, TP 1, a fixed sequence length and dropout 0; costs GPU memory per slot."""
     transport: Transport = "auto"
     """Stage-to-stage transport (``--transport``): shm within a node, nccl/gloo across."""
     dpp_timeout_s: float = 300.0
@@ -621,6 +626,7 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
                  f"{cfg.data.split} gives the valid share 0")
     p.extend(_split_backward_problems(cfg))
     p.extend(_variable_length_problems(cfg))
+    p.extend(_cuda_graph_problems(cfg))
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
         p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "
                  f"but the world size is {world_size}")
@@ -631,6 +637,25 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips "
                  "(every node runs the same number of ranks)")
     return p
+
+
+def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
+    """What rules out --dpp-cuda-graphs (trainer/pipeline/cuda_graphs.py says why each is needed)."""
+    par, m = cfg.parallel, cfg.model
+    if not par.dpp_cuda_graphs:
+        return []
+    why = {
+        "--use-dpp (the graphs replace ops of the DPP runtime)": par.use_dpp,
+        f"--dpp-policy dpp (a graph's backward is one piece; got {par.dpp_policy})": par.dpp_policy == "dpp",
+        f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
+        f"--model gpt (got {m.model})": m.model == "gpt",
+        f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
+        f"--hidden-dropout 0 --attention-dropout 0 (got {m.hidden_dropout}, {m.attention_dropout}): captured "
+        "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
+        "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
+            not cfg.data.variable_seq_lengths,
+    }
+    return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
 
 
 def _variable_length_problems(cfg: TrainConfig) -> list[str]:

@@ -121,6 +121,7 @@ class StallInjector:
         self._calls.clear()
 
     def _chunk_of(self, model: Any) -> int:
+        model = getattr(model, "stands_for", model)  # a CUDA-graph replay of a chunk (--dpp-cuda-graphs)
         for index, chunk in enumerate(self.chunks):
             if chunk is model:
                 return index

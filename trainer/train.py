@@ -144,6 +144,10 @@ class TrainingSession:
 
             self.shims = apply_gloo_cuda_shims()
         par = cfg.parallel
+        if par.dpp_cuda_graphs:
+            from trainer.pipeline.cuda_graphs import run_on_side_stream
+
+            self.graph_stream = run_on_side_stream(self.device)  # before the model: see its docstring
         self.topology = build_topology(launch, par.tensor_model_parallel_size,
                                        par.pipeline_model_parallel_size, cfg.virtual_pipeline)
         init_megatron_parallel(self.topology)
@@ -183,6 +187,9 @@ class TrainingSession:
             if loaded is not None:
                 self.state = loaded
         self.padded_vocab_size = cfg.model.padded_vocab_size(vocab_size, self.topology.tensor_parallel)
+        if cfg.parallel.dpp_cuda_graphs and self.dpp_context is not None:
+            # Last in set-up: the graphs hold the parameters' storage, which a checkpoint load could replace.
+            self.dpp_context.graphs = self._capture_graphs()
         self._log_layout(chunks, vocab_size)
 
     def _seed(self) -> None:
@@ -329,6 +336,22 @@ class TrainingSession:
                                       gpu_timer=self._gpu_timer(),
                                       microbatch_costs=self._microbatch_costs if cfg.data.variable_seq_lengths else None)
         return make_forward_backward_func(self.dpp_context)
+
+    def _capture_graphs(self) -> dict:
+        """--dpp-cuda-graphs: one graph pair per activation slot the policy may hold on this stage."""
+        from trainer.model.build import params_dtype
+        from trainer.pipeline.cuda_graphs import GraphShapes, capture_chunk_graphs
+        from trainer.schedule.core import PipelineShape
+        from trainer.schedule.dynamic import one_f_one_b_cap
+
+        cfg, topo = self.cfg, self.topology
+        shape = PipelineShape(topo.pipeline_parallel, self.num_microbatches, topo.virtual_pipeline)
+        slots = getattr(self.dpp_context.policy, "cap", None) or one_f_one_b_cap(shape, topo.pp_rank)
+        mbs, seq = cfg.optim.micro_batch_size, cfg.model.seq_length
+        shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
+                             tokens=(mbs, seq))
+        return capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes,
+                                    causal_mask(seq, self.device), self.device)
 
     def _gpu_timer(self):
         """Per-op GPU times in the trace (CUDA events) when tracing on CUDA; None otherwise."""
@@ -627,6 +650,9 @@ class TrainingSession:
     # ---- tear-down -------------------------------------------------------------------------
     def close(self) -> None:
         self.preempt.restore()
+        for c, graphs in ((self.dpp_context.graphs or {}) if self.dpp_context is not None else {}).items():
+            log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
+                     self.topology.pp_rank, c, graphs.replayed, graphs.eager)
         if self.measure is not None:
             self.measure.write()
         if self.tensorboard is not None:

@@ -21,6 +21,8 @@ CATALOGUE = {
                                 ["--no-batch-p2p-sync"], True),
     "dpp": ("--use-dpp --dpp-policy dpp (greedy)", 1, ["--use-dpp", "--dpp-policy", "dpp"], True),
     "dpp-v2": ("--use-dpp --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp"], True),
+    "dpp-graphs": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs (chunks but the last replayed from CUDA graphs, "
+                   "one per activation slot)", 1, ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
@@ -187,7 +189,7 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
     for scenario in scenarios:
         for name in names:
             what, vp, flags, balanced = CATALOGUE[name]
-            reason = _cannot_run(cfg, name, flags, available_policies)
+            reason = _cannot_run(cfg, name, flags, available_policies, scenario)
             if reason:
                 out.append(NotRun(name, scenario, reason))
                 continue
@@ -213,7 +215,12 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
     return out
 
 
-def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policies: tuple[str, ...]) -> str:
+def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policies: tuple[str, ...],
+                scenario: str = "a") -> str:
+    if "--dpp-cuda-graphs" in flags and cfg.device != "cuda":
+        return "CUDA graphs need CUDA"
+    if "--dpp-cuda-graphs" in flags and scenario == "b":
+        return "CUDA graphs capture one shape; scenario (b) varies the sequence length per microbatch"
     if name == "direct-megatron" and cfg.device != "cuda":
         return "megatron-core's schedules need CUDA (its P2P allocates on the GPU); no CPU stand-in for this line"
     if "--dpp-policy" in flags:

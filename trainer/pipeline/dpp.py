@@ -75,6 +75,9 @@ class DppContext:
     split_backward: SplitBackward | None = None
     """From trainer.pipeline.split_backward.install_split_backward on this rank's chunks; required
     when the policy splits backwards into I and W (dpp-zb, zb-h1)."""
+    graphs: dict | None = None
+    """chunk index -> trainer.pipeline.cuda_graphs.ChunkGraphs (--dpp-cuda-graphs): that chunk's
+    forwards and backwards replay CUDA graphs while a slot is free; None = every op eager."""
     peak_inflight: int = field(default=0, init=False)
     """Largest number of held activations seen in the last step (for logs/benchmarks)."""
 
@@ -312,15 +315,28 @@ class _Step:
         from megatron.core.utils import get_attr_wrapped_model
 
         get_attr_wrapped_model(chunk, "set_input_tensor")([input_tensor])
+        data = self.data(m, c)
+        model = self._graph_replay(m, c, first, input_tensor, data) or chunk
         autocast = (torch.autocast(_device_type(chunk), dtype=self.config.autocast_dtype)
                     if getattr(self.config, "enable_autocast", False) else contextlib.nullcontext())
         with autocast:
-            output, loss_func = self.forward_step_func(iter([self.data(m, c)]), chunk)
+            output, loss_func = self.forward_step_func(iter([data]), model)
         if last:
             output = self._loss(m, output, loss_func)
         if not self.forward_only:
             self.saved[(m, c)] = (input_tensor, output)
         return None if last else output
+
+    def _graph_replay(self, m: int, c: int, first: bool, input_tensor: torch.Tensor | None, data: Any):
+        """A CUDA-graph stand-in for chunk ``c`` in this forward (--dpp-cuda-graphs), or None: no
+        graphs for the chunk, inference, no free slot, or a shape that was not captured."""
+        graphs = self.ctx.graphs.get(c) if self.ctx.graphs else None
+        if graphs is None or self.forward_only or not isinstance(data, dict):
+            return None
+        from trainer.pipeline.cuda_graphs import Replay
+
+        call = graphs.take(m, data["tokens"] if first else input_tensor)
+        return None if call is None else Replay(graphs, call, input_tensor, self.chunks[c])
 
     def _loss(self, m: int, output: torch.Tensor, loss_func) -> torch.Tensor:
         """Megatron's forward_step_calc_loss: scale by 1/M (and by tokens for 3-tuples), keep the dict."""
@@ -373,9 +389,17 @@ class _Step:
             grad_sync.after_backward(c)
         if msg is not None:
             self.ctx.links.release(msg)
+        graphs = self.ctx.graphs.get(c) if self.ctx.graphs else None
+        graphed = graphs is not None and m in graphs.in_use()
+        if graphed:
+            # The replay is queued: a later forward may take the slot (it runs after, on this stream).
+            graphs.give_back(m)
         if self.shape.is_first_virtual(self.stage, c):
             return None
-        return input_tensor.grad
+        # A replayed backward leaves the input gradient in the slot's static buffer, which the slot's
+        # next backward overwrites -- possibly before the transport's side-stream copy upstream has
+        # read it (nothing orders the two): send a copy made on this stream instead.
+        return input_tensor.grad.clone() if graphed else input_tensor.grad
 
     def _weight_step(self, m: int, c: int, grad_sync: GradSync) -> None:
         """W: the weight GEMMs I deferred; frees the inputs and output grads the store held."""
@@ -412,6 +436,8 @@ class _Step:
         assert not self.saved or self.forward_only, f"rank {self.rank}: activations still held {list(self.saved)}"
         pending = self.ctx.split_backward.pending() if self.ctx.split_backward is not None else []
         assert not pending, f"rank {self.rank}: step ended with weight gradients never replayed {pending}"
+        taken = {c: g.in_use() for c, g in (self.ctx.graphs or {}).items() if g.in_use()}
+        assert not taken, f"rank {self.rank}: step ended with CUDA graph slots still taken {taken}"
 
 
 class _NullSpanCM:
