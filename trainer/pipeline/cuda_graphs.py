@@ -99,7 +99,10 @@ class ChunkGraphs:
     """The graph slots of one model chunk."""
 
     def __init__(self, chunk: torch.nn.Module, first: bool, slots: int, shapes: GraphShapes,
-                 attention_mask: torch.Tensor, device: torch.device) -> None:
+                 attention_mask: torch.Tensor, device: torch.device, capture=None) -> None:
+        """``capture``: torch.cuda.make_graphed_callables unless given (the CPU tests pass one that
+        returns the module uncaptured, to check everything around the graphs without a GPU)."""
+        capture = capture or torch.cuda.make_graphed_callables
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
         self.first, self.shapes = first, shapes
@@ -112,8 +115,8 @@ class ChunkGraphs:
                 x = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device,
                                 requires_grad=True)
                 # Each slot its own module object: make_graphed_callables replaces the module's forward.
-                call = torch.cuda.make_graphed_callables(
-                    _ChunkCall(chunk, first), (x, position_ids, attention_mask), allow_unused_input=True)
+                call = capture(_ChunkCall(chunk, first), (x, position_ids, attention_mask),
+                               allow_unused_input=True)
                 self.calls.append(call)
         self._free = list(range(slots))[::-1]
         self._taken: dict[int, int] = {}

@@ -1,0 +1,171 @@
+"""trainer.pipeline.cuda_graphs without a GPU: slot bookkeeping, the replay stand-in's two input paths
+(the first stage's eager embedding into ``decoder_input``; a later stage's set_input_tensor), which
+parameters a slot differentiates, and what --dpp-cuda-graphs refuses before any process starts.
+
+Here the "capture" returns the module uncaptured (no CUDA): what is checked is everything around the
+graph. tests/gpu/test_dpp_cuda_graphs.py checks the graphs themselves against eager DPP on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.bench.lines import BenchConfig, NotRun, plan
+from trainer.config import ConfigError, parse_config
+from trainer.pipeline.cuda_graphs import ChunkGraphs, GraphShapes, Replay, _ChunkCall
+
+S, B, H, V = 6, 2, 4, 11
+
+
+class _Embedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.word = torch.nn.Embedding(V, H)
+
+    def forward(self, input_ids, position_ids):
+        return (self.word(input_ids) + position_ids.unsqueeze(-1)).transpose(0, 1)  # [s, b, h] like megatron
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(H, H)
+
+    def forward(self, hidden, attention_mask):
+        return torch.tanh(self.lin(hidden)) + attention_mask.float().mean()
+
+
+class _TinyGPT(torch.nn.Module):
+    """GPTModel's calling convention: input_ids/position_ids/attention_mask, decoder_input, set_input_tensor."""
+
+    def __init__(self, pre_process: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre_process = pre_process
+        self.embedding = _Embedding() if pre_process else None
+        self.decoder = _Decoder()
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensors) -> None:
+        self.input_tensor = tensors[0]
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None):
+        if decoder_input is None:
+            decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        return self.decoder(decoder_input, attention_mask)
+
+
+def _uncaptured(module, sample_args, allow_unused_input=False):
+    return module
+
+
+def _graphs(chunk, first: bool, slots: int = 2) -> ChunkGraphs:
+    shapes = GraphShapes(activation=(S, B, H), activation_dtype=torch.float32, tokens=(B, S))
+    return ChunkGraphs(chunk, first, slots, shapes, torch.ones(1, 1, S, S, dtype=torch.bool),
+                       torch.device("cpu"), capture=_uncaptured)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, V, (B, S), generator=g), torch.arange(S).expand(B, S),
+            torch.ones(1, 1, S, S, dtype=torch.bool))
+
+
+def _grads(module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_first_stage_replay_embeds_eagerly_and_matches_the_chunk() -> None:
+    tokens, pos, mask = _batch()
+    ref = _TinyGPT(pre_process=True)
+    ref(tokens, pos, mask).square().sum().backward()
+    chunk = _TinyGPT(pre_process=True)
+    graphs = _graphs(chunk, first=True)
+    call = graphs.take(0, tokens)
+    out = Replay(graphs, call, None, chunk)(tokens, pos, mask, labels=None)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref(tokens, pos, mask))
+    want, got = _grads(ref), _grads(chunk)
+    assert sorted(got) == sorted(want)  # the embedding's gradient too: it runs outside the graph
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+
+
+def test_later_stage_replay_takes_the_received_activation() -> None:
+    tokens, pos, mask = _batch()
+    x = torch.randn(S, B, H)
+    ref = _TinyGPT(pre_process=False)
+    x_ref = x.clone().requires_grad_()
+    ref.set_input_tensor([x_ref])
+    ref(None, pos, mask).sum().backward()
+    chunk = _TinyGPT(pre_process=False)
+    graphs = _graphs(chunk, first=False)
+    x_in = x.clone().requires_grad_()
+    out = Replay(graphs, graphs.take(3, x_in), x_in, chunk)(tokens, pos, mask)
+    out.sum().backward()
+    torch.testing.assert_close(x_in.grad, x_ref.grad)
+    torch.testing.assert_close(chunk.decoder.lin.weight.grad, ref.decoder.lin.weight.grad)
+
+
+def test_a_slot_differentiates_only_the_transformer_block() -> None:
+    # An unused parameter (the first stage's embedding) broke backward capture on the GPU.
+    chunk = _TinyGPT(pre_process=True)
+    assert {n for n, _ in _ChunkCall(chunk, first=True).named_parameters()} == {"decoder.lin.weight", "decoder.lin.bias"}
+
+
+def test_slots_are_taken_by_forwards_and_given_back_by_backwards() -> None:
+    graphs = _graphs(_TinyGPT(pre_process=False), first=False, slots=2)
+    x = torch.zeros(S, B, H)
+    a, b = graphs.take(0, x), graphs.take(1, x)
+    assert a is not None and b is not None and a is not b
+    assert graphs.take(2, x) is None  # every slot holds an activation: eager
+    assert graphs.in_use() == [0, 1]
+    graphs.give_back(0)
+    graphs.give_back(2)  # ran eagerly: nothing to give back
+    assert graphs.take(4, x) is a and graphs.in_use() == [1, 4]
+    assert graphs.take(5, torch.zeros(S + 1, B, H)) is None  # a shape that was not captured
+    assert graphs.take(6, x.half()) is None  # nor a dtype
+    with torch.no_grad():
+        assert graphs.take(7, x) is None  # inference never takes a slot, and is not counted
+    assert (graphs.replayed, graphs.eager) == (3, 3)
+    with pytest.raises(ValueError, match="at least one graph slot"):
+        _graphs(_TinyGPT(pre_process=False), first=False, slots=0)
+
+
+GOOD = ["--mock-data", "--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+        "--global-batch-size", "4", "--pipeline-model-parallel-size", "2", "--device", "cuda", "--use-dpp",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--dpp-cuda-graphs"]
+
+
+def test_graphs_config_is_accepted_where_it_can_run() -> None:
+    assert parse_config(GOOD, world_size=2).parallel.dpp_cuda_graphs
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--device", "cpu"], "--device cuda (got cpu)"),
+    (["--dpp-policy", "dpp-zb"], "--dpp-policy dpp (a graph's backward is one piece; got dpp-zb)"),
+    (["--hidden-dropout", "0.1"], "--hidden-dropout 0 --attention-dropout 0 (got 0.1, 0.0)"),
+    (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5"], "a fixed sequence length"),
+    (["--model", "bert"], "--model gpt (got bert)"),
+])
+def test_graphs_refuse_what_they_cannot_capture(extra, needle) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(GOOD + extra, world_size=2)
+    assert f"--dpp-cuda-graphs needs {needle}" in str(err.value)
+
+
+def test_graphs_without_dpp_are_refused() -> None:
+    argv = [a for a in GOOD if a != "--use-dpp"]
+    with pytest.raises(ConfigError, match=r"--dpp-cuda-graphs needs --use-dpp"):
+        parse_config(argv, world_size=2)
+
+
+def test_benchmark_lists_the_graphs_line_as_not_run_where_it_cannot() -> None:
+    cuda = plan(BenchConfig(), ["dpp-graphs"], ["a", "b"], ("dpp",))
+    assert [type(x).__name__ for x in cuda] == ["Line", "NotRun"]
+    assert "varies the sequence length" in cuda[1].reason
+    cpu = plan(BenchConfig(device="cpu"), ["dpp-graphs"], ["a"], ("dpp",))
+    assert isinstance(cpu[0], NotRun) and cpu[0].reason == "CUDA graphs need CUDA"
+    assert "--dpp-cuda-graphs" in cuda[0].args
