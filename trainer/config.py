@@ -27,6 +27,12 @@ from trainer.stall_injection import stall_problems
 
 DPP_POLICIES = ("dpp", "dpp-zb", "zb-h1")
 DECAY_STYLES = ("constant", "linear", "cosine")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # megatron-core's AttnBackend names
+# Environment switches megatron-core sets for Transformer Engine per backend (LanguageModule's
+# _set_attention_backend), in the order NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN.
+NVTE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+NVTE_ATTENTION_VALUES = {"auto": (1, 1, 1), "flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1),
+                         "local": (0, 0, 0)}
 DEFAULT_TRAIN_ITERS = 10  # without --train-iters or --train-samples (Megatron-LM requires one)
 
 
@@ -87,6 +93,15 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Standard deviation of the zero-mean normal initialisation (``--init-method-std``, Megatron-LM's
     default 0.02); megatron-core scales it by 1/sqrt(2 x layers) for the output projections."""
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    """Megatron-LM's ``--attention-backend`` (megatron-core's ``TransformerConfig.attention_backend``):
+    auto = the layer spec's default (Transformer Engine picks its kernel); flash / fused / unfused =
+    that kernel of Transformer Engine's DotProductAttention (needs TE on CUDA; flash also the
+    flash-attn package), forced as megatron-core forces it (NVTE_FLASH/FUSED/UNFUSED_ATTN); local =
+    megatron-core's own attention, i.e. the local layer spec."""
+    use_flash_attn: bool = False
+    """Megatron-LM's ``--use-flash-attn`` (FlashAttention): here the same as ``--attention-backend
+    flash`` (megatron-core models take the backend from that setting)."""
 
     def __post_init__(self) -> None:
         p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
@@ -108,6 +123,11 @@ class ModelConfig:
         if not self.init_method_std > 0:
             p.append(f"--init-method-std={self.init_method_std} must be > 0")
         p.extend(self._recompute_problems())
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            p.append(f"--attention-backend={self.attention_backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
+        elif self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
+            p.append(f"--use-flash-attn asks for the flash backend but --attention-backend={self.attention_backend}: "
+                     "give one of them")
         _check(p)
 
     def _recompute_problems(self) -> list[str]:
@@ -144,6 +164,11 @@ class ModelConfig:
         return "selective" if self.recompute_activations else self.recompute_granularity
 
     @property
+    def attention(self) -> str:
+        """The attention backend megatron-core gets (--use-flash-attn means flash)."""
+        return "flash" if self.use_flash_attn else self.attention_backend
+
+    @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
@@ -178,7 +203,7 @@ class ParallelConfig:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
     the runtime's non-DPP CPU path). Split backward needs megatron-core's local layer spec."""
     dpp_cuda_graphs: bool = False
-    """Replay the forward and backward of every chunk but the last stage's from CUDA graphs, one graph
+    """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
     the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
     --dpp-policy dpp, TP 1, a fixed sequence length and dropout 0; costs GPU memory per slot."""
@@ -204,6 +229,11 @@ class ParallelConfig:
     """megatron-core's interleaved schedule overlaps P2P with compute (Megatron-LM's default; switched
     off by its flag --no-overlap-p2p-communication). Like Megatron-LM, only used with VP; without VP
     overlap is off. batch_p2p_comm (batch_isend_irecv) is its negation, as Megatron-LM sets it."""
+    overlap_grad_reduce: bool = False
+    """Megatron-LM's ``--overlap-grad-reduce`` (megatron-core DDP's overlap_grad_reduce): each model
+    chunk's data-parallel gradient reduction is launched asynchronously, bucket by bucket, while its
+    last backward still runs (instead of all at once in finalize_model_grads), and awaited in
+    finalize_model_grads. Buckets of max(40M, 1M x DP) parameters, as Megatron-LM."""
     batch_p2p_sync: bool = True
     """megatron-core syncs the device after each batched P2P (batch_isend_irecv), a workaround for old
     PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its
@@ -498,6 +528,17 @@ class RunConfig:
     inject_stalls: str | None = None
     """``RANK:FRACTION:MILLISECONDS[:SEED]``: delay that share of RANK's forward steps (the GPU stream
     on CUDA), the same ops under every schedule for one seed (trainer/stall_injection.py)."""
+    manual_gc: bool = False
+    """Megatron-LM's ``--manual-gc``: Python's automatic garbage collector is off for the run (one full
+    collection when training starts) so that no rank pauses for it at a moment of its own; collections
+    happen only where every rank is at the same point: around each evaluation (see
+    --no-manual-gc-eval) and every --manual-gc-interval iterations."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: a full collection after every N-th iteration, on all ranks (Megatron-LM's
+    ``--manual-gc-interval``; 0, its default, never)."""
+    manual_gc_eval: bool = True
+    """With --manual-gc: a full collection before each evaluation and a young-generation one after it
+    (Megatron-LM's default); ``--no-manual-gc-eval`` skips both."""
     cuda_sync_debug: Literal["warn", "error"] | None = None
     """Run every forward-backward step under ``torch.cuda.set_sync_debug_mode`` (``--cuda-sync-debug``):
     "error" makes any host synchronisation inside the step raise, the check that the pipeline never
@@ -519,6 +560,13 @@ class RunConfig:
             p.append(f"--eval-iters={self.eval_iters} must be >= 0")
         if self.gpu_busy_iters < 0:
             p.append(f"--gpu-busy-iters={self.gpu_busy_iters} must be >= 0")
+        if self.manual_gc_interval < 0:
+            p.append(f"--manual-gc-interval={self.manual_gc_interval} must be >= 0")
+        elif not self.manual_gc:
+            # Megatron-LM reads both only under --manual-gc; here they would be ignored, so refused.
+            p.extend(f"{flag} needs --manual-gc (without it the automatic collector runs and it means nothing)"
+                     for flag, given in ((f"--manual-gc-interval={self.manual_gc_interval}", self.manual_gc_interval),
+                                         ("--no-manual-gc-eval", not self.manual_gc_eval)) if given)
         p.extend(stall_problems(self.inject_stalls))
         _check(p)
 
@@ -627,6 +675,7 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     p.extend(_split_backward_problems(cfg))
     p.extend(_variable_length_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
+    p.extend(attention_backend_problems(cfg))
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
         p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "
                  f"but the world size is {world_size}")
@@ -654,6 +703,8 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
         "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
             not cfg.data.variable_seq_lengths,
+        "no --overlap-grad-reduce (a replayed backward runs no gradient hooks, which launch its reduction)":
+            not par.overlap_grad_reduce,
     }
     return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
 
@@ -686,15 +737,74 @@ def _split_backward_problems(cfg: TrainConfig) -> list[str]:
     # trainer.pipeline.split_backward defers the weight GEMMs of megatron's local linears only;
     # "auto" picks Transformer Engine on CUDA where it is installed (trainer.model.build), so only
     # there must the choice be explicit.
-    te_installed = importlib.util.find_spec("transformer_engine") is not None
-    if impl == "transformer_engine" or (impl == "auto" and cfg.run.device == "cuda" and te_installed):
+    if uses_transformer_engine_spec(cfg, _installed("transformer_engine")):
+        backend = cfg.model.attention
+        why = f"--attention-backend={backend}" if backend in TE_ATTENTION_BACKENDS else f"--transformer-impl={impl}"
         p.append(f"--dpp-policy={policy} splits the backward of megatron-core's local linear layers only: "
-                 f"pass --transformer-impl local (got --transformer-impl={impl})")
+                 f"pass --transformer-impl local (got {why})")
+    if par.overlap_grad_reduce:
+        p.append(f"--dpp-policy={policy} with --overlap-grad-reduce: the reduction would start from the gradient "
+                 "hooks of I, before W has accumulated the weight gradients; drop --overlap-grad-reduce")
     if policy == "zb-h1" and cfg.virtual_pipeline > 1:
         p.append(f"--dpp-policy=zb-h1 needs one model chunk per stage, got {cfg.virtual_pipeline}")
     if policy == "zb-h1" and not par.use_dpp and cfg.run.device == "cuda" and par.distributed_backend != "gloo":
         p.append("--dpp-policy=zb-h1 without --use-dpp on CUDA: megatron-core's own schedule would run; "
                  "add --use-dpp")
+    return p
+
+
+TE_ATTENTION_BACKENDS = ("flash", "fused", "unfused")  # kernels of Transformer Engine's attention
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def uses_transformer_engine_spec(cfg: TrainConfig, te_installed: bool) -> bool:
+    """Whether the model is built from megatron-core's Transformer Engine layer spec: a TE attention
+    backend needs it, --attention-backend local is the local spec (Megatron-LM's --spec local), and
+    otherwise --transformer-impl decides ("auto": TE on CUDA where it is installed)."""
+    backend, impl = cfg.model.attention, cfg.model.transformer_impl
+    if backend in TE_ATTENTION_BACKENDS:
+        return True
+    if backend == "local" or impl == "local":
+        return False
+    return impl == "transformer_engine" or (cfg.run.device == "cuda" and te_installed)
+
+
+def attention_backend_problems(cfg: TrainConfig, environ: dict[str, str] | None = None) -> list[str]:
+    """What rules out the --attention-backend / --use-flash-attn chosen, before any process starts:
+    a contradicting --transformer-impl, a TE kernel on CPU or without Transformer Engine (or, for
+    flash, without the flash-attn package), and NVTE_*_ATTN variables that megatron-core would find
+    set against the backend (it asserts on them when building the model, even for auto)."""
+    import os
+
+    backend, impl = cfg.model.attention, cfg.model.transformer_impl
+    flag = ("--use-flash-attn" if cfg.model.use_flash_attn else
+            f"--attention-backend {backend}" + (" (the default)" if backend == "auto" else ""))
+    p = []
+    if backend == "local" and impl == "transformer_engine":
+        p.append(f"{flag} is megatron-core's own attention (the local layer spec) but --transformer-impl "
+                 "transformer_engine asks for Transformer Engine's: give one of them")
+    if backend in TE_ATTENTION_BACKENDS:
+        if impl == "local":
+            p.append(f"{flag} is a kernel of Transformer Engine's attention but --transformer-impl local builds "
+                     "megatron-core's own: drop one of them (--attention-backend local is the local one)")
+        if cfg.run.device != "cuda":
+            p.append(f"{flag} needs --device cuda (Transformer Engine's attention kernels are CUDA only); "
+                     "on CPU use --attention-backend auto or local")
+        elif not _installed("transformer_engine"):
+            p.append(f"{flag} needs Transformer Engine, which is not installed (transformer_engine does not "
+                     "import here); install it, or use --attention-backend auto or local")
+        if backend == "flash" and cfg.run.device == "cuda" and not any(
+                _installed(m) for m in ("flash_attn", "flash_attn_interface", "flash_attn_3")):
+            p.append(f"{flag} needs the flash-attn package (Transformer Engine's flash backend calls it), which "
+                     "is not installed; install flash-attn, or use --attention-backend fused/unfused/auto")
+    env = os.environ if environ is None else environ
+    for name, want in zip(NVTE_ATTENTION_ENV, NVTE_ATTENTION_VALUES[backend], strict=True):
+        if env.get(name) not in (None, str(want)):
+            p.append(f"{flag} sets {name}={want} but the environment has {name}={env[name]} "
+                     "(megatron-core refuses the mismatch): unset it")
     return p
 
 

@@ -13,7 +13,7 @@ import torch
 
 from trainer.bench.lines import BenchConfig, NotRun, plan
 from trainer.config import ConfigError, parse_config
-from trainer.pipeline.cuda_graphs import ChunkGraphs, GraphShapes, Replay, _ChunkCall
+from trainer.pipeline.cuda_graphs import ChunkGraphs, GraphShapes, Replay, _BlockCall
 
 S, B, H, V = 6, 2, 4, 11
 
@@ -27,33 +27,46 @@ class _Embedding(torch.nn.Module):
         return (self.word(input_ids) + position_ids.unsqueeze(-1)).transpose(0, 1)  # [s, b, h] like megatron
 
 
-class _Decoder(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(H, H)
-
-    def forward(self, hidden, attention_mask):
-        return torch.tanh(self.lin(hidden)) + attention_mask.float().mean()
-
-
-class _TinyGPT(torch.nn.Module):
-    """GPTModel's calling convention: input_ids/position_ids/attention_mask, decoder_input, set_input_tensor."""
+class _Block(torch.nn.Module):
+    """TransformerBlock's conventions: input from hidden_states on the first stage, else set_input_tensor."""
 
     def __init__(self, pre_process: bool) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.pre_process = pre_process
-        self.embedding = _Embedding() if pre_process else None
-        self.decoder = _Decoder()
+        self.lin = torch.nn.Linear(H, H)
         self.input_tensor = None
 
-    def set_input_tensor(self, tensors) -> None:
-        self.input_tensor = tensors[0]
+    def set_input_tensor(self, tensor) -> None:
+        self.input_tensor = tensor
 
-    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None):
-        if decoder_input is None:
-            decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
-        return self.decoder(decoder_input, attention_mask)
+    def forward(self, hidden_states=None, attention_mask=None, rotary_pos_emb=None):
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        return torch.tanh(self.lin(hidden_states)) + attention_mask.float().mean()
+
+
+class _TinyGPT(torch.nn.Module):
+    """GPTModel's calling convention: embedding on the first stage, the block always, head and loss
+    (given labels) on the last; set_input_tensor reaches the block."""
+
+    def __init__(self, pre_process: bool, post_process: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embedding = _Embedding() if pre_process else None
+        self.decoder = _Block(pre_process)
+        self.head = torch.nn.Linear(H, V) if post_process else None
+
+    def set_input_tensor(self, tensors) -> None:
+        self.decoder.set_input_tensor(tensors[0])
+
+    def forward(self, input_ids, position_ids, attention_mask, labels=None, rotary_pos_emb=None):
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
+        hidden = self.decoder(hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        if not self.post_process:
+            return hidden
+        logits = self.head(hidden).transpose(0, 1)  # [b, s, V]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
 
 
 def _uncaptured(module, sample_args, allow_unused_input=False):
@@ -76,42 +89,63 @@ def _grads(module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters()}
 
 
+def _replayed(chunk, first: bool, m: int, x, *args, **kwargs):
+    graphs = _graphs(chunk, first=first)
+    return Replay(graphs, graphs.take(m, x), chunk)(*args, **kwargs)
+
+
 def test_first_stage_replay_embeds_eagerly_and_matches_the_chunk() -> None:
     tokens, pos, mask = _batch()
     ref = _TinyGPT(pre_process=True)
     ref(tokens, pos, mask).square().sum().backward()
     chunk = _TinyGPT(pre_process=True)
-    graphs = _graphs(chunk, first=True)
-    call = graphs.take(0, tokens)
-    out = Replay(graphs, call, None, chunk)(tokens, pos, mask, labels=None)
+    out = _replayed(chunk, True, 0, tokens, tokens, pos, mask, labels=None)
     out.square().sum().backward()
     torch.testing.assert_close(out, ref(tokens, pos, mask))
     want, got = _grads(ref), _grads(chunk)
     assert sorted(got) == sorted(want)  # the embedding's gradient too: it runs outside the graph
     for name in want:
         torch.testing.assert_close(got[name], want[name])
+    assert "forward" not in vars(chunk.decoder)  # the swap lasted one call
 
 
-def test_later_stage_replay_takes_the_received_activation() -> None:
+def _received(x, pre_process=False, post_process=False):
+    chunk = _TinyGPT(pre_process=pre_process, post_process=post_process)
+    x_in = x.clone().requires_grad_()
+    chunk.set_input_tensor([x_in])
+    return chunk, x_in
+
+
+def test_later_stages_replay_the_received_activation_and_the_last_keeps_its_head_eager() -> None:
     tokens, pos, mask = _batch()
     x = torch.randn(S, B, H)
-    ref = _TinyGPT(pre_process=False)
-    x_ref = x.clone().requires_grad_()
-    ref.set_input_tensor([x_ref])
-    ref(None, pos, mask).sum().backward()
-    chunk = _TinyGPT(pre_process=False)
-    graphs = _graphs(chunk, first=False)
-    x_in = x.clone().requires_grad_()
-    out = Replay(graphs, graphs.take(3, x_in), x_in, chunk)(tokens, pos, mask)
-    out.sum().backward()
-    torch.testing.assert_close(x_in.grad, x_ref.grad)
-    torch.testing.assert_close(chunk.decoder.lin.weight.grad, ref.decoder.lin.weight.grad)
+    for post_process in (False, True):
+        ref, x_ref = _received(x, post_process=post_process)
+        chunk, x_in = _received(x, post_process=post_process)
+        labels = tokens if post_process else None
+        ref(None, pos, mask, labels=labels).sum().backward()
+        out = _replayed(chunk, False, 3, x_in, None, pos, mask, labels=labels)
+        out.sum().backward()
+        torch.testing.assert_close(out, ref(None, pos, mask, labels=labels))
+        torch.testing.assert_close(x_in.grad, x_ref.grad)
+        want, got = _grads(ref), _grads(chunk)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])
+
+
+def test_a_block_argument_the_capture_did_not_see_is_an_error() -> None:
+    tokens, pos, mask = _batch()
+    chunk, x_in = _received(torch.randn(S, B, H))
+    with pytest.raises(RuntimeError, match="got rotary_pos_emb, which its CUDA graph did not capture"):
+        _replayed(chunk, False, 0, x_in, None, pos, mask, rotary_pos_emb=torch.ones(1))
+    assert "forward" not in vars(chunk.decoder)
 
 
 def test_a_slot_differentiates_only_the_transformer_block() -> None:
     # An unused parameter (the first stage's embedding) broke backward capture on the GPU.
-    chunk = _TinyGPT(pre_process=True)
-    assert {n for n, _ in _ChunkCall(chunk, first=True).named_parameters()} == {"decoder.lin.weight", "decoder.lin.bias"}
+    chunk = _TinyGPT(pre_process=True, post_process=True)
+    assert {n for n, _ in _BlockCall(chunk).named_parameters()} == {"decoder.lin.weight", "decoder.lin.bias"}
 
 
 def test_slots_are_taken_by_forwards_and_given_back_by_backwards() -> None:

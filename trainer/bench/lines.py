@@ -21,7 +21,7 @@ CATALOGUE = {
                                 ["--no-batch-p2p-sync"], True),
     "dpp": ("--use-dpp --dpp-policy dpp (greedy)", 1, ["--use-dpp", "--dpp-policy", "dpp"], True),
     "dpp-v2": ("--use-dpp --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp"], True),
-    "dpp-graphs": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs (chunks but the last replayed from CUDA graphs, "
+    "dpp-graphs": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs (transformer blocks replayed from CUDA graphs, "
                    "one per activation slot)", 1, ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),

@@ -1,4 +1,4 @@
-"""``--dpp-cuda-graphs``: replay each non-last chunk's forward and backward from CUDA graphs.
+"""``--dpp-cuda-graphs``: replay each chunk's transformer block, forward and backward, from CUDA graphs.
 
 Why: on the issue-12 model (GPT h2048, mbs 2, megatron-core's local layer spec, no Transformer
 Engine) a stage's forward is launch-bound -- its host span (~7 ms on 4x H100) is longer than the
@@ -13,12 +13,17 @@ its own. F(m) takes a free slot, B(m) gives it back once its backward replay is 
 on the same stream run after it). With no free slot, or an input whose shape was not captured, the
 op runs eagerly -- always correct, only slower.
 
+What is graphed: each chunk's transformer block (its layers, and the final norm on the last stage),
+nothing else. The chunk's own forward (GPTModel.forward behind megatron's wrappers) still runs
+eagerly and calls its block as always; for a graphed op the block's forward is swapped, for that
+call only, for the slot's replay. So the first stage's embedding stays eager (its CUDA backward reads
+the number of distinct token ids back to the host, which a capture forbids), and so do the last
+stage's output layer and loss; everything megatron does around the block is untouched.
+
 Scope (checked by the config before any process starts): GPT, --use-dpp with --dpp-policy dpp (a
-graph's backward is one piece, so split backward cannot defer its weight GEMMs), fixed sequence
-length, dropout 0 (a captured dropout would need megatron's graph-safe RNG tracker; with p = 0 no
-random numbers are drawn, and the tracker's fork is bypassed while capturing). The last stage stays
-eager: its head and loss are outside the graph, and it is the lightest stage of the split on the
-host anyway.
+graph's backward is one piece, so split backward cannot defer its weight GEMMs), TP 1, fixed
+sequence length, dropout 0 (a captured dropout would need megatron's graph-safe RNG tracker; with
+p = 0 no random numbers are drawn, and the tracker's fork is bypassed while capturing).
 """
 
 from __future__ import annotations
@@ -33,36 +38,51 @@ import torch
 log = logging.getLogger(__name__)
 
 
-class _ChunkCall(torch.nn.Module):
-    """The callable a slot captures: one chunk's transformer layers from its input activation (graphs
-    take tensors only).
+class _BlockCall(torch.nn.Module):
+    """The callable a slot captures: a chunk's transformer block from its input activation (graphs
+    take tensors only). The block reads its input from ``hidden_states`` on the first stage and from
+    set_input_tensor on later ones; both are given, so one capture serves either."""
 
-    Later stages get the received activation the Megatron way (set_input_tensor). The first stage's
-    embedding stays outside the graph -- its CUDA backward reads the number of distinct token ids back
-    to the host, which a capture forbids -- and its output comes in as GPTModel's ``decoder_input``."""
-
-    def __init__(self, chunk: torch.nn.Module, first: bool) -> None:
+    def __init__(self, chunk: torch.nn.Module) -> None:
         super().__init__()
-        # make_graphed_callables differentiates w.r.t. this module's parameters(): register only the
-        # transformer block, which the graph uses entirely. An unused parameter (the first stage's
-        # embedding, run outside the graph) broke the backward capture: autograd synchronised its
-        # never-produced gradient with the legacy default stream, which a capture forbids.
+        # Registered, so make_graphed_callables differentiates w.r.t. exactly the block's parameters:
+        # an unused parameter (the embedding, run outside the graph) broke backward capture on the GPU.
         self.decoder = _unwrapped(chunk).decoder
-        self._chunk = (chunk,)  # called, not registered
-        self.first = first
 
-    @property
-    def chunk(self) -> torch.nn.Module:
-        return self._chunk[0]
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.decoder.set_input_tensor(x)
+        return self.decoder(hidden_states=x, attention_mask=attention_mask)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        from megatron.core.utils import get_attr_wrapped_model
 
-        if self.first:
-            get_attr_wrapped_model(self.chunk, "set_input_tensor")([None])
-            return self.chunk(None, position_ids, attention_mask, decoder_input=x)
-        get_attr_wrapped_model(self.chunk, "set_input_tensor")([x])
-        return self.chunk(None, position_ids, attention_mask)
+# What GPTModel passes its block besides the input and the mask; in training with this trainer's
+# models each is None (no rotary embeddings, packing or inference context). A value the capture did
+# not see would be silently ignored by a replay, so it is an error instead.
+_UNCAPTURED_BLOCK_ARGS = ("context", "context_mask", "inference_context", "rotary_pos_emb", "rotary_pos_cos",
+                          "rotary_pos_sin", "rotary_pos_cos_sin", "packed_seq_params", "sequence_len_offset",
+                          "padding_mask", "attention_bias", "inference_params")
+
+
+@contextlib.contextmanager
+def _block_replayed(decoder: torch.nn.Module, call: torch.nn.Module) -> Iterator[None]:
+    """For the duration of one chunk forward, the block's forward is the slot's replay."""
+
+    def replay(hidden_states=None, attention_mask=None, **others):
+        unexpected = sorted(k for k, v in others.items() if v is not None)
+        if unexpected:
+            raise RuntimeError(f"--dpp-cuda-graphs: the transformer block got {', '.join(unexpected)}, which "
+                               "its CUDA graph did not capture")
+        x = hidden_states if hidden_states is not None else decoder.input_tensor
+        del decoder.forward  # a call that runs Python (not a replay) must reach the real block
+        try:
+            return call(x, attention_mask)
+        finally:
+            decoder.forward = replay
+
+    decoder.forward = replay  # an instance attribute: shadows the class's forward for this call only
+    try:
+        yield
+    finally:
+        del decoder.forward
 
 
 def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -106,17 +126,14 @@ class ChunkGraphs:
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
         self.first, self.shapes = first, shapes
-        self.embedding = _unwrapped(chunk).embedding if first else None  # eager on the first stage
-        b, s = shapes.tokens
-        position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s).contiguous()
+        self.decoder = _unwrapped(chunk).decoder
         self.calls = []
         with _rng_fork_bypassed():
             for _ in range(slots):
                 x = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device,
                                 requires_grad=True)
                 # Each slot its own module object: make_graphed_callables replaces the module's forward.
-                call = capture(_ChunkCall(chunk, first), (x, position_ids, attention_mask),
-                               allow_unused_input=True)
+                call = capture(_BlockCall(chunk), (x, attention_mask), allow_unused_input=True)
                 self.calls.append(call)
         self._free = list(range(slots))[::-1]
         self._taken: dict[int, int] = {}
@@ -132,7 +149,7 @@ class ChunkGraphs:
             return tuple(x.shape) == self.shapes.tokens
         return tuple(x.shape) == self.shapes.activation and x.dtype == self.shapes.activation_dtype
 
-    def take(self, microbatch: int, x: torch.Tensor) -> _ChunkCall | None:
+    def take(self, microbatch: int, x: torch.Tensor) -> torch.nn.Module | None:
         """A free slot's graphed callable for this microbatch's forward; None = run it eagerly."""
         if not torch.is_grad_enabled():
             return None
@@ -143,10 +160,6 @@ class ChunkGraphs:
         slot = self._free.pop()
         self._taken[microbatch] = slot
         return self.calls[slot]
-
-    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The first stage's embedding, run eagerly ([s, b, h], what the graph takes as input)."""
-        return self.embedding(input_ids=tokens, position_ids=position_ids)
 
     def give_back(self, microbatch: int) -> None:
         """After the microbatch's backward was queued (no-op for one that ran eagerly)."""
@@ -160,17 +173,16 @@ class ChunkGraphs:
 
 class Replay:
     """What the forward step function receives as ``model`` for a graphed forward: called like the
-    megatron chunk (tokens, position_ids, attention_mask, labels=...), it replays the slot instead.
-    Labels are ignored: only chunks without the output head are graphed. ``stands_for`` is the chunk
-    it replaces (wrappers of the forward step that tell chunks apart, e.g. stall injection, read it)."""
+    megatron chunk, it runs the chunk with the block's forward swapped for the slot's replay.
+    ``stands_for`` is that chunk (wrappers of the forward step that tell chunks apart, e.g. stall
+    injection, read it)."""
 
-    def __init__(self, graphs: ChunkGraphs, call: _ChunkCall, input_tensor: torch.Tensor | None,
-                 stands_for: torch.nn.Module) -> None:
-        self.graphs, self.call, self.input_tensor, self.stands_for = graphs, call, input_tensor, stands_for
+    def __init__(self, graphs: ChunkGraphs, call: torch.nn.Module, stands_for: torch.nn.Module) -> None:
+        self.graphs, self.call, self.stands_for = graphs, call, stands_for
 
-    def __call__(self, tokens, position_ids, attention_mask, labels=None, **kwargs) -> torch.Tensor:
-        x = self.graphs.embed(tokens, position_ids) if self.graphs.first else self.input_tensor
-        return self.call(x, position_ids, attention_mask)
+    def __call__(self, *args, **kwargs):
+        with _block_replayed(self.graphs.decoder, self.call):
+            return self.stands_for(*args, **kwargs)
 
 
 def run_on_side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -189,13 +201,10 @@ def run_on_side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int, shapes: GraphShapes,
                          attention_mask: torch.Tensor, device: torch.device) -> dict[int, ChunkGraphs]:
-    """Graph slots for each chunk of this stage that does not hold the output head (none on a
-    single-stage pipeline). Runs each chunk's forward and backward a few times with zero inputs
-    (warm-up and capture, no gradient is accumulated): call it before the first step."""
+    """Graph slots for each chunk of this stage. Runs each block's forward and backward a few times
+    with zero inputs (warm-up and capture, no gradient is accumulated): call it before the first step."""
     graphs = {}
     for c, chunk in enumerate(chunks):
-        if shape.is_last_virtual(stage, c):
-            continue
         graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), slots, shapes, attention_mask, device)
     torch.cuda.synchronize(device)
     if graphs:

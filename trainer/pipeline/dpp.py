@@ -336,7 +336,7 @@ class _Step:
         from trainer.pipeline.cuda_graphs import Replay
 
         call = graphs.take(m, data["tokens"] if first else input_tensor)
-        return None if call is None else Replay(graphs, call, input_tensor, self.chunks[c])
+        return None if call is None else Replay(graphs, call, self.chunks[c])
 
     def _loss(self, m: int, output: torch.Tensor, loss_func) -> torch.Tensor:
         """Megatron's forward_step_calc_loss: scale by 1/M (and by tokens for 3-tuples), keep the dict."""
