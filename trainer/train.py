@@ -45,6 +45,7 @@ from trainer.distributed import (
     read_launch_env,
     shutdown,
 )
+from trainer.manual_gc import ManualGC
 from trainer.model.batches import (
     BatchPlan,
     SampleSource,
@@ -125,6 +126,7 @@ class TrainingSession:
         # those, steps whose loss was inf/nan; printed and reset by each iteration line.
         self.skipped_iterations = self.nan_iterations = 0
         self.tensorboard = None  # --tensorboard-dir's SummaryWriter, on the logging rank only
+        self.manual_gc = ManualGC.from_config(cfg.run)  # --manual-gc's collection schedule
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -270,6 +272,14 @@ class TrainingSession:
         config = self.model[0].config
         no_sync = [chunk.no_sync for chunk in self.model]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if self.cfg.parallel.overlap_grad_reduce and self._uses_megatron_schedule() \
+                and self.hooks.forward_backward_func is None:
+            # Megatron-LM's default --align-grad-reduce: megatron-core's schedules launch each chunk's
+            # reduction themselves, at the same step on every pipeline stage. Our runtime has no such
+            # common step (its order is dynamic): there, as in megatron-core without grad_sync_func,
+            # the DDP hooks launch it during the chunk's last backward (trainer/pipeline/grad_sync.py).
+            grad_sync = [chunk.start_grad_sync for chunk in self.model]
+            config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
 
@@ -423,12 +433,16 @@ class TrainingSession:
     def run(self) -> int:
         self.setup()
         cfg = self.cfg
+        self.manual_gc.start()  # --manual-gc: automatic collection off from here (Megatron-LM's train())
         while self.state.iteration < cfg.optim.total_iters:
             if self.preempt.agreed(self.device):
                 return self._save_on_signal()
             self._train_step()
             if cfg.validates and self.state.iteration % cfg.run.eval_interval == 0:
+                self.manual_gc.before_eval()
                 self._evaluate()
+                self.manual_gc.after_eval()
+            self.manual_gc.after_iteration(self.state.iteration)  # after evaluation, before saving
             interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and interval and self.state.iteration % interval == 0:
                 self._save()
@@ -650,6 +664,7 @@ class TrainingSession:
     # ---- tear-down -------------------------------------------------------------------------
     def close(self) -> None:
         self.preempt.restore()
+        self.manual_gc.stop()
         for c, graphs in ((self.dpp_context.graphs or {}) if self.dpp_context is not None else {}).items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      self.topology.pp_rank, c, graphs.replayed, graphs.eager)

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, uses_transformer_engine_spec
 from trainer.model.steps import uses_per_token_loss
 from trainer.topology import Topology
 
@@ -34,14 +34,13 @@ def _te_available() -> bool:
 
 
 def use_transformer_engine(cfg: TrainConfig) -> bool:
-    impl = cfg.model.transformer_impl
-    if impl == "local":
-        return False
-    if impl == "transformer_engine":
-        if not _te_available():
-            raise RuntimeError("--transformer-impl transformer_engine but transformer_engine does not import")
-        return True
-    return cfg.run.device == "cuda" and _te_available()
+    """TE layer spec or local one (trainer.config.uses_transformer_engine_spec: --transformer-impl and
+    --attention-backend, whose contradictions config validation has already refused)."""
+    te = uses_transformer_engine_spec(cfg, _te_available())
+    if te and not _te_available():
+        raise RuntimeError(f"--transformer-impl {cfg.model.transformer_impl} / --attention-backend "
+                           f"{cfg.model.attention} need transformer_engine, which does not import")
+    return te
 
 
 def params_dtype(cfg: TrainConfig) -> torch.dtype:
@@ -51,6 +50,7 @@ def params_dtype(cfg: TrainConfig) -> torch.dtype:
 def transformer_config(cfg: TrainConfig, topology: Topology):
     """megatron-core TransformerConfig; fusions that need CUDA kernels are off on CPU."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
 
     m, on_cpu = cfg.model, cfg.run.device == "cpu"
     dtype = params_dtype(cfg)
@@ -79,6 +79,8 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         bf16=cfg.optim.bf16,
         fp16=cfg.optim.fp16,
         init_method_std=m.init_method_std,
+        # --attention-backend / --use-flash-attn: megatron-core forces TE's kernel through NVTE_*_ATTN.
+        attention_backend=AttnBackend[m.attention],
         # Activation recompute, as Megatron-LM passes it (--recompute-activations = selective).
         recompute_granularity=m.recompute,
         recompute_method=m.recompute_method,
@@ -169,8 +171,10 @@ def wrap_ddp(cfg: TrainConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.M
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optim.bf16 or cfg.optim.fp16,
-        # Overlap needs CUDA streams; on CPU grads are reduced in finalize_model_grads.
-        overlap_grad_reduce=False,
+        # --overlap-grad-reduce: the parameter hooks launch each bucket's reduction (async_op, on CPU
+        # over gloo too) once its last microbatch's gradients are in; finalize_model_grads waits.
+        # Without it every bucket is reduced at once in finalize_model_grads.
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     wrapped = []

@@ -1,0 +1,77 @@
+"""``--manual-gc`` (issue 17): the collections of a real 2-rank run are exactly Megatron-LM's schedule.
+
+Each rank runs ``trainer.train.main`` under this module's harness (``python -m tests.dist.test_manual_gc
+--out DIR -- <trainer flags>``), which records every garbage collection through ``gc.callbacks`` as
+(iteration, generation, automatic collector on?) -- the iteration being the number of training steps
+done when it ran -- until ManualGC.stop() hands the collector back at the end.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist.launch import check_ok, launch
+
+ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "1",
+        "--global-batch-size", "4", "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--use-dpp",
+        "--eval-interval", "2", "--eval-iters", "1", "--split", "90,10,0", "--dpp-timeout", "120"]
+
+
+def _events(tmp_path: Path, flags: list[str]) -> dict[int, list[list]]:
+    check_ok(launch(["tests.dist.test_manual_gc", "--out", str(tmp_path), "--", *ARGS, *flags], 2, timeout_s=240))
+    return {rank: json.loads((tmp_path / f"gc_rank{rank}.json").read_text()) for rank in range(2)}
+
+
+@pytest.mark.timeout(300)
+def test_manual_gc_collects_at_start_around_evaluation_and_every_interval(tmp_path: Path) -> None:
+    for rank, events in _events(tmp_path, ["--manual-gc", "--manual-gc-interval", "3"]).items():
+        manual = [(it, gen) for it, gen, automatic in events if not automatic]
+        # start: full; iteration 2 and 4: full before and young generation after evaluation; 3: interval.
+        assert manual == [(0, 2), (2, 2), (2, 0), (3, 2), (4, 2), (4, 0)], (rank, events)
+        assert not [e for e in events if e[2] and e[0] > 0], (rank, events)  # no automatic one while training
+
+
+@pytest.mark.timeout(300)
+def test_no_manual_gc_eval_leaves_only_the_interval(tmp_path: Path) -> None:
+    for rank, events in _events(tmp_path, ["--manual-gc", "--manual-gc-interval", "2", "--no-manual-gc-eval"]).items():
+        assert [(it, gen) for it, gen, automatic in events if not automatic] == [(0, 2), (2, 2), (4, 2)], (rank, events)
+
+
+def _harness(argv: list[str]) -> int:
+    from trainer import manual_gc
+    from trainer.train import TrainHooks, main
+
+    split = argv.index("--")
+    out = Path(argv[argv.index("--out") + 1])
+    state = {"iteration": 0, "recording": True}
+    events: list[list] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start" and state["recording"]:
+            events.append([state["iteration"], info["generation"], gc.isenabled()])
+
+    def after_step(iteration: int, _losses: dict) -> None:
+        state["iteration"] = iteration
+
+    stop = manual_gc.ManualGC.stop
+
+    def stop_recording(self) -> None:  # the end of training: the collector comes back on here
+        state["recording"] = False
+        stop(self)
+
+    manual_gc.ManualGC.stop = stop_recording
+    gc.callbacks.append(record)
+    code = main(argv[split + 1:], TrainHooks(after_step=after_step))
+    (out / f"gc_rank{os.environ['RANK']}.json").write_text(json.dumps(events))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(_harness(sys.argv[1:]))
