@@ -69,3 +69,24 @@ def test_nothing_in_trainer_imports_the_benchmark() -> None:
                  and any(s in p.read_text() for s in ("import trainer.bench", "from trainer.bench",
                                                        "from trainer import bench"))]
     assert offenders == []
+
+
+def test_report_pairs_rounds_so_host_drift_between_rounds_cancels(tmp_path) -> None:
+    from trainer.bench.lines import BenchConfig
+    from trainer.bench.report import write_report
+    from trainer.bench.results import LineResult
+
+    # Round 2 ran on a host 25% slower: pooled medians mix both, the per-round ratios do not.
+    meg = LineResult("a-megatron-1f1b-best", "megatron-1f1b-best", "a", "m", timed_ms=[500, 500, 625, 625],
+                     round_medians=[500.0, 625.0])
+    dpp = LineResult("a-dpp", "dpp", "a", "d", timed_ms=[450, 450, 568, 568], round_medians=[450.0, 568.0])
+    report = tmp_path / "r.md"
+    write_report(report, BenchConfig(device="cpu"), [meg, dpp], [], {}, {}, 1.0)
+    text = report.read_text()
+    assert "| 1 | 500.0 | 450.0 (1.111x) |" in text
+    assert "| 2 | 625.0 | 568.0 (1.100x) |" in text
+    assert "per-round ratios 1.100–1.111x, median 1.106x" in text
+    # A single round: no per-round table.
+    write_report(report, BenchConfig(device="cpu"), [LineResult("a-dpp", "dpp", "a", "d", timed_ms=[1.0],
+                                                                round_medians=[1.0])], [], {}, {}, 1.0)
+    assert "Per round" not in report.read_text()

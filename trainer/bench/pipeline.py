@@ -149,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for line in lines:
             result = _run_line(line, cfg, args)
+            if result.ok:
+                result.round_medians = [result.median_ms]
             if round_ and line.key in results and results[line.key].ok and result.ok:
                 results[line.key].timed_ms.extend(result.timed_ms)  # pooled over rounds
+                results[line.key].round_medians.append(result.median_ms)
             elif not round_ or not result.ok:
                 results[line.key] = result  # first round, or a failure that must show
             picture = _picture(result, args.out / line.key, args.report.parent) if not round_ else None

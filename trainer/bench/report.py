@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,36 @@ def _table(results: list[LineResult], scenario: str) -> list[str]:
                     f"{_fmt(r.peak_gib, '{:.2f}')} | {ratio} | {busy} | "
                     f"{'' if r.delayed_ops is None else r.delayed_ops} |")
     return rows
+
+
+def _rounds(results: list[LineResult], scenario: str) -> list[str]:
+    """With --rounds: each round's median per line and its ratio to the bar line *of the same round*.
+    On a drifting host (these VMs' step times wander by 20% between minutes) a paired, per-round
+    ratio is steadier than the ratio of pooled medians; the summary gives both."""
+    bar = best_megatron(results, scenario)
+    ok = [r for r in results if r.ok and r.scenario == scenario and len(r.round_medians) > 1]
+    if bar is None or not any(r is bar for r in ok):
+        return []
+    rounds = len(bar.round_medians)
+    rows = ["Per round (lines interleaved within each round; ratio = the bar line's median in that round / "
+            "this line's):", "", "| round | " + " | ".join(r.name for r in ok) + " |", "|---" * (len(ok) + 1) + "|"]
+    for i in range(rounds):
+        cells = []
+        for r in ok:
+            if i >= len(r.round_medians):
+                cells.append("")
+                continue
+            ratio = bar.round_medians[i] / r.round_medians[i]
+            cells.append(f"{r.round_medians[i]:.1f}" + ("" if r is bar else f" ({ratio:.3f}x)"))
+        rows.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    for r in ok:
+        if r is bar:
+            continue
+        ratios = [b / x for b, x in zip(bar.round_medians, r.round_medians, strict=False)]
+        rows.append("")
+        rows.append(f"- **{r.name}** vs {bar.name}: per-round ratios {min(ratios):.3f}–{max(ratios):.3f}x, "
+                    f"median {statistics.median(ratios):.3f}x (pooled medians: {bar.median_ms / r.median_ms:.3f}x).")
+    return rows + [""]
 
 
 def _losses(results: list[LineResult], scenario: str) -> list[str]:
@@ -101,6 +132,7 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
             lines += [f"`--inject-stalls {cfg.stall}` (RANK:FRACTION:MS:SEED) for every line: the same forward "
                       "ops of that rank delayed (a GPU spin kernel on CUDA); backwards are not delayed.", ""]
         lines += _table(results, scenario) + [""]
+        lines += _rounds(results, scenario)
         losses = _losses(results, scenario)
         if losses:
             lines += ["Losses of the first iterations (last stage):", ""] + losses + [""]

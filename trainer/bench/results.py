@@ -30,6 +30,8 @@ class LineResult:
     status: str = "ok"
     """"ok", or why there are no figures (not run, failed with exit code and log tail)."""
     timed_ms: list[float] = field(default_factory=list)
+    round_medians: list[float] = field(default_factory=list)
+    """With --rounds: this line's median in each round (timed_ms pools every round's iterations)."""
     tokens_per_iteration: int = 0
     peak_gib: float | None = None
     busy_ms: dict[int, float] = field(default_factory=dict)
