@@ -229,6 +229,11 @@ class ParallelConfig:
     """megatron-core's interleaved schedule overlaps P2P with compute (Megatron-LM's default; switched
     off by its flag --no-overlap-p2p-communication). Like Megatron-LM, only used with VP; without VP
     overlap is off. batch_p2p_comm (batch_isend_irecv) is its negation, as Megatron-LM sets it."""
+    sequence_parallel: bool = False
+    """Megatron-LM's ``--sequence-parallel`` (TransformerConfig.sequence_parallel): with TP > 1 the
+    layer norms, dropouts and residuals work on 1/TP of the sequence; activations between layers, and
+    between pipeline stages, are [seq/TP, batch, hidden]. Needs --tensor-model-parallel-size > 1
+    (Megatron-LM would switch it off with a warning) and --seq-length divisible by TP."""
     overlap_grad_reduce: bool = False
     """Megatron-LM's ``--overlap-grad-reduce`` (megatron-core DDP's overlap_grad_reduce): each model
     chunk's data-parallel gradient reduction is launched asynchronously, bucket by bucket, while its
@@ -252,6 +257,10 @@ class ParallelConfig:
             p.append(f"--transport={self.transport!r} must be one of {', '.join(TRANSPORTS)}")
         if self.distributed_backend not in ("auto", "nccl", "gloo"):
             p.append(f"--distributed-backend={self.distributed_backend!r} must be one of auto, nccl, gloo")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Megatron-LM turns it off with a warning; refused here rather than ignored.
+            p.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence over the "
+                     "tensor-parallel ranks)")
         if self.dpp_timeout_s <= 0:
             p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
         if self.dpp_policy not in DPP_POLICIES:
@@ -669,6 +678,8 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
             and cfg.run.device == "cuda":
         p.append("--no-overlap-p2p-communication with interleaving needs --pipeline-model-parallel-size > 2 "
                  "(Megatron-LM's rule: batched sends and receives between the same 2 ranks)")
+    if par.sequence_parallel and tp > 1:
+        p.extend(_sequence_parallel_problems(cfg))
     if cfg.validates and cfg.data.split is not None and parse_split(cfg.data.split)[0][1] == 0:
         p.append(f"--eval-interval={cfg.run.eval_interval} needs validation samples but --split="
                  f"{cfg.data.split} gives the valid share 0")
@@ -685,6 +696,24 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.run.node_ips and world_size % len(cfg.run.node_ips):
         p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips "
                  "(every node runs the same number of ranks)")
+    return p
+
+
+def _sequence_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """What rules out --sequence-parallel with TP > 1: BERT (not wired here), and sequence lengths it
+    cannot split evenly over the TP ranks (megatron-core's scatter to the sequence-parallel region)."""
+    tp, d = cfg.parallel.tensor_model_parallel_size, cfg.data
+    p = []
+    if cfg.model.model != "gpt":
+        p.append("--sequence-parallel is implemented for --model gpt only (BERT's heads and pooler under sequence "
+                 "parallelism are not wired or tested here)")
+    if cfg.model.seq_length % tp:
+        p.append(f"--sequence-parallel needs --seq-length={cfg.model.seq_length} divisible by "
+                 f"--tensor-model-parallel-size={tp}")
+    if d.variable_seq_lengths and d.seq_length_divisible_by % tp:
+        p.append(f"--sequence-parallel with --variable-seq-lengths needs --seq-length-divisible-by="
+                 f"{d.seq_length_divisible_by} divisible by --tensor-model-parallel-size={tp} (every "
+                 "microbatch length must split evenly)")
     return p
 
 
@@ -720,7 +749,7 @@ def _variable_length_problems(cfg: TrainConfig) -> list[str]:
                  f"{m.seq_length}: every microbatch would be --seq-length long")
     # No check against --max-position-embeddings is needed: lengths are capped at --seq-length, which
     # ModelConfig already keeps within the table. Nor for TP: megatron needs lengths divisible by TP
-    # only with sequence parallelism, which this trainer does not offer.
+    # only with sequence parallelism (_sequence_parallel_problems).
     if d.mock_seq_len_dist is not None and m.model == "bert" and m.seq_length < 5:
         p.append(f"--mock-seq-len-dist with --model bert needs --seq-length >= 5 ([CLS] a [SEP] b [SEP]), "
                  f"got {m.seq_length}")
@@ -742,6 +771,9 @@ def _split_backward_problems(cfg: TrainConfig) -> list[str]:
         why = f"--attention-backend={backend}" if backend in TE_ATTENTION_BACKENDS else f"--transformer-impl={impl}"
         p.append(f"--dpp-policy={policy} splits the backward of megatron-core's local linear layers only: "
                  f"pass --transformer-impl local (got {why})")
+    if par.sequence_parallel:
+        p.append(f"--dpp-policy={policy} with --sequence-parallel: split backward defers the weight GEMMs of "
+                 "linears without sequence parallelism only; drop one of them")
     if par.overlap_grad_reduce:
         p.append(f"--dpp-policy={policy} with --overlap-grad-reduce: the reduction would start from the gradient "
                  "hooks of I, before W has accumulated the weight gradients; drop --overlap-grad-reduce")

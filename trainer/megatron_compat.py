@@ -19,6 +19,10 @@ process without CUDA, :func:`apply_cpu_shims` patches them *at run time, in this
    restores both before recomputing it; the private ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
    it calls are replaced by ones that keep no CUDA state (there is none). The CPU generator, the one
    dropout draws from here, is still saved and restored, so recomputed dropout masks are the same.
+6. Inside ``torch.autograd.backward`` / ``Tensor.backward`` the mode of item 3 is off (torch disables a
+   mode while its own handler runs, and the backward runs in it), so ``torch.cuda.current_device()``
+   answers "cpu" for the duration: the buffers megatron allocates in backward (``--sequence-parallel``'s
+   reduce-scatter / all-gather outputs) stay on the CPU.
 
 Everything is reversible (:class:`CpuShims.remove`) and refused when CUDA is available: a GPU run must
 never silently compute on the CPU. Public names are patched (``CudaRNGStatesTracker``,
@@ -55,9 +59,29 @@ class CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.autograd.backward or func is torch.Tensor.backward:
+            return _backward_on_cpu(func, args, kwargs)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
+
+
+def _backward_on_cpu(func: Callable, args: Any, kwargs: dict) -> Any:
+    """Shim 6: run a backward with ``torch.cuda.current_device()`` answering "cpu".
+
+    torch takes a mode off its stack while the mode's handler runs, and a backward entered through
+    ``torch.autograd.backward`` / ``Tensor.backward`` runs inside that handler, so every op of it runs
+    without :class:`CudaToCpuMode`. The allocations megatron makes in backward (sequence
+    parallelism's reduce-scatter and all-gather outputs, ``device=torch.cuda.current_device()``) would
+    then go to CUDA; for the duration of the backward the device they name is the CPU instead.
+    (A backward started from the C++ engine directly keeps the mode and needs nothing.)
+    """
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        return func(*args, **kwargs)
+    finally:
+        torch.cuda.current_device = current
 
 
 @contextlib.contextmanager

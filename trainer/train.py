@@ -690,13 +690,16 @@ def link_options(cfg: TrainConfig, shape) -> LinkOptions:
     Credits >= the largest in-flight activation cap of any stage: the activations (and gradients)
     waiting unconsumed on one edge never outnumber what the sending stage may hold, so a send never
     waits for a credit the policy itself withholds, whatever ``--dpp-max-inflight`` says. Slots are
-    sized to one activation (seq x mbs x hidden in the pipeline dtype), so a message is one copy.
+    sized to one activation (seq x mbs x hidden in the pipeline dtype, seq / TP with
+    ``--sequence-parallel``), so a message is one copy.
     """
     from trainer.schedule.dynamic import one_f_one_b_cap
 
     cap = max(cfg.parallel.dpp_max_inflight or 0, one_f_one_b_cap(shape, 0))
     itemsize = 2 if (cfg.optim.bf16 or cfg.optim.fp16) else 4
-    activation = cfg.model.seq_length * cfg.optim.micro_batch_size * cfg.model.hidden_size * itemsize
+    # --sequence-parallel: each TP rank sends its 1/TP of the sequence (its own links to its peer).
+    seq = cfg.model.seq_length // (cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1)
+    activation = seq * cfg.optim.micro_batch_size * cfg.model.hidden_size * itemsize
     default = LinkOptions()
     return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=max(4096, -(-activation // 4096) * 4096))
 

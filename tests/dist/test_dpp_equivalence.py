@@ -83,7 +83,12 @@ LAYOUTS["gpt-pp2-vp2-dp2-overlap"] = ("gpt", 4, ["--pipeline-model-parallel-size
                                                   "--num-layers-per-virtual-pipeline-stage", "2", *OVERLAP])
 LAYOUTS["gpt-pp2-dp2-overlap-distopt"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP,
                                                       "--use-distributed-optimizer", *GLOO])
-NO_SPLIT_BACKWARD = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-overlap-distopt"}
+# --sequence-parallel (issue 17): activations between stages are each TP rank's [seq/TP, mbs, h]
+# (every TP rank has its own links); layer-norm gradients are all-reduced over TP by finalize_model_grads.
+LAYOUTS["gpt-pp2-tp2-sp"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                         "--sequence-parallel"])
+NO_SPLIT_BACKWARD = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-overlap-distopt",
+                     "gpt-pp2-tp2-sp"}  # split backward refuses --overlap-grad-reduce and --sequence-parallel
 LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt"}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
@@ -95,7 +100,7 @@ NO_DPP = {"gpt-pp2-no-dpp"}
 # plain dpp policy (as before), "<layout>-<policy>" otherwise.
 CASES = ([pytest.param(layout, "dpp", id=layout) for layout in LAYOUTS]
          + [pytest.param(layout, "dpp-zb", id=f"{layout}-dpp-zb") for layout in LAYOUTS
-            if layout not in NO_DPP | NO_SPLIT_BACKWARD]  # split backward refuses --overlap-grad-reduce
+            if layout not in NO_DPP | NO_SPLIT_BACKWARD]
          + [pytest.param("gpt-pp2-no-dpp", "zb-h1", id="gpt-pp2-no-dpp-zb-h1")])
 
 
@@ -104,7 +109,7 @@ CASES = ([pytest.param(layout, "dpp", id=layout) for layout in LAYOUTS]
 # per token (megatron-core's calculate_per_token_loss). Its own references: the data differ.
 VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length-divisible-by", "4"]
 VARLEN_CASES = ([pytest.param(layout, "dpp", id=f"varlen-{layout}")
-                 for layout in ("gpt-pp2", "gpt-pp4-vp2", "gpt-pp2-tp2", "gpt-pp2-dp2", "bert-pp2")]
+                 for layout in ("gpt-pp2", "gpt-pp4-vp2", "gpt-pp2-tp2", "gpt-pp2-dp2", "bert-pp2", "gpt-pp2-tp2-sp")]
                 + [pytest.param("gpt-pp2", "dpp-zb", id="varlen-gpt-pp2-dpp-zb")])
 
 

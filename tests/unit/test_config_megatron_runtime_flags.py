@@ -33,12 +33,58 @@ def test_megatron_defaults_and_names() -> None:
     assert cfg.parallel.overlap_grad_reduce and cfg.model.attention == "local"
 
 
-def test_these_flags_are_no_longer_refused_but_sequence_parallel_still_is() -> None:
-    parse_config(BASE + ["--manual-gc", "--manual-gc-interval", "1", "--no-manual-gc-eval", "--overlap-grad-reduce",
-                         "--attention-backend", "auto"], world_size=1)
-    problems = _problems(["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
-    assert problems == ["Megatron-LM flags not implemented by this trainer (refused rather than ignored): "
-                        "--sequence-parallel"]
+def test_these_flags_are_no_longer_refused() -> None:
+    cfg = parse_config(BASE + ["--manual-gc", "--manual-gc-interval", "1", "--no-manual-gc-eval",
+                               "--overlap-grad-reduce", "--attention-backend", "auto", "--sequence-parallel",
+                               "--tensor-model-parallel-size", "2"], world_size=2)
+    assert cfg.parallel.sequence_parallel
+
+
+# ---- --sequence-parallel -----------------------------------------------------------------------
+def test_sequence_parallel_reaches_megatron_and_sizes_the_links() -> None:
+    from trainer.model.build import transformer_config
+    from trainer.schedule.core import PipelineShape
+    from trainer.topology import Topology
+    from trainer.train import link_options
+
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--seq-length", "64"]
+    cfg = parse_config(BASE + flags + ["--sequence-parallel"], world_size=4)
+    assert transformer_config(cfg, Topology(world_size=4, rank=0, tensor_parallel=2, pipeline_parallel=2)) \
+        .sequence_parallel
+    shape = PipelineShape(2, cfg.num_microbatches(4), 1)
+    # One slot = one activation: [64 / TP, mbs 1, 64] fp32 = 8 KiB with SP, 16 KiB without.
+    assert link_options(cfg, shape).shm_slot_bytes == 8192
+    assert link_options(parse_config(BASE + flags, world_size=4), shape).shm_slot_bytes == 16384
+
+
+def test_sequence_parallel_refusals() -> None:
+    # Megatron-LM would quietly switch it off at TP 1: refused here.
+    assert _problems(["--sequence-parallel"]) == [
+        "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence over the tensor-parallel "
+        "ranks)"]
+    tp2 = ["--sequence-parallel", "--tensor-model-parallel-size", "2"]
+    assert _problems(tp2 + ["--seq-length", "15", "--max-position-embeddings", "16"], world_size=2) == [
+        "--sequence-parallel needs --seq-length=15 divisible by --tensor-model-parallel-size=2"]
+    assert _problems(tp2 + ["--model", "bert"], world_size=2) == [
+        "--sequence-parallel is implemented for --model gpt only (BERT's heads and pooler under sequence parallelism "
+        "are not wired or tested here)"]
+    assert _problems(tp2 + ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5",
+                            "--seq-length-divisible-by", "3"], world_size=2) == [
+        "--sequence-parallel with --variable-seq-lengths needs --seq-length-divisible-by=3 divisible by "
+        "--tensor-model-parallel-size=2 (every microbatch length must split evenly)"]
+    zb = _problems(tp2 + ["--pipeline-model-parallel-size", "2", "--use-dpp", "--dpp-policy", "dpp-zb"],
+                   world_size=4)
+    assert zb == ["--dpp-policy=dpp-zb with --sequence-parallel: split backward defers the weight GEMMs of linears "
+                  "without sequence parallelism only; drop one of them"]
+
+
+def test_sequence_parallel_norm_marks_its_parameters_for_the_tp_all_reduce() -> None:
+    from trainer.model.build import SequenceParallelLayerNorm, transformer_config
+    from trainer.topology import Topology
+
+    cfg = parse_config(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
+    norm = SequenceParallelLayerNorm(transformer_config(cfg, Topology(world_size=2, rank=0, tensor_parallel=2)), 64)
+    assert [getattr(p, "sequence_parallel", False) for p in norm.parameters()] == [True, True]
 
 
 def test_manual_gc_settings_without_manual_gc_are_refused_not_ignored() -> None:

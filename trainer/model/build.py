@@ -8,6 +8,7 @@ only at the last virtual stage. Layer placement is megatron-core's own (each lay
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -63,6 +64,8 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         tensor_model_parallel_size=topology.tensor_parallel,
+        # --sequence-parallel: activations [seq/TP, batch, hidden] between layers and stages.
+        sequence_parallel=cfg.parallel.sequence_parallel,
         pipeline_model_parallel_size=topology.pipeline_parallel,
         virtual_pipeline_model_parallel_size=topology.virtual_pipeline if topology.virtual_pipeline > 1 else None,
         # Megatron-LM's uneven split (--decoder-first/last-pipeline-num-layers): megatron-core places
@@ -122,6 +125,46 @@ def _layer_spec(cfg: TrainConfig):
         else gpt_layer_specs.get_gpt_layer_local_spec()
 
 
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm for megatron-core's local spec under ``--sequence-parallel`` (without Apex).
+
+    megatron-core's fallback norm (WrappedTorchNorm) refuses sequence parallelism: each TP rank then
+    normalises only its part of the sequence, so the weight and bias gradients are partial sums that
+    ``finalize_model_grads`` must all-reduce over TP, which it does for parameters marked
+    ``sequence_parallel`` -- the mark megatron's Apex and TE norms set and torch's lacks. This is
+    torch's LayerNorm with that mark, built with WrappedTorchNorm's arguments.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> None:
+        if config.normalization != "LayerNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"SequenceParallelLayerNorm is a plain LayerNorm, not {config.normalization} "
+                             f"(zero-centred gamma {config.layernorm_zero_centered_gamma})")
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+def _block_spec(cfg: TrainConfig, config, spec, vp_stage: int | None):
+    """The spec GPTModel gets for one chunk: ``spec`` itself, except under --sequence-parallel with the
+    local spec's torch norms, where every norm (both of each layer and the block's final one) becomes
+    :class:`SequenceParallelLayerNorm` -- as a block spec, the only way to give the final norm."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = spec.submodules
+    if not (cfg.parallel.sequence_parallel and WrappedTorchNorm in (layer.input_layernorm, layer.pre_mlp_layernorm)):
+        return spec
+    norms = {name: SequenceParallelLayerNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+             if getattr(layer, name) is WrappedTorchNorm}
+    layer_spec = dataclasses.replace(spec, submodules=dataclasses.replace(layer, **norms))
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelLayerNorm)
+
+
 def _construct(model_cls, **kwargs):
     """Pass only the keywords this megatron-core version accepts (vp_stage is newer than 0.12)."""
     accepted = inspect.signature(model_cls.__init__).parameters
@@ -138,7 +181,8 @@ def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int) ->
     chunks = []
     for c in range(v):
         common = dict(
-            config=config, transformer_layer_spec=spec, vocab_size=padded,
+            config=config, transformer_layer_spec=_block_spec(cfg, config, spec, c if v > 1 else None),
+            vocab_size=padded,
             max_sequence_length=cfg.model.max_positions,
             pre_process=(c == 0 and s == 0), post_process=(c == v - 1 and s == p - 1),
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
