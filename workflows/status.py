@@ -11,7 +11,8 @@ job id, a job sacct does not know, such as 0).
 A sweep's job (named mdppsweep-<folder>-<step> by `workflows.submit --sweep`) shows the whole sweep
 as a table — configuration, training job and state, aggregation state, ms/iteration and bubble from
 each run's summary.json — read from <runs-dir>/<folder>/sweep.json (--runs-dir: the submit's, default
-runs/). Array task ids (12_1) are accepted.
+runs/). Array task ids (12_1) are accepted. A sweep with a failed run also prints, for each job
+that did not complete, its state, exit code, log tail and the remote traceback submitit pickled.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def show_sweep(manifest_path: Path) -> int:
     records = sweep.records_by_id(slurm.query(job_ids=sweep.job_ids(manifest)))
     print(sweep.table(manifest, records))
     state = sweep.verdict(manifest, records)
+    if any(r.finished and r.state != "COMPLETED" for r in records.values()):  # even while others run
+        from workflows import submitit_chain  # submitit only where a report needs its pickles
+
+        for report in submitit_chain.sweep_failure_reports(manifest, records):
+            print(report)
     print(f"sweep: {state}")
     return {"RUNNING": EXIT_RUNNING, "COMPLETED": 0}.get(state, EXIT_FAILED)
 

@@ -201,12 +201,10 @@ def print_sweep(submitted: submitit_chain.SubmittedSweep) -> None:
 
 
 def follow_sweep(submitted: submitit_chain.SubmittedSweep, timeout_s: float, poll_s: float = 2.0) -> int:
-    """Show each job's state changes until the sweep ends, then its table (exit 0: all COMPLETED)."""
+    """Show each job's state changes until the sweep ends, then its table (exit 0: all COMPLETED);
+    each job that did not complete gets its state, exit code, log tail and remote traceback."""
     manifest = submitted.manifest
-    names = {manifest["preprocess"]: "preprocess"}
-    for point in manifest["points"]:
-        names[point["train"]] = f"train {point['description']}"
-        names[point["aggregate"]] = f"aggregate {point['description']}"
+    names = {job_id: what for what, _step, job_id in sweep.jobs_of(manifest)}
     seen: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
     while True:
@@ -225,6 +223,8 @@ def follow_sweep(submitted: submitit_chain.SubmittedSweep, timeout_s: float, pol
         time.sleep(poll_s)
     print(sweep.table(manifest, records))
     if state != "COMPLETED":
+        for report in submitit_chain.sweep_failure_reports(manifest, records):
+            print(report, file=sys.stderr)
         print(f"sweep failed: logs in {manifest['logs']}", file=sys.stderr)
         return EXIT_FAILED
     print("sweep COMPLETED")

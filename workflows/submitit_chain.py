@@ -62,9 +62,16 @@ def last_traceback(lines: list[str]) -> str | None:
     return "\n".join(block)
 
 
+def own_job_id() -> str | None:
+    """This job's id for scontrol: an array task's <array>_<task> (its raw id may be the array's own
+    id, which scontrol takes for every task), else SLURM_JOB_ID."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
 def job_restarted() -> bool:
     """Whether this job was requeued while running (its state is no longer RUNNING)."""
-    job_id = os.environ.get("SLURM_JOB_ID")
+    job_id = own_job_id()
     if not job_id:
         return False
     try:
@@ -215,9 +222,13 @@ def log_path(submitted: chain.Chain, step: str) -> Path:
 
 def failure_report(submitted: SubmittedChain, step: str, record: slurm.JobRecord, tail_lines: int = 30) -> str:
     """State, exit code, the log's tail and the remote traceback of a step that did not complete."""
-    out = [f"{step} job {record.job_id}: {record.state}, exit code {record.exit_code}"]
-    log = log_path(submitted.chain, step)
-    error = remote_error(submitted.jobs[step])
+    return job_report(step, record, log_path(submitted.chain, step),
+                      remote_error(submitted.jobs[step]), tail_lines)
+
+
+def job_report(what: str, record: slurm.JobRecord, log: Path, error: str | None, tail_lines: int = 30) -> str:
+    """``what`` job <id>: state, exit code; the log's tail (without submitit's copy of ``error``); ``error``."""
+    out = [f"{what} job {record.job_id}: {record.state}, exit code {record.exit_code}"]
     if log.is_file():
         lines = log.read_text(errors="replace").splitlines()
         if error:  # the step's own output only: submitit's copy of the traceback follows below
@@ -236,12 +247,22 @@ def failure_report(submitted: SubmittedChain, step: str, record: slurm.JobRecord
 
 def remote_error(job: submitit.Job) -> str | None:
     """The pickled exception of a job that raised (FailedJobError's text), None without one."""
-    if not job.paths.result_pickle.exists():
+    return remote_error_at(job.paths.result_pickle)
+
+
+def result_pickle(folder: Path, job_id: str) -> Path:
+    """Where submitit's job ``job_id`` (``12`` or an array task's ``12_1``) leaves its result."""
+    return submitit.core.utils.JobPaths(folder, job_id=job_id, task_id=0).result_pickle
+
+
+def remote_error_at(path: Path) -> str | None:
+    """The exception pickled at ``path`` by a job that raised, None without one."""
+    if not path.exists():
         return None  # never ran (cancelled by its dependency), or killed before it could write
     try:
-        outcome, value = submitit.core.utils.pickle_load(job.paths.result_pickle)
+        outcome, value = submitit.core.utils.pickle_load(path)
     except Exception as exc:  # a half-written pickle must not hide the rest of the report
-        return f"(could not read {job.paths.result_pickle}: {exc})"
+        return f"(could not read {path}: {exc})"
     return str(value) if outcome == "error" else None
 
 
@@ -316,7 +337,10 @@ def submit_sweep(base: chain.ChainSpec, runs: list[tuple[sweep.Point, chain.Chai
             groups.setdefault(key, []).append((point, spec))
         train_jobs: dict[str, submitit.Job] = {}
         for members in groups.values():
-            executor.update_parameters(**parameters(members[0][1], "train", f"afterok:{pre.job_id}"))
+            train_parameters = parameters(members[0][1], "train", f"afterok:{pre.job_id}")
+            if len(members) > 1:  # a real array: name each task's log by its <array>_<task> id
+                train_parameters["additional_parameters"]["output"] = f"{logs}/%x_%A_%a.out"
+            executor.update_parameters(**train_parameters)
             with executor.batch():
                 delayed = [executor.submit(StepScript("train", script["train"], spec.environment()))
                            for _point, spec in members]
@@ -337,6 +361,21 @@ def submit_sweep(base: chain.ChainSpec, runs: list[tuple[sweep.Point, chain.Chai
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         raise slurm.SlurmError(f"submitting the sweep through submitit failed: {lines[-1]}") from exc
     manifest = {"name": sweep_dir.name, "recipe": f"{base.recipe.model}/{base.recipe.size}",
-                "nodes": base.nodes, "preprocess": pre.job_id, "logs": str(logs), "points": manifest_points}
+                "nodes": base.nodes, "preprocess": pre.job_id, "logs": str(logs),
+                "submitit": str(sweep_dir / "submitit"), "points": manifest_points}
     sweep.write_manifest(sweep_dir, manifest)
     return SubmittedSweep(sweep_dir, manifest, submitted)
+
+
+def sweep_failure_reports(manifest: Mapping[str, Any], records: Mapping[str, slurm.JobRecord],
+                          tail_lines: int = 30) -> list[str]:
+    """A report (state, exit code, log tail, remote traceback) for each finished job that did not complete."""
+    folder = sweep.submitit_folder(manifest)
+    reports = []
+    for what, step, job_id in sweep.jobs_of(manifest):
+        record = sweep.record_of(records, job_id)
+        if record is None or not record.finished or record.state == "COMPLETED":
+            continue
+        reports.append(job_report(what, record, sweep.log_path(manifest, step, job_id),
+                                  remote_error_at(result_pickle(folder, job_id)), tail_lines))
+    return reports

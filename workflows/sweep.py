@@ -10,13 +10,15 @@ validated before anything is submitted, and every problem is named in one messag
 
 The sweep's folder ``runs/<model>-<date>-<time>-<hex>/`` holds ``sweep.json`` (this module's
 manifest: each point's configuration, folder and job ids), ``data/`` (the one dataset), ``logs/``
-and one folder per point (``pp-2_schedule-1f1b/``: checkpoints/, traces/ with summary.json).
+and one folder per point (``pp-2_schedule-1f1b/``: checkpoints/, traces/ with summary.json). Each
+job's log is ``logs/<job name>_<id>.out``, an array task's id being ``<array>_<task>``.
 Its jobs are named ``mdppsweep-<folder>-<step>``, so ``workflows.status`` finds the manifest from
 any id. Nothing here imports submitit or torch (workflows/submitit_chain.py submits).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -168,11 +170,26 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def job_ids(manifest: Mapping[str, Any]) -> list[str]:
-    ids = [manifest["preprocess"]]
+def jobs_of(manifest: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(what, step, job id) of every job: ("preprocess", ...), ("train pp=2", ...), ("aggregate pp=2", ...)."""
+    out = [("preprocess", "preprocess", manifest["preprocess"])]
     for point in manifest["points"]:
-        ids += [point["train"], point["aggregate"]]
-    return ids
+        out += [(f"{step} {point['description']}", step, point[step]) for step in ("train", "aggregate")]
+    return out
+
+
+def job_ids(manifest: Mapping[str, Any]) -> list[str]:
+    return [job_id for _what, _step, job_id in jobs_of(manifest)]
+
+
+def log_path(manifest: Mapping[str, Any], step: str, job_id: str) -> Path:
+    """A job's log: logs/<job name>_<id>.out, an array task's id being <array>_<task> (%x_%A_%a)."""
+    return Path(manifest["logs"]) / f"{NAME_PREFIX}{manifest['name']}-{step}_{job_id}.out"
+
+
+def submitit_folder(manifest: Mapping[str, Any]) -> Path:
+    """submitit's folder (pickled callables, results, remote tracebacks)."""
+    return Path(manifest.get("submitit") or Path(manifest["logs"]).parent / "submitit")
 
 
 def summary_of(point: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -187,14 +204,33 @@ def records_by_id(records: Sequence[slurm.JobRecord]) -> dict[str, slurm.JobReco
     return {r.job_id: r for r in records}
 
 
-def state_of(records: Mapping[str, slurm.JobRecord], job_id: str) -> str:
+def task_indices(bracket: str) -> set[int]:
+    """The task indices of sacct's ``[0-3,5%2]`` (the part after ``<array>_``); empty when unparsable."""
+    match = re.fullmatch(r"\[([0-9,-]+)(?:%\d+)?\]", bracket)
+    indices: set[int] = set()
+    for part in match.group(1).split(",") if match else []:
+        first, _, last = part.partition("-")
+        if first.isdigit() and (last or first).isdigit():
+            indices.update(range(int(first), int(last or first) + 1))
+    return indices
+
+
+def record_of(records: Mapping[str, slurm.JobRecord], job_id: str) -> slurm.JobRecord | None:
+    """sacct's record of ``job_id``. Array tasks that never started are one line, ``12_[0-1%2]``
+    (pending, or cancelled by a failed dependency): that line's record, under the task's own id."""
     record = records.get(job_id)
-    if record is None:  # a pending array is one sacct line, 12_[0-1]: its tasks are PENDING
-        main = job_id.partition("_")[0]
-        if any(i.startswith(f"{main}_[") and r.state == "PENDING" for i, r in records.items()):
-            return "PENDING"
-        return "UNKNOWN"
-    return record.state
+    main, _, task = job_id.partition("_")
+    if record is None and task.isdigit():
+        for other_id, other in records.items():
+            head, _, bracket = other_id.partition("_")
+            if head == main and int(task) in task_indices(bracket):
+                return dataclasses.replace(other, job_id=job_id)
+    return record
+
+
+def state_of(records: Mapping[str, slurm.JobRecord], job_id: str) -> str:
+    record = record_of(records, job_id)
+    return record.state if record else "UNKNOWN"
 
 
 def table(manifest: Mapping[str, Any], records: Mapping[str, slurm.JobRecord]) -> str:

@@ -121,3 +121,74 @@ def test_status_shows_the_sweep_table_from_an_array_task_id(tmp_path, monkeypatc
         status.main(["12", "--runs-dir", str(tmp_path / "elsewhere")])
     assert info.value.code == 2
     assert "pass the submit's --runs-dir" in capsys.readouterr().err
+
+
+def test_status_reports_a_failed_array_task_with_its_log_tail_and_remote_traceback(tmp_path, monkeypatch, capsys):
+    import submitit
+
+    from workflows import submitit_chain
+    sweep_dir = tmp_path / "gpt-20260101-000000-abcd"
+    points = [{"description": f"heads={h}", "run_dir": str(sweep_dir / f"heads-{h}"), "train": f"11_{i}",
+               "aggregate": str(12 + i)} for i, h in enumerate((4, 3))]
+    manifest = {"name": sweep_dir.name, "recipe": "gpt/cpu", "preprocess": "10", "points": points,
+                "logs": str(sweep_dir / "logs")}  # no "submitit" key: an older manifest
+    sweep_dir.mkdir()
+    sweep.write_manifest(sweep_dir, manifest)
+    log = sweep.log_path(manifest, "train", "11_1")
+    assert log.name == f"mdppsweep-{sweep_dir.name}-train_11_1.out"  # %x_%A_%a
+    log.parent.mkdir(parents=True)
+    log.write_text("train: gpt/cpu on 2 node(s), 2 ranks\n0: error: --num-attention-heads=3 is bad\n"
+                   "submitit ERROR (x) - Submitted job triggered an exception\n"
+                   "Traceback (most recent call last):\n  File x\nStepFailed: copy in the log\n")
+    pickle = submitit_chain.result_pickle(sweep.submitit_folder(manifest), "11_1")
+    assert pickle == sweep_dir / "submitit" / "11_1_0_result.pkl"
+    pickle.parent.mkdir()
+    submitit.core.utils.cloudpickle_dump(("error", "Traceback (most recent call last):\n"
+                                          "StepFailed: train: `bash t` exited 2"), pickle)
+    stem = sweep.job_name(sweep_dir, "")
+    rows = [f"10|{stem}preprocess|COMPLETED|0:0|00:00:05|node1|x|y",
+            f"11_0|{stem}train|COMPLETED|0:0|00:01:00|node[1-2]|x|y",
+            f"11_1|{stem}train|FAILED|2:0|00:00:09|node[1-2]|x|y",
+            f"12|{stem}aggregate|COMPLETED|0:0|00:00:02|node1|x|y",
+            f"13|{stem}aggregate|COMPLETED|0:0|00:00:02|node1|x|y"]
+    monkeypatch.setattr(slurm, "run", lambda args, **_kw: "\n".join(rows))
+    assert status.main(["10", "--runs-dir", str(tmp_path)]) == status.EXIT_FAILED
+    out = capsys.readouterr().out
+    assert "train heads=3 job 11_1: FAILED, exit code 2:0" in out
+    assert "    0: error: --num-attention-heads=3 is bad" in out and "copy in the log" not in out
+    assert "  remote traceback (submitit):\n    Traceback (most recent call last):\n" \
+           "    StepFailed: train: `bash t` exited 2" in out
+    assert "job 11_0:" not in out and "aggregate heads" not in out
+    assert out.rstrip().endswith("sweep: FAILED")
+
+
+def test_array_tasks_that_never_started_take_the_state_of_saccts_one_line():
+    # A pending array, and one cancelled by a failed dependency, are one sacct line each: 21_[0-1%2].
+    records = sweep.records_by_id(slurm.parse_sacct(
+        "20|p|FAILED|1:0|00:00:01|node1|x|y\n"
+        "21_[0-1%2]|t|CANCELLED|0:0|00:00:00|None assigned|None|y\n"
+        "22_[0,2-3]|t|PENDING|0:0|00:00:00|None assigned|None|None\n"
+        "23|a|COMPLETED|0:0|00:00:01|node1|x|y\n"))
+    assert [sweep.state_of(records, i) for i in ("21_0", "21_1", "21_2", "22_2", "22_1", "24")] == \
+        ["CANCELLED", "CANCELLED", "UNKNOWN", "PENDING", "UNKNOWN", "UNKNOWN"]
+    assert sweep.record_of(records, "21_1").job_id == "21_1"
+    manifest = {"preprocess": "20", "points": [{"description": "pp=2", "train": "21_0", "aggregate": "23"},
+                                               {"description": "pp=4", "train": "21_1", "aggregate": "23"}]}
+    assert sweep.verdict(manifest, records) == "FAILED"  # not RUNNING for ever
+
+
+def test_a_job_names_itself_to_scontrol_as_its_array_task(monkeypatch):
+    # The array's last task has the array's own id as SLURM_JOB_ID; scontrol takes that id for
+    # every task of the array (requeueing one task requeued them all).
+    from workflows import submitit_chain
+    monkeypatch.setenv("SLURM_JOB_ID", "141")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    assert submitit_chain.own_job_id() == "141"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "141")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    assert submitit_chain.own_job_id() == "141_2"
+    from workflows.render import SBATCH_DIR
+    text = (SBATCH_DIR / "2.distributed-training.sbatch").read_text()
+    assert 'SELF=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}' in text
+    assert 'scontrol requeue "$SELF"' in text and 'scontrol requeue "$SLURM_JOB_ID"' not in text
