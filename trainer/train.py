@@ -160,6 +160,8 @@ class TrainingSession:
         self.split = SampleSplit.parse(cfg.sample_split)
         # Set only while validating: the global index of this evaluation step's first valid sample.
         self._eval_start: int | None = None
+        self._samples_base: tuple | None = None  # (eval start, consumed samples) of _samples_of
+        self._samples_of: dict[int, list] = {}
         self.samples, vocab_size = self._sample_source()
         self.prefetcher = MicrobatchPrefetcher(self._host_microbatch, self.device)
         from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
@@ -392,12 +394,22 @@ class TrainingSession:
     def _step_samples(self, microbatch: int) -> list:
         """Samples of microbatch m of this step on this DP rank: the train share of --split from
         consumed_samples on, or while validating the valid share from the evaluation step's start."""
-        topo, o = self.topology, self.cfg.optim
-        plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
-        if self._eval_start is None:
-            return [self.samples(self.split.index("train", k))
-                    for k in plan.indices(self.state.consumed_samples, microbatch)]
-        return [self.samples(self.split.index("valid", k)) for k in plan.indices(self._eval_start, microbatch)]
+        # Read once per step: --variable-seq-lengths asks for every microbatch's lengths at the step's
+        # start (_microbatch_costs) and the prefetcher for the same samples again; on a launch-bound
+        # host the second read (mock generation or index lookups, ~0.1 ms a sample) is pure loss.
+        base = (self._eval_start, self.state.consumed_samples)
+        if self._samples_base != base:
+            self._samples_base, self._samples_of = base, {}
+        if microbatch not in self._samples_of:
+            topo, o = self.topology, self.cfg.optim
+            plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
+            if self._eval_start is None:
+                samples = [self.samples(self.split.index("train", k))
+                           for k in plan.indices(self.state.consumed_samples, microbatch)]
+            else:
+                samples = [self.samples(self.split.index("valid", k)) for k in plan.indices(self._eval_start, microbatch)]
+            self._samples_of[microbatch] = samples
+        return self._samples_of[microbatch]
 
     def _host_microbatch(self, microbatch: int) -> dict[str, torch.Tensor]:
         d = self.cfg.data
