@@ -28,7 +28,7 @@ CATALOGUE = {
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
                         "1F1B, balanced split, no batch sync", 1, ["--no-batch-p2p-sync"], True),
 }
-DEFAULT_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2", "dpp", "dpp-zb",
+DEFAULT_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2", "dpp", "dpp-graphs", "dpp-zb",
                  "dpp-zb-v2", "direct-megatron")
 SCENARIOS = {"a": "uniform", "b": "variable sequence lengths", "c": "transient stalls"}
 SEED = 1234
