@@ -28,9 +28,13 @@ case "${FAKE_RANKS:-done}" in
     stopped) record "stopped 9"; exit 75 ;;
     killed-peer) record "checkpointed 9"; exit 143 ;;  # --kill-on-bad-exit's SIGTERM to the peer
     exit0-no-record) exit 0 ;;
-    wait-signal)  # run until USR1 comes, then checkpoint as the ranks do
-        trap 'echo USR1 >> "$FAKE_SRUN_LOG.signals"; record "checkpointed 4"; exit 75' USR1
+    wait-signal|slow-start)  # run until USR1 comes, then checkpoint as the ranks do
         echo started > "$FAKE_SRUN_LOG.started"
+        # slow-start: ranks still starting Python, where USR1's default action would kill them
+        if [[ $FAKE_RANKS == slow-start ]]; then sleep 2; fi
+        trap 'echo USR1 >> "$FAKE_SRUN_LOG.signals"; record "checkpointed 4"; exit 75' USR1
+        ntasks=$(printf '%s\n' "$@" | sed -n 's/^--ntasks=//p')
+        for ((i = 0; i < ${ntasks:-1}; i++)); do : > "$MDPP_READY_DIR/rank$i"; done  # as trainer.early_signals
         for _ in $(seq 200); do sleep 0.1; done
         exit 9 ;;
 esac
@@ -199,9 +203,13 @@ def test_training_job_status_follows_the_exit_record(tmp_path, ranks, status, re
     assert not list((tmp_path / "out").glob(".train-exit-*"))  # the record is removed
 
 
-@pytest.mark.parametrize("signame", ["USR1", "TERM"])
-def test_a_signal_to_the_batch_shell_reaches_the_ranks_as_usr1_and_requeues(tmp_path, signame):
-    """Before: TERM to the shell was only logged and the job ran on to COMPLETED (or ended early as 0)."""
+@pytest.mark.parametrize(("signame", "ranks"), [("USR1", "wait-signal"), ("TERM", "wait-signal"),
+                                               ("USR1", "slow-start")])
+def test_a_signal_to_the_batch_shell_reaches_the_ranks_as_usr1_and_requeues(tmp_path, signame, ranks):
+    """Before: TERM to the shell was only logged and the job ran on to COMPLETED (or ended early as 0).
+    slow-start: the signal comes while the ranks are still starting (no handler yet); forwarded then,
+    USR1 would kill them (seen in a loaded CI run: srun exit 138, job FAILED) -- the script holds it
+    until every rank has marked itself ready."""
     import signal
     import sys
     import time
@@ -211,7 +219,7 @@ def test_a_signal_to_the_batch_shell_reaches_the_ranks_as_usr1_and_requeues(tmp_
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in jobs.KNOB_NAMES},
            "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(tmp_path / "srun.argv"),
            "REPO_DIR": str(REPO), "OUTPUT_DIR": str(tmp_path / "out"), "DATA_PATH": str(tmp_path / "data"),
-           "FAKE_RANKS": "wait-signal", **TRAIN_ENV}
+           "FAKE_RANKS": ranks, **TRAIN_ENV}
     proc = subprocess.Popen(["bash", str(REPO / "sbatch" / jobs.TRAIN.filename)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20

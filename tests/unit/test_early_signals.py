@@ -1,0 +1,42 @@
+"""trainer.early_signals in a fresh interpreter (it changes process-wide signal dispositions): as
+``__main__`` it notes USR1/TERM instead of dying and marks the rank ready in $MDPP_READY_DIR, which
+the training batch script waits for before forwarding a signal; imported by anything else it does
+nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = """
+import os, signal, sys
+from trainer import early_signals
+early_signals.install_for_main(sys.argv[1])
+os.kill(os.getpid(), signal.SIGUSR1)
+print("alive", early_signals.received)
+"""
+
+
+def _probe(module_name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROBE, module_name], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env}, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_main_notes_signals_and_marks_its_rank_ready(tmp_path: Path) -> None:
+    done = _probe("__main__", {"MDPP_READY_DIR": str(tmp_path), "SLURM_PROCID": "3"})
+    assert done.returncode == 0 and "alive ['SIGUSR1']" in done.stdout, done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["rank3"]
+
+
+def test_an_unwritable_ready_dir_is_reported_not_fatal(tmp_path: Path) -> None:
+    done = _probe("__main__", {"MDPP_READY_DIR": str(tmp_path / "missing"), "SLURM_PROCID": "0"})
+    assert done.returncode == 0 and "alive" in done.stdout
+    assert "cannot mark rank 0 ready" in done.stderr
+
+
+def test_imported_it_installs_nothing_and_marks_nothing(tmp_path: Path) -> None:
+    done = _probe("trainer.train", {"MDPP_READY_DIR": str(tmp_path)})
+    assert done.returncode == -10  # SIGUSR1's default action: the probe never printed
+    assert list(tmp_path.iterdir()) == []
