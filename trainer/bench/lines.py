@@ -23,6 +23,8 @@ CATALOGUE = {
     "dpp-v2": ("--use-dpp --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp"], True),
     "dpp-graphs": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs (transformer blocks replayed from CUDA graphs, "
                    "one per activation slot)", 1, ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
+    "dpp-graphs-v2": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs, v=2", 2,
+                      ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
