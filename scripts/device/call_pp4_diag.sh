@@ -3,10 +3,9 @@
 # then megatron-core's best 1F1B and dpp interleaved over 2 rounds with their kernel timelines.
 set -u
 source scripts/device/env.sh || exit 1
-G16="--device cuda --mock-data --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024 \
-  --max-position-embeddings 1024 --vocab-size 50257 --micro-batch-size 2 --global-batch-size 64 \
-  --pipeline-model-parallel-size 4 --bf16 --optimizer sgd --lr 1e-4 --hidden-dropout 0 --attention-dropout 0 \
-  --seed 1234 --log-interval 1 --decoder-first-pipeline-num-layers 5 --decoder-last-pipeline-num-layers 3"
+source scripts/device/gpt16.sh
+# The bench's configuration: SGD without warm-up, the balanced 5/4/4/3 split (later flags win).
+G16="$GPT16 --optimizer sgd --lr-warmup-iters 0 --decoder-first-pipeline-num-layers 5 --decoder-last-pipeline-num-layers 3"
 timeout 90 torchrun --standalone --nproc-per-node 4 -m trainer.train $G16 --train-iters 6 --use-dpp \
     --dpp-policy dpp --profile-dir /tmp/prof-dpp > /tmp/dpp.log 2>&1; echo "traced dpp exit $?"; grep -E "iteration +[3-6]" /tmp/dpp.log | tail -3
 timeout 60 python3 -m trainer.profiling.aggregate --benchmark_dir /tmp/prof-dpp --iteration 4 \

@@ -155,8 +155,8 @@ def test_slots_are_taken_by_forwards_and_given_back_by_backwards() -> None:
     assert a is not None and b is not None and a is not b
     assert graphs.take(2, x) is None  # every slot holds an activation: eager
     assert graphs.in_use() == [0, 1]
-    graphs.give_back(0)
-    graphs.give_back(2)  # ran eagerly: nothing to give back
+    assert graphs.give_back(0)
+    assert not graphs.give_back(2)  # ran eagerly: nothing to give back
     assert graphs.take(4, x) is a and graphs.in_use() == [1, 4]
     assert graphs.take(5, torch.zeros(S + 1, B, H)) is None  # a shape that was not captured
     assert graphs.take(6, x.half()) is None  # nor a dtype

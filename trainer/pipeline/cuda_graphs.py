@@ -47,19 +47,18 @@ class _BlockCall(torch.nn.Module):
         super().__init__()
         # Registered, so make_graphed_callables differentiates w.r.t. exactly the block's parameters:
         # an unused parameter (the embedding, run outside the graph) broke backward capture on the GPU.
-        self.decoder = _unwrapped(chunk).decoder
+        self.decoder = _decoder_of(chunk)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         self.decoder.set_input_tensor(x)
         return self.decoder(hidden_states=x, attention_mask=attention_mask)
 
 
-# What GPTModel passes its block besides the input and the mask; in training with this trainer's
-# models each is None (no rotary embeddings, packing or inference context). A value the capture did
-# not see would be silently ignored by a replay, so it is an error instead.
-_UNCAPTURED_BLOCK_ARGS = ("context", "context_mask", "inference_context", "rotary_pos_emb", "rotary_pos_cos",
-                          "rotary_pos_sin", "rotary_pos_cos_sin", "packed_seq_params", "sequence_len_offset",
-                          "padding_mask", "attention_bias", "inference_params")
+def _decoder_of(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The transformer block behind megatron's DDP / Float16Module wrappers."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(chunk, "decoder")
 
 
 @contextlib.contextmanager
@@ -67,6 +66,9 @@ def _block_replayed(decoder: torch.nn.Module, call: torch.nn.Module) -> Iterator
     """For the duration of one chunk forward, the block's forward is the slot's replay."""
 
     def replay(hidden_states=None, attention_mask=None, **others):
+        # What else GPTModel passes its block (rotary embeddings, packing, inference context) is None
+        # in training with this trainer's models; a value the capture did not see would be silently
+        # ignored by a replay, so it is an error instead.
         unexpected = sorted(k for k, v in others.items() if v is not None)
         if unexpected:
             raise RuntimeError(f"--dpp-cuda-graphs: the transformer block got {', '.join(unexpected)}, which "
@@ -83,12 +85,6 @@ def _block_replayed(decoder: torch.nn.Module, call: torch.nn.Module) -> Iterator
         yield
     finally:
         del decoder.forward
-
-
-def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):  # megatron's DDP, then Float16Module with --bf16/--fp16
-        chunk = chunk.module
-    return chunk
 
 
 @dataclass(frozen=True)
@@ -126,7 +122,7 @@ class ChunkGraphs:
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
         self.first, self.shapes = first, shapes
-        self.decoder = _unwrapped(chunk).decoder
+        self.decoder = _decoder_of(chunk)
         self.calls = []
         with _rng_fork_bypassed():
             for _ in range(slots):
@@ -138,10 +134,6 @@ class ChunkGraphs:
         self._free = list(range(slots))[::-1]
         self._taken: dict[int, int] = {}
         self.replayed = self.eager = 0  # forwards of training steps, for the end-of-run log
-
-    @property
-    def slots(self) -> int:
-        return len(self.calls)
 
     def matches(self, x: torch.Tensor) -> bool:
         """Whether ``x`` (tokens on the first stage, the activation elsewhere) has the captured shape."""
@@ -161,11 +153,12 @@ class ChunkGraphs:
         self._taken[microbatch] = slot
         return self.calls[slot]
 
-    def give_back(self, microbatch: int) -> None:
-        """After the microbatch's backward was queued (no-op for one that ran eagerly)."""
+    def give_back(self, microbatch: int) -> bool:
+        """After the microbatch's backward was queued: whether it held a slot (False: it ran eagerly)."""
         slot = self._taken.pop(microbatch, None)
         if slot is not None:
             self._free.append(slot)
+        return slot is not None
 
     def in_use(self) -> list[int]:
         return sorted(self._taken)
@@ -207,6 +200,5 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int, shapes: Gr
     for c, chunk in enumerate(chunks):
         graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), slots, shapes, attention_mask, device)
     torch.cuda.synchronize(device)
-    if graphs:
-        log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each", stage, sorted(graphs), slots)
+    log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each", stage, sorted(graphs), slots)
     return graphs

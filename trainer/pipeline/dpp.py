@@ -330,13 +330,17 @@ class _Step:
     def _graph_replay(self, m: int, c: int, first: bool, input_tensor: torch.Tensor | None, data: Any):
         """A CUDA-graph stand-in for chunk ``c`` in this forward (--dpp-cuda-graphs), or None: no
         graphs for the chunk, inference, no free slot, or a shape that was not captured."""
-        graphs = self.ctx.graphs.get(c) if self.ctx.graphs else None
+        graphs = self._graphs_of(c)
         if graphs is None or self.forward_only or not isinstance(data, dict):
             return None
         from trainer.pipeline.cuda_graphs import Replay
 
         call = graphs.take(m, data["tokens"] if first else input_tensor)
         return None if call is None else Replay(graphs, call, self.chunks[c])
+
+    def _graphs_of(self, c: int):
+        """Chunk ``c``'s CUDA graph slots (--dpp-cuda-graphs), or None."""
+        return self.ctx.graphs.get(c) if self.ctx.graphs else None
 
     def _loss(self, m: int, output: torch.Tensor, loss_func) -> torch.Tensor:
         """Megatron's forward_step_calc_loss: scale by 1/M (and by tokens for 3-tuples), keep the dict."""
@@ -389,11 +393,9 @@ class _Step:
             grad_sync.after_backward(c)
         if msg is not None:
             self.ctx.links.release(msg)
-        graphs = self.ctx.graphs.get(c) if self.ctx.graphs else None
-        graphed = graphs is not None and m in graphs.in_use()
-        if graphed:
-            # The replay is queued: a later forward may take the slot (it runs after, on this stream).
-            graphs.give_back(m)
+        graphs = self._graphs_of(c)
+        # The replay is queued: a later forward may take the slot (it runs after, on this stream).
+        graphed = graphs is not None and graphs.give_back(m)
         if self.shape.is_first_virtual(self.stage, c):
             return None
         # A replayed backward leaves the input gradient in the slot's static buffer, which the slot's
