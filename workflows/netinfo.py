@@ -13,12 +13,13 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import os
 import re
 import socket
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from workflows import slurm
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +213,9 @@ def ib_address(node: str, sysfs: Path = Path("/sys")) -> NodeAddress | None:
 
 def slurm_node_addr(node: str) -> str | None:
     """The NodeAddr Slurm has for `node` (from `scontrol show node`), or None."""
-    conf = os.environ.get("SLURM_CONF")
-    if conf and not os.path.isfile(conf):  # scontrol would retry for a minute before failing
-        log.debug("SLURM_CONF=%s does not exist: not asking Slurm for %s", conf, node)
-        return None
     try:
-        proc = subprocess.run(["scontrol", "show", "node", "-o", node],
-                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
-    except (FileNotFoundError, subprocess.TimeoutExpired) as error:
+        proc = slurm.call(["scontrol", "show", "node", "-o", node], timeout=COMMAND_TIMEOUT_S)
+    except slurm.SlurmError as error:
         log.debug("scontrol show node %s: %s", node, error)
         return None
     match = _NODE_ADDR.search(proc.stdout) if proc.returncode == 0 else None

@@ -22,13 +22,13 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from workflows import netinfo
+from workflows import netinfo, slurm
+from workflows.slurm import SlurmError
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,6 @@ class InvalidNodeList(ValueError):
         super().__init__(f"invalid node list {nodelist!r}: {reason}")
         self.nodelist = nodelist
         self.reason = reason
-
-
-class SlurmCommandError(RuntimeError):
-    """A Slurm command could not run (not installed, no slurm.conf, timed out)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -242,22 +238,11 @@ def expand_builtin(nodelist: str) -> list[str]:
 
 def expand_scontrol(nodelist: str, scontrol: str = "scontrol") -> list[str]:
     """Ask `scontrol show hostnames`; it exits 0 even on bad input, so stderr decides."""
-    conf = os.environ.get("SLURM_CONF")
-    if conf and not os.path.isfile(conf):  # scontrol would retry for a minute before failing
-        raise SlurmCommandError(f"SLURM_CONF={conf} does not exist")
-    try:
-        proc = subprocess.run(
-            [scontrol, "show", "hostnames", "--", nodelist],
-            capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False,
-        )
-    except FileNotFoundError as error:
-        raise SlurmCommandError(f"{scontrol} not found") from error
-    except subprocess.TimeoutExpired as error:
-        raise SlurmCommandError(f"`{scontrol} show hostnames` gave no answer within {SCONTROL_TIMEOUT_S:.0f} s") from error
+    proc = slurm.call([scontrol, "show", "hostnames", "--", nodelist], timeout=SCONTROL_TIMEOUT_S)
     problems = [line for line in proc.stderr.splitlines() if line.strip()]
     if proc.returncode != 0:
         detail = problems[-1] if problems else f"exit status {proc.returncode}"
-        raise SlurmCommandError(f"`{scontrol} show hostnames` failed: {detail}")
+        raise SlurmError(f"`{scontrol} show hostnames` failed: {detail}")
     if problems:
         reason = problems[0].removeprefix("scontrol: error: ").removeprefix("_parse_single_range: ")
         raise InvalidNodeList(nodelist, reason)
@@ -280,7 +265,7 @@ def expand_nodelist(nodelist: str, parser: str = "auto") -> list[str]:
         return expand_scontrol(nodelist)
     try:
         return expand_scontrol(nodelist)
-    except SlurmCommandError as error:
+    except SlurmError as error:
         log.warning("%s; expanding %r with the builtin parser", error, nodelist)
         return expand_builtin(nodelist)
 
@@ -336,14 +321,12 @@ def _probe_with_srun(hosts: Sequence[str], timeout_s: float) -> dict[str, netinf
         sys.executable, "-m", "workflows.nodes", "address",
     ]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
-    except subprocess.TimeoutExpired as error:
-        raise SlurmCommandError(
-            f"probing the addresses of {', '.join(hosts)} with srun gave no answer within {timeout_s:.0f} s"
-        ) from error
+        proc = slurm.call(command, env=env, timeout=timeout_s)
+    except SlurmError as error:
+        raise SlurmError(f"probing the addresses of {', '.join(hosts)} with srun: {error}") from error
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        raise SlurmCommandError(f"probing node addresses with srun failed: {tail}")
+        raise SlurmError(f"probing node addresses with srun failed: {tail}")
     found = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -363,7 +346,7 @@ def node_addresses(hosts: Sequence[str], probe: bool = True,
     elif probe and shutil.which("srun") and os.environ.get("SLURM_JOB_ID"):
         try:
             found = _probe_with_srun(unique, probe_timeout_s)
-        except SlurmCommandError as error:
+        except SlurmError as error:
             log.warning("%s; using Slurm's NodeAddr or DNS for every node", error)
     if found and (missing := [h for h in unique if h not in found]):
         log.warning("no address reported by %s; using Slurm's NodeAddr or DNS there", ", ".join(missing))
@@ -427,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             node = os.environ.get("SLURMD_NODENAME") or netinfo.short_hostname()
             print(netinfo.local_address(node).to_json())
-    except (ValueError, SlurmCommandError, netinfo.AddressNotFound) as error:
+    except (ValueError, SlurmError, netinfo.AddressNotFound) as error:
         print(f"workflows.nodes: {error}", file=sys.stderr)
         return 2
     return 0

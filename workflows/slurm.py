@@ -1,12 +1,14 @@
-"""Thin, typed wrappers over the Slurm commands the chain uses: sbatch, sacct, scancel, scontrol.
+"""Thin, typed wrappers over the Slurm commands: sbatch, sacct, scancel, scontrol, srun.
 
-Every call has a timeout and raises :class:`SlurmError` with the command and Slurm's own message,
-so a CLI can print one line instead of a traceback.
+The one way this project runs a Slurm command (workflows/, and the slurm test tier): every call
+has a timeout and raises :class:`SlurmError` with the command and Slurm's own message, so a CLI
+can print one line instead of a traceback.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -63,16 +65,33 @@ def require(command: str) -> str:
     return path
 
 
-def run(args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
-    """Run a Slurm command, return its stdout; SlurmError with its stderr when it fails."""
+def call(args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = COMMAND_TIMEOUT_S,
+         cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm command and return it finished, whatever its exit status (some commands, e.g.
+    `scontrol show hostnames`, report on stderr with status 0); SlurmError when it is not on PATH,
+    when SLURM_CONF names no file, or when it gives no answer within ``timeout`` seconds."""
+    conf = (os.environ if env is None else env).get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # the command would retry for a minute before failing
+        raise SlurmError(f"SLURM_CONF={conf} does not exist")
     argv = [require(args[0]), *args[1:]]
     try:
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as exc:
         raise SlurmError(f"{args[0]} did not answer within {timeout:.0f} s: {' '.join(args)}") from exc
+
+
+def last_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The line that says why a command failed: its last on stderr, else on stdout."""
+    message = (done.stderr.strip() or done.stdout.strip()).splitlines()
+    return message[-1] if message else "no output"
+
+
+def run(args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = COMMAND_TIMEOUT_S,
+        cwd: str | None = None) -> str:
+    """Run a Slurm command, return its stdout; SlurmError with its stderr when it fails."""
+    done = call(args, env, timeout, cwd)
     if done.returncode != 0:
-        message = (done.stderr.strip() or done.stdout.strip()).splitlines()
-        raise SlurmError(f"{args[0]} failed ({done.returncode}): {message[-1] if message else 'no output'}")
+        raise SlurmError(f"{args[0]} failed ({done.returncode}): {last_line(done)}")
     return done.stdout
 
 

@@ -24,16 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from workflows import slurm as slurm_commands  # the `slurm` name is the fixture below
 from workflows.nodes import expand_builtin
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "scripts" / "cluster.sh"
 CLUSTER_DIR = Path(os.environ.get("MDPP_CLUSTER_DIR", REPO / ".cluster")).resolve()
 UP_TIMEOUT_S = 180  # a first start initialises MariaDB: ~10 s here, more on a busy CI runner
-TERMINAL_STATES = {
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
-    "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,7 +41,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def run_command(args: Sequence[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """Run a command with a timeout; a failure names the command and shows its output."""
+    """Run scripts/cluster.sh with a timeout; a failure names the command (Slurm's own commands go
+    through workflows.slurm, as everywhere else)."""
     try:
         proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **kwargs)
     except subprocess.TimeoutExpired as error:
@@ -89,17 +87,15 @@ class Slurm:
         self.workdir = workdir
 
     def sbatch(self, args: Sequence[str]) -> str:
-        proc = run_command(["sbatch", "--parsable", f"--chdir={self.workdir}",
-                            f"--output={self.workdir}/slurm-%j.out", *args], timeout=30)
-        assert proc.returncode == 0, f"sbatch {' '.join(args)} failed: {proc.stderr.strip()}"
-        return proc.stdout.strip().split(";")[0]
+        out = slurm_commands.run(["sbatch", "--parsable", f"--chdir={self.workdir}",
+                                  f"--output={self.workdir}/slurm-%j.out", *args])
+        return out.strip().split(";")[0]
 
     def sacct(self, job_id: str) -> dict[str, tuple[str, str, str, int]]:
         """Job and step records: id -> (state, exit code, node list, node count)."""
-        proc = run_command(["sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode,NodeList,NNodes"],
-                           timeout=30)
+        out = slurm_commands.call(["sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode,NodeList,NNodes"]).stdout
         rows = {}
-        for line in proc.stdout.splitlines():
+        for line in out.splitlines():
             job, state, exit_code, nodes, count = line.split("|")
             rows[job] = (state.split()[0] if state else "", exit_code, nodes, int(count or 0))
         return rows
@@ -109,7 +105,7 @@ class Slurm:
         """Terminal, and the node list complete: for a few seconds after a multi-node job ends,
         slurmdbd's record names only the first node (NNodes is already right)."""
         state, _, nodes, count = row
-        if state not in TERMINAL_STATES:
+        if state not in slurm_commands.TERMINAL_STATES:
             return False
         return nodes == "None assigned" or len(expand_builtin(nodes)) == count
 
@@ -128,7 +124,7 @@ class Slurm:
                     out.read_text() if out.exists() else "",
                 )
             time.sleep(0.5)
-        run_command(["scancel", job_id], timeout=30)
+        slurm_commands.call(["scancel", job_id])
         raise AssertionError(f"job {job_id} did not finish within {timeout:.0f} s "
                              f"(last sacct: {rows.get(job_id, 'no record')}); cancelled it")
 

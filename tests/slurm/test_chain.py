@@ -205,7 +205,7 @@ def chains(tmp_path_factory):
             proc.kill()
             proc.communicate()
     for submitted, _thread in interrupted.values():
-        subprocess.run(["scancel", *submitted.ids], timeout=30, check=False)
+        slurm.call(["scancel", *submitted.ids])
 
 
 def assert_trained_chain(result: SubmitResult, model: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm.conftest import CLUSTER_DIR, CLUSTER_SCRIPT, read_cluster_env, run_command
+from workflows import slurm as slurm_commands
 
 
 def _pids_of_cluster(conf: str) -> list[int]:
@@ -33,7 +34,7 @@ def _pids_of_cluster(conf: str) -> list[int]:
 
 @pytest.mark.timeout(60)
 def test_both_nodes_up_on_distinct_loopback_addresses():
-    rows = run_command(["sinfo", "-h", "-N", "-o", "%N|%T|%c|%P"], timeout=30).stdout.split()
+    rows = slurm_commands.call(["sinfo", "-h", "-N", "-o", "%N|%T|%c|%P"], timeout=30).stdout.split()
     nodes = {row.split("|")[0]: row.split("|")[1:] for row in rows}
     assert sorted(nodes) == ["node1", "node2"], rows
     for state, cpus, partition in nodes.values():
@@ -41,7 +42,7 @@ def test_both_nodes_up_on_distinct_loopback_addresses():
         assert state in {"idle", "mixed", "allocated"} and cpus == "8" and partition == "debug*", rows
     addresses = {}
     for node in ("node1", "node2"):
-        shown = run_command(["scontrol", "show", "node", "-o", node], timeout=30).stdout
+        shown = slurm_commands.call(["scontrol", "show", "node", "-o", node], timeout=30).stdout
         addresses[node] = re.search(r"NodeAddr=(\S+)", shown).group(1)
     assert addresses == {"node1": "127.0.0.11", "node2": "127.0.0.12"}
 
@@ -50,7 +51,7 @@ def test_both_nodes_up_on_distinct_loopback_addresses():
 def test_srun_runs_one_task_on_each_node():
     # Both slurmds run on this one host, so `hostname` prints the host's name twice; the node a
     # task landed on is SLURMD_NODENAME (docs/cluster.md).
-    proc = run_command(["srun", "--nodes=2", "--ntasks=2", "-l", "printenv", "SLURMD_NODENAME"], timeout=60)
+    proc = slurm_commands.call(["srun", "--nodes=2", "--ntasks=2", "-l", "printenv", "SLURMD_NODENAME"], timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.split()) == ["0:", "1:", "node1", "node2"]
 
@@ -102,12 +103,12 @@ def test_up_then_down_leaves_no_process(spare_cluster_dir):
     conf = read_cluster_env(folder)["SLURM_CONF"]
     job_env = {**env, "SLURM_CONF": conf}
     # A job still running at `down` must be cancelled, its step daemons included.
-    job = run_command(["sbatch", "--parsable", "--nodes=2", f"--chdir={folder}", "--output=/dev/null",
-                       "--wrap", "srun sleep 300"], timeout=30, env=job_env)
+    job = slurm_commands.call(["sbatch", "--parsable", "--nodes=2", f"--chdir={folder}", "--output=/dev/null",
+                              "--wrap", "srun sleep 300"], timeout=30, env=job_env)
     assert job.returncode == 0, job.stderr
     deadline = time.monotonic() + 30
-    while run_command(["squeue", "-h", "-j", job.stdout.strip(), "-o", "%T"], timeout=30,
-                      env=job_env).stdout.strip() != "RUNNING":
+    while slurm_commands.call(["squeue", "-h", "-j", job.stdout.strip(), "-o", "%T"], timeout=30,
+                              env=job_env).stdout.strip() != "RUNNING":
         assert time.monotonic() < deadline, "the sleep job never started"
         time.sleep(0.3)
     assert _pids_of_cluster(conf), "no process of the spare cluster found while it runs"

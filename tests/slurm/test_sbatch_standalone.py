@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ def wait_finished(job_id: str, timeout_s: float) -> slurm.JobRecord:
         if records and records[0].finished:
             return records[0]
         time.sleep(1)
-    subprocess.run(["scancel", job_id], timeout=30, check=False)
+    slurm.call(["scancel", job_id])
     raise AssertionError(f"job {job_id} not finished after {timeout_s:.0f} s (last: {records}); cancelled it")
 
 
@@ -35,10 +34,9 @@ def test_preprocessing_sbatch_alone_produces_the_dataset(tmp_path, model, datase
     if model != "gpt":
         env["MODEL"] = model
     # As a user would: from the repository, no options, settings through the environment.
-    submitted = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/%x_%j.out",
-                                "sbatch/1.data-preprocessing.sbatch"], cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=30, check=True)
-    job_id = submitted.stdout.strip().split(";")[0]
+    submitted = slurm.run(["sbatch", "--parsable", f"--output={tmp_path}/%x_%j.out",
+                           "sbatch/1.data-preprocessing.sbatch"], cwd=str(REPO), env=env)
+    job_id = submitted.strip().split(";")[0]
     record = wait_finished(job_id, timeout_s=240)
     log = (tmp_path / f"mdpp-preprocess_{job_id}.out").read_text()
     assert record.state == "COMPLETED", log

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from workflows import slurm
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -25,9 +27,9 @@ def _status(job_id: str) -> subprocess.CompletedProcess:
 
 
 def _sbatch(tmp_path: Path, name: str, command: str, *options: str) -> str:
-    done = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", f"--output={tmp_path}/{name}-%j.out",
-                           *options, "--wrap", command], capture_output=True, text=True, timeout=60, check=True)
-    return done.stdout.strip().split(";")[0]
+    out = slurm.run(["sbatch", "--parsable", f"--job-name={name}", f"--output={tmp_path}/{name}-%j.out",
+                     *options, "--wrap", command], timeout=60)
+    return out.strip().split(";")[0]
 
 
 @pytest.mark.timeout(120)

@@ -126,7 +126,7 @@ def sweeps(tmp_path_factory):
             run.proc.kill()
             run.proc.communicate()
             ids = sweep.job_ids(run.manifest(timeout_s=1)) if list(run.runs_dir.glob("*/sweep.json")) else []
-            subprocess.run(["scancel", *ids], timeout=30, check=False)
+            slurm.call(["scancel", *ids])
 
 
 def status(job_id: str, runs_dir: Path) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from workflows import nodes
+from workflows import nodes, slurm
 from workflows.netinfo import NodeAddress
 from workflows.nodes import InvalidNodeList, expand_builtin, launch_environment, master_port
 
@@ -103,7 +103,7 @@ def test_auto_uses_the_builtin_parser_without_scontrol(monkeypatch, tmp_path):
 def test_a_missing_slurm_conf_falls_back_at_once(monkeypatch, tmp_path):
     # scontrol itself would retry for a minute; the check before it answers at once.
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
-    with pytest.raises(nodes.SlurmCommandError, match=r"missing.conf does not exist"):
+    with pytest.raises(slurm.SlurmError, match=r"missing.conf does not exist"):
         nodes.expand_scontrol("n[1-2]")
     assert nodes.expand_nodelist("n[1-2]") == ["n1", "n2"]
 
