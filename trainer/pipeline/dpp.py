@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from trainer.pipeline.grad_sync import GradSync
 from trainer.pipeline.split_backward import SplitBackward
 from trainer.pipeline.stall import DppStallError, describe_wait
 from trainer.pipeline.tp_decision import TpDecisionChannel
+from trainer.profiling.tracer import NULL_SPAN, NullTracer, Tracer, now_us
 from trainer.schedule.core import Action, Op, PipelineShape, Policy, StageState
 from trainer.topology import Topology
 from trainer.transport.base import Header, Message, StageLinks, TransportTimeout
@@ -59,8 +59,8 @@ class DppContext:
     microbatch_data: MicrobatchData | None = None
     """Data of microbatch m by index. None: the first M items of each chunk's data iterator are
     read up front and indexed, so execution order can never mis-pair data."""
-    tracer: Any = None
-    """trainer.profiling Tracer/NullTracer; None means no tracing."""
+    tracer: Tracer | NullTracer | None = None
+    """trainer.profiling Tracer/NullTracer; None means no tracing (a NullTracer)."""
     tp_channel: TpDecisionChannel | None = None
     """Shared decision log when TP > 1 (leader publishes, followers replay)."""
     iteration: int = 0
@@ -165,7 +165,7 @@ class _Step:
             raise ValueError(f"policy {ctx.policy.name!r} splits the backward into I and W, but the DppContext "
                              "has no split_backward: install_split_backward(model chunks) first")
         self.data = self._data_source(data_iterator)
-        self.tracer = ctx.tracer
+        self.tracer = ctx.tracer if ctx.tracer is not None else NullTracer()
         self.acts: dict[tuple[int, int], Message] = {}
         self.grads: dict[tuple[int, int], Message] = {}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -268,8 +268,8 @@ class _Step:
     def _record(self, msg: Message) -> None:
         h = msg.header
         key = (h.microbatch, h.chunk)
-        if self.tracer is not None and self.tracer.enabled:
-            now = _now_us()
+        if self.tracer.enabled:
+            now = now_us()
             self.tracer.record(f"recv {h.kind} m{h.microbatch}.c{h.chunk}", "recv", now, now, tid="comm",
                                microbatch=h.microbatch, chunk=h.chunk, stage=self.stage,
                                inflight=self.state.inflight)
@@ -286,7 +286,7 @@ class _Step:
     def _execute(self, action: Action, grad_sync: GradSync) -> None:
         timer = self.ctx.gpu_timer
         gpu = (timer.around(str(action), microbatch=action.microbatch, chunk=action.chunk, op=action.op.value)
-               if timer is not None else _NULL_SPAN)
+               if timer is not None else NULL_SPAN)
         with self._span(str(action), action.op.value, microbatch=action.microbatch,
                         chunk=action.chunk) as span, gpu:
             if action.op is Op.F:
@@ -427,8 +427,8 @@ class _Step:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _span(self, name: str, cat: str, tid: str = "compute", microbatch: int = -1, chunk: int = -1):
-        if self.tracer is None or not self.tracer.enabled:
-            return _NULL_SPAN
+        if not self.tracer.enabled:
+            return NULL_SPAN
         return self.tracer.span(name, cat, tid=tid, iteration=self.ctx.iteration, microbatch=microbatch,
                                 chunk=chunk, stage=self.stage, inflight=self.state.inflight)
 
@@ -440,24 +440,6 @@ class _Step:
         assert not pending, f"rank {self.rank}: step ended with weight gradients never replayed {pending}"
         taken = {c: g.in_use() for c, g in (self.ctx.graphs or {}).items() if g.in_use()}
         assert not taken, f"rank {self.rank}: step ended with CUDA graph slots still taken {taken}"
-
-
-class _NullSpanCM:
-    def __enter__(self) -> _NullSpanCM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def set(self, **args: Any) -> None:
-        return None
-
-
-_NULL_SPAN = _NullSpanCM()
-
-
-def _now_us() -> float:
-    return time.time_ns() / 1000.0  # the tracer's clock (trainer.profiling.tracer.now_us)
 
 
 def _device_of(chunk: torch.nn.Module) -> torch.device:

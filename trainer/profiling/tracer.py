@@ -60,7 +60,8 @@ def now_us() -> float:
 
 
 class _NullSpan:
-    """The context manager :class:`NullTracer` returns for every span: does nothing at all."""
+    """The context manager :class:`NullTracer` returns for every span (and any "nothing to time"
+    span elsewhere, e.g. the DPP runtime without a GPU timer): does nothing at all."""
 
     __slots__ = ()
 
@@ -74,7 +75,7 @@ class _NullSpan:
         """Accepts late arguments (e.g. ``inflight`` known only after the op) and drops them."""
 
 
-_NULL_SPAN = _NullSpan()  # immutable and stateless: safe to share between every caller
+NULL_SPAN = _NullSpan()  # immutable and stateless: safe to share between every caller
 
 
 class NullTracer:
@@ -83,7 +84,7 @@ class NullTracer:
     enabled = False
 
     def span(self, name: str, cat: str, tid: str = "compute", **args: Any) -> _NullSpan:
-        return _NULL_SPAN
+        return NULL_SPAN
 
     def record(self, name: str, cat: str, start_us: float, end_us: float, tid: str = "compute",
                **args: Any) -> None:
