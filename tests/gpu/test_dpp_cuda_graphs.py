@@ -44,15 +44,17 @@ def _run(out: Path, extra: list[str]) -> tuple[list, dict]:
 
 
 @pytest.mark.timeout(700)
-def test_graphed_dpp_equals_eager_dpp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunks", [1, 2], ids=["v1", "v2"])
+def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    _, eager = _run(tmp_path / "eager", [])
-    results, graphed = _run(tmp_path / "graphed", ["--dpp-cuda-graphs"])
+    layout = [] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"]
+    _, eager = _run(tmp_path / "eager", layout)
+    results, graphed = _run(tmp_path / "graphed", [*layout, "--dpp-cuda-graphs"])
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
     print("replayed/eager forwards per (stage, chunk):", counts)
-    # Every training forward of both stages replays (a stage's in-flight cap is its number of slots).
-    assert counts == {(0, 0): (ITERS * M, 0), (1, 0): (ITERS * M, 0)}, counts
+    # Every training forward of every chunk replays (a stage's in-flight cap is each chunk's number of slots).
+    assert counts == {(s, c): (ITERS * M, 0) for s in range(2) for c in range(chunks)}, counts
     print("iteration  eager  graphed")
     for it in sorted(eager, key=int):
         print(it, eager[it]["lm loss"], graphed[it]["lm loss"])
