@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.problems import raise_if_any
+
 FLAG = "--inject-stalls"
 
 
@@ -81,8 +83,7 @@ def stall_problems(text: str | None) -> list[str]:
 def parse_stall_spec(text: str) -> StallSpec:
     """``StallSpec`` of a valid value; ValueError naming every problem otherwise."""
     problems = stall_problems(text)
-    if problems:
-        raise ValueError("; ".join(problems))
+    raise_if_any(problems)
     parts = text.split(":")
     return StallSpec(int(parts[0]), float(parts[1]), float(parts[2]), int(parts[3]) if len(parts) == 4 else 0)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainer.problems import raise_if_any
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -46,8 +48,7 @@ class Topology:
             problems.append(
                 f"node_of_rank has {len(self.node_of_rank)} entries but world_size={self.world_size}"
             )
-        if problems:
-            raise ValueError("invalid parallel layout: " + "; ".join(problems))
+        raise_if_any(problems, "invalid parallel layout")
 
     # ---- sizes and coordinates -------------------------------------------------------------
     @property

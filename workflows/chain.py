@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from trainer.problems import raise_if_any
 from workflows import jobs, render, slurm
 from workflows.recipes import Recipe
 from workflows.sbatch_params import SbatchParams, as_flags
@@ -62,8 +63,7 @@ class ChainSpec:
         if not errors and self.nodes >= 1 and self.ranks % self.nodes:
             errors.append(f"{self.ranks} training ranks (PP={self._knob('PP')} x TP={self._knob('TP')}) do not "
                           f"split evenly over --nodes {self.nodes}")
-        if errors:
-            raise ValueError("; ".join(errors))
+        raise_if_any(errors)
 
     def _knob(self, name: str) -> int:
         value = self.overrides.get(name) or str(jobs.defaults(self.recipe)[name])

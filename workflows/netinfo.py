@@ -19,6 +19,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainer.problems import raise_if_any
 from workflows import slurm
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,7 @@ class NodeAddress:
             errors.append(f"address={self.address!r} is not an IPv4 address")
         if self.source not in SOURCES:
             errors.append(f"source={self.source!r} is not one of {', '.join(SOURCES)}")
-        if errors:
-            raise ValueError("NodeAddress: " + "; ".join(errors))
+        raise_if_any(errors, "NodeAddress")
         object.__setattr__(self, "hcas", tuple(self.hcas))
 
     def to_json(self) -> str:

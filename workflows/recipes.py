@@ -11,14 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainer.names import FILE_TOKENIZERS
+from trainer.problems import raise_if_any
 
 SIZES = ("cpu", "gpu")
 CORPUS = "datasets/python-docs.jsonl.xz"  # shipped offline corpus (datasets/ README gives provenance)
 
 
 def _check(errors: list[str], owner: str) -> None:
-    if errors:
-        raise ValueError(f"invalid {owner}: " + "; ".join(errors))
+    raise_if_any(errors, f"invalid {owner}")
 
 
 @dataclass(frozen=True)

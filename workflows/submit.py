@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.problems import problems_text
 from workflows import chain, jobs, preflight, recipes, slurm, submitit_chain, sweep
 from workflows.cli import OneLineParser, fail, parse_assignment
 from workflows.render import REPO
@@ -144,7 +145,7 @@ def specs_from_args(
         # What only the filesystem and the cluster can tell, still before anything is submitted.
         problems += preflight.image_problems(args.image) + preflight.partition_problems(spec.nodes, spec.partition)
     if problems or spec is None:
-        raise ValueError("; ".join(problems))
+        raise ValueError(problems_text(problems))
     return spec, params, runs
 
 

@@ -38,6 +38,7 @@ from trainer.bench.lines import (
 from trainer.bench.report import plot_kernel_timeline, plot_trace_timeline, write_report
 from trainer.bench.results import LineResult, line_result
 from trainer.config import field_docs
+from trainer.problems import problems_text
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     problems = _problems(args)
     if problems:
-        print("error: " + "; ".join(problems), file=sys.stderr)
+        print(problems_text(problems, "error"), file=sys.stderr)
         return 2
     cfg = _config(args)
     planned = plan(cfg, args.lines.split(","), args.scenarios.split(","), _available_policies())

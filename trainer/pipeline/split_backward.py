@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.problems import raise_if_any
+
 # megatron-core's own decorators for its linear Function: re-enter the forward's CUDA autocast
 # state in backward, so I computes grad_input in the same dtype as megatron's backward would.
 _custom_fwd = functools.partial(torch.amp.custom_fwd, device_type="cuda")
@@ -207,9 +209,7 @@ def _split_forward_impl(module: torch.nn.Module, original, controller: SplitBack
     if output_dtype is not None and output_dtype != input.dtype:
         problems.append(f"output_dtype={output_dtype} (input is {input.dtype})")
     problems += [f"{k}={v!r}" for k, v in sorted(extra.items()) if not _is_inert(v)]
-    if problems:
-        raise ValueError(f"split backward cannot run {type(module).__name__} with "
-                         + ", ".join(problems))
+    raise_if_any(problems, f"split backward cannot run {type(module).__name__}")
     if allreduce_dgrad and tp_group is None:
         tp_group = module.tp_group
     return _DeferrableLinear.apply(input, weight, bias, bool(allreduce_dgrad), tp_group, controller)
@@ -268,9 +268,7 @@ def install_split_backward(chunks: list[torch.nn.Module]) -> SplitBackward:
     twice on the same chunks is an error (the second patch would wrap the first).
     """
     problems = split_backward_problems(chunks)
-    if problems:
-        raise ValueError("split backward (--dpp-policy dpp-zb / zb-h1) is not possible here: "
-                         + "; ".join(problems))
+    raise_if_any(problems, "split backward (--dpp-policy dpp-zb / zb-h1) is not possible here")
     controller = SplitBackward()
     for chunk in chunks:
         for module in chunk.modules():

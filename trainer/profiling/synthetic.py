@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.problems import raise_if_any
+
 
 @dataclass(frozen=True)
 class UniformCosts:
@@ -29,8 +31,7 @@ class UniformCosts:
     def __post_init__(self) -> None:
         bad = [f"{n}={getattr(self, n)}" for n in ("num_stages", "num_microbatches") if getattr(self, n) < 1]
         bad += [f"{n}={getattr(self, n)}" for n in ("forward_us", "backward_us") if not getattr(self, n) > 0]
-        if bad:
-            raise ValueError("invalid UniformCosts: " + ", ".join(bad))
+        raise_if_any(bad, "invalid UniformCosts")
 
 
 def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:

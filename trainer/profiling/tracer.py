@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainer.problems import raise_if_any
+
 log = logging.getLogger(__name__)
 
 TRACE_FILE_FORMAT = "trace_rank{rank:05d}.json"
@@ -252,8 +254,7 @@ def make_tracer(profile_dir: str | os.PathLike[str] | None, rank: int, metadata:
         problems.append(f"rank={rank!r} must be an int >= 0")
     if keep_iterations is not None and (not isinstance(keep_iterations, int) or keep_iterations < 1):
         problems.append(f"keep_iterations={keep_iterations!r} must be None or an int >= 1")
-    if problems:
-        raise ValueError("make_tracer: " + "; ".join(problems))
+    raise_if_any(problems, "make_tracer")
     # Created now rather than at close so that an unwritable folder fails at start-up, not
     # after hours of training.
     Path(profile_dir).mkdir(parents=True, exist_ok=True)

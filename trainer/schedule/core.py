@@ -21,6 +21,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from trainer.problems import raise_if_any
+
 
 class Op(str, enum.Enum):  # noqa: UP042 - keep str(Op.F) == "Op.F" as the contract had it
     F = "F"  # forward
@@ -64,8 +66,7 @@ class PipelineShape:
             for n in ("num_stages", "num_microbatches", "num_chunks")
             if getattr(self, n) < 1
         ]
-        if bad:
-            raise ValueError("pipeline sizes must be >= 1: " + ", ".join(bad))
+        raise_if_any(bad, "pipeline sizes must be >= 1")
 
     @property
     def num_virtual_stages(self) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainer.problems import raise_if_any
 from trainer.schedule.core import Op, PipelineShape
 
 
@@ -91,8 +92,7 @@ class CostModel:
             problems.append(f"straggler_factor={self.straggler_factor} must be a finite number > 0")
         if self.straggler_stage is not None and self.straggler_stage < 0:
             problems.append(f"straggler_stage={self.straggler_stage} must be >= 0")
-        if problems:
-            raise ValueError("invalid cost model: " + "; ".join(problems))
+        raise_if_any(problems, "invalid cost model")
 
     @property
     def is_uniform(self) -> bool:

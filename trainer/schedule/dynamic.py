@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trainer.problems import raise_if_any
 from trainer.schedule.core import Action, Op, PipelineShape, StageState
 from trainer.schedule.static import interleaved_warmup
 
@@ -118,8 +119,7 @@ class DynamicOptions:
             problems.append(f"microbatch_order={self.microbatch_order!r} not in {MICROBATCH_ORDERS}")
         if self.weight_order not in WEIGHT_ORDERS:
             problems.append(f"weight_order={self.weight_order!r} not in {WEIGHT_ORDERS}")
-        if problems:
-            raise ValueError("invalid dynamic schedule options: " + "; ".join(problems))
+        raise_if_any(problems, "invalid dynamic schedule options")
 
     def _scaled_bound(self, shape: PipelineShape, stage: int) -> int:
         return math.floor(self.cap_factor * one_f_one_b_cap(shape, stage) + 1e-9)

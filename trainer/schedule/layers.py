@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.layer_split import FIRST_FLAG, LAST_FLAG, layers_per_stage, split_problems
+from trainer.problems import raise_if_any
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,7 @@ class LayerCosts:
         bad = [x for x in self.stage_speed if not (math.isfinite(x) and x > 0)]
         if bad:
             problems.append(f"stage_speed={self.stage_speed} has values that are not finite numbers > 0: {bad}")
-        if problems:
-            raise ValueError("invalid layer costs: " + "; ".join(problems))
+        raise_if_any(problems, "invalid layer costs")
 
     def stage_cost(self, stage: int, num_stages: int, layers: int) -> float:
         extra = (self.embedding if stage == 0 else 0.0) + (self.head if stage == num_stages - 1 else 0.0)

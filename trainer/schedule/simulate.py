@@ -18,6 +18,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from trainer.problems import problems_text
 from trainer.schedule.compare import ScheduleSpec, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
 from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, split_of
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bad = [f"--{n}={getattr(args, n)}" for n in ("pp", "vp", "microbatches", "seeds") if getattr(args, n) < 1]
     if bad:
-        parser.error("must be >= 1: " + ", ".join(bad))
+        parser.error(problems_text(bad, "must be >= 1"))
     args.split_layers = _initial_split(args, parser)
     costs = _parse_costs(args, parser)
     seeds = list(range(args.seed, args.seed + args.seeds))

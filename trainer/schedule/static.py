@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from trainer.problems import raise_if_any
 from trainer.schedule.core import Action, Op, PipelineShape, StageState
 
 
@@ -112,8 +113,7 @@ def interleaved_order(
             f"num_microbatches={m_count} leaves a last group of {m_count % group} < num_stages={p}"
             f" (group_size={group}); Megatron-Core refuses this too"
         )
-    if problems:
-        raise ValueError("interleaved 1F1B: " + "; ".join(problems))
+    raise_if_any(problems, "interleaved 1F1B")
     table = megatron_schedule_table(m_count, v, group)
     total = len(table)
     warmup = interleaved_warmup(shape, stage, group)

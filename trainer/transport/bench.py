@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainer.problems import raise_if_any
 from trainer.topology import Topology
 from trainer.transport.factory import LinkOptions, make_stage_links
 from trainer.transport.spawn import check_all_ok, run_processes
@@ -111,8 +112,7 @@ class BenchConfig:
             problems.append(f"timeout_s={self.timeout_s} must be > 0")
         if self.rounds < 1:
             problems.append(f"rounds={self.rounds} must be >= 1")
-        if problems:
-            raise ValueError("invalid benchmark settings: " + "; ".join(problems))
+        raise_if_any(problems, "invalid benchmark settings")
 
 
 @dataclass

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from trainer.problems import problems_text
 from trainer.transport.base import Direction, Message, StageLinks, TransportError, TransportTimeout
 
 log = logging.getLogger(__name__)
@@ -375,4 +376,4 @@ class ChannelStageLinks(StageLinks):
                 errors.append(str(exc))
         self._release_undelivered()
         if errors:
-            log.warning("rank %d: stage links closed with errors: %s", self.rank, "; ".join(errors))
+            log.warning("rank %d: %s", self.rank, problems_text(errors, "stage links closed with errors"))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.names import TRANSPORTS
+from trainer.problems import raise_if_any
 from trainer.run_token import agreed_run_token
 from trainer.topology import Topology
 from trainer.transport.base import Direction, StageLinks
@@ -61,8 +62,7 @@ class LinkOptions:
             problems.append(f"shm_slot_bytes={self.shm_slot_bytes} must be >= 4096 and a multiple of 64")
         if not 0 < self.poll_interval_s <= 5:
             problems.append(f"poll_interval_s={self.poll_interval_s} must be in (0, 5]")
-        if problems:
-            raise ValueError("invalid LinkOptions: " + "; ".join(problems))
+        raise_if_any(problems, "invalid LinkOptions")
 
 
 @dataclass(frozen=True)

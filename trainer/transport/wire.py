@@ -20,6 +20,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+from trainer.problems import raise_if_any
 from trainer.transport.base import Header, TransportError
 
 HEADER_WORDS = 16
@@ -73,8 +74,7 @@ def validate_header(header: Header) -> None:
         problems.append(f"shape={header.shape} has a negative dim")
     if header.microbatch < 0 or header.chunk < 0:
         problems.append(f"microbatch={header.microbatch}, chunk={header.chunk} must be >= 0")
-    if problems:
-        raise ValueError("header cannot be sent: " + "; ".join(problems))
+    raise_if_any(problems, "header cannot be sent")
 
 
 def encode(header: Header | None, sequence: int) -> list[int]:
