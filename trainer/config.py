@@ -23,6 +23,7 @@ from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
 from trainer.megatron_lm_flags import MEGATRON_LM_FLAGS
 from trainer.names import TOKENIZERS, TRANSPORTS, TokenizerType, Transport
+from trainer.node_addresses import read_node_ips
 from trainer.stall_injection import stall_problems
 
 DPP_POLICIES = ("dpp", "dpp-zb", "zb-h1")
@@ -502,14 +503,29 @@ class RunConfig:
 
     device: Literal["cuda", "cpu"] = "cuda"
     """``--device``: cuda (NCCL) or cpu (gloo, megatron-core with trainer.megatron_compat shims)."""
-    workload: str = "run"
-    """Free-form run name (``--workload``), used in logs, trace metadata and job ids."""
+    run_name: str = "run"
+    """Free-form run name (``--run-name``), used in logs, trace metadata and job ids."""
+    workload: int | None = None
+    """The prototype's ``--workload`` (an integer there too): how many elements of a stage-to-stage
+    message one shared-memory copy handles (the prototype ran one copy thread per WORKLOAD elements,
+    each through its own shared-memory segment). Here it sizes the shared-memory slots (CPU rings and
+    same-node GPU slots) at N elements of the pipeline dtype: a larger message is cut into
+    ceil(elements / N) slots, copied one after the other (this transport has no copy threads: one
+    memcpy or one copy-engine transfer per slot). None: a slot holds one whole activation."""
     num_gpus: int | None = None
-    """Expected world size (``--num-gpus``); checked against the launcher's when given."""
+    """GPUs per node, the prototype's ``--num-gpus``: must match the ranks per node the launcher started
+    (torchrun's LOCAL_WORLD_SIZE, srun's tasks per node) and --node-ips, and divide the world size; on
+    CUDA the node must have that many GPUs. Without a launcher's node numbering, rank // N is the node
+    and rank % N the GPU, as in the prototype."""
     multi_node: bool = False
-    """The job spans nodes (``--multi-node``); --node-ips / SLURM_NODEID place the ranks."""
+    """The prototype's ``--multi-node``: the job spans nodes, so pipeline edges between nodes need a
+    cross-node transport (nccl/gloo; --transport auto picks it per edge). Refused with --transport shm,
+    or when what is known before start-up (--node-ips, --num-gpus, the launcher's ranks per node)
+    puts every rank on one node; checked again once the ranks have reported their nodes."""
     node_ips: tuple[str, ...] = ()
-    """Node addresses in node order (``--node-ips a,b``); the first is the rendezvous host."""
+    """``--node-ips a,b,...``: the prototype's one address per rank, in rank order (ranks sharing an
+    address share a node), or one address per node in node order -- told apart by the count
+    (trainer/node_addresses.py). The first is the rendezvous host when MASTER_ADDR is not set."""
     profile_dir: str | None = None
     """Write per-rank Chrome traces here (``--profile-dir``)."""
     log_interval: int = 1
@@ -561,6 +577,8 @@ class RunConfig:
             p.append(f"--device={self.device!r} must be cuda or cpu")
         if self.num_gpus is not None and self.num_gpus < 1:
             p.append(f"--num-gpus={self.num_gpus} must be >= 1")
+        if self.workload is not None and self.workload < 1:
+            p.append(f"--workload={self.workload} must be >= 1 (elements per shared-memory copy)")
         if self.log_interval < 1:
             p.append(f"--log-interval={self.log_interval} must be >= 1")
         if self.eval_interval is not None and self.eval_interval < 1:
@@ -621,20 +639,24 @@ class TrainConfig:
         return MEGATRON_DEFAULT_SPLIT if self.validates else None
 
     @property
+    def pipeline_itemsize(self) -> int:
+        """Bytes per element of what the pipeline sends between stages (bf16/fp16: 2, else 4)."""
+        return 2 if (self.optim.bf16 or self.optim.fp16) else 4
+
+    @property
     def uneven_pipeline(self) -> bool:
         """--decoder-first/last-pipeline-num-layers given: megatron-core's uneven split."""
         par = self.parallel
         return par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
 
 
-def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
-    """Every way ``cfg`` cannot be laid out on ``world_size`` ranks (empty list: it can)."""
+def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> list[str]:
+    """Every way ``cfg`` cannot be laid out on ``world_size`` ranks (empty list: it can);
+    ``ranks_per_node``: what the launcher started on each node, where it says."""
     m, par, o = cfg.model, cfg.parallel, cfg.optim
     tp, pp, vp_layers = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, \
         par.num_layers_per_virtual_pipeline_stage
-    p: list[str] = []
-    if cfg.run.num_gpus is not None and cfg.run.num_gpus != world_size:
-        p.append(f"--num-gpus={cfg.run.num_gpus} but the launcher started world size {world_size}")
+    p: list[str] = _node_problems(cfg, world_size, ranks_per_node)
     if world_size % (tp * pp):
         p.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size={tp} x "
                  f"--pipeline-model-parallel-size={pp}")
@@ -693,9 +715,37 @@ def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     if par.use_distributed_optimizer and cfg.checkpoint.save:
         p.append("--use-distributed-optimizer with --save: saving a sharded optimizer is not supported yet "
                  "(trainer/checkpoint.py); drop one of them")
-    if cfg.run.node_ips and world_size % len(cfg.run.node_ips):
-        p.append(f"world size {world_size} is not divisible by the {len(cfg.run.node_ips)} --node-ips "
-                 "(every node runs the same number of ranks)")
+    return p
+
+
+def _node_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | None) -> list[str]:
+    """The prototype's --num-gpus / --node-ips / --multi-node / --workload against each other and the
+    launcher: every source of "ranks per node" known before start-up must agree."""
+    run = cfg.run
+    addresses, p = read_node_ips(run.node_ips, world_size)
+    sources: dict[str, int] = {}  # what says how many ranks each node runs
+    if ranks_per_node is not None:
+        sources["the launcher"] = ranks_per_node
+    if run.num_gpus is not None:
+        if world_size % run.num_gpus:
+            p.append(f"--num-gpus={run.num_gpus} (GPUs per node) does not divide the world size {world_size}")
+        else:
+            sources[f"--num-gpus={run.num_gpus}"] = run.num_gpus
+    if addresses is not None:
+        per_node = world_size // len(addresses.nodes)
+        form = "per rank" if addresses.per_rank else "per node"
+        sources[f"--node-ips ({len(addresses.nodes)} nodes, addresses {form})"] = per_node
+    if len(set(sources.values())) > 1:
+        p.append("ranks per node disagree: " + ", ".join(f"{who} says {n}" for who, n in sources.items())
+                 + f" (world size {world_size})")
+    elif run.multi_node and sources and world_size // next(iter(sources.values())) == 1:
+        p.append(f"--multi-node but every rank is on one node ({', '.join(sources)}: {world_size} ranks per node)")
+    if run.multi_node and cfg.parallel.transport == "shm":
+        p.append("--multi-node with --transport shm: shared memory does not cross nodes; use --transport auto "
+                 "(shm within a node, nccl/gloo between nodes), nccl or gloo")
+    if run.workload is not None and run.workload * cfg.pipeline_itemsize < 4096:
+        p.append(f"--workload={run.workload} elements x {cfg.pipeline_itemsize} bytes is below the 4096-byte "
+                 f"shared-memory slot minimum (give at least {-(-4096 // cfg.pipeline_itemsize)})")
     return p
 
 
@@ -932,8 +982,9 @@ def _parse_type(annotation: str):
     return str
 
 
-def parse_config(argv: Sequence[str] | None, world_size: int) -> TrainConfig:
-    """Parse flags into a :class:`TrainConfig` checked against ``world_size``; ConfigError lists all problems."""
+def parse_config(argv: Sequence[str] | None, world_size: int, ranks_per_node: int | None = None) -> TrainConfig:
+    """Parse flags into a :class:`TrainConfig` checked against ``world_size`` (and the launcher's
+    ``ranks_per_node`` where known); ConfigError lists all problems."""
     # parse_known_args, not parse_args: argparse's own exit would name the unknown flags in a usage
     # dump and stop before the field checks; here they join every other problem in one ConfigError.
     known, extras = build_parser().parse_known_args(argv)
@@ -951,5 +1002,5 @@ def parse_config(argv: Sequence[str] | None, world_size: int) -> TrainConfig:
     cfg = TrainConfig(model=sections[ModelConfig], parallel=sections[ParallelConfig],
                       optim=sections[OptimConfig], data=sections[DataConfig],
                       checkpoint=sections[CheckpointConfig], run=sections[RunConfig])
-    _check(layout_problems(cfg, world_size))
+    _check(layout_problems(cfg, world_size, ranks_per_node))
     return cfg

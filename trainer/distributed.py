@@ -4,8 +4,9 @@ Two launchers are supported and read *before* any process group exists (so a bad
 first): torchrun (RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and
 one srun task per rank (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODEID, with
 MASTER_ADDR / MASTER_PORT exported by the sbatch script). The node index of every rank comes from the
-launcher (SLURM_NODEID, else the position of this host in --node-ips, else rank // LOCAL_WORLD_SIZE)
-and is all-gathered into ``Topology.node_of_rank`` — never derived from hostnames.
+launcher (SLURM_NODEID, else --node-ips given one address per rank, else the position of this host in
+--node-ips given per node, else rank // LOCAL_WORLD_SIZE or // --num-gpus) and is all-gathered into
+``Topology.node_of_rank`` — never derived from hostnames.
 
 ``MDPP_NODE_OF_RANK=0,0,1,1`` (one node index per global rank) overrides all of them. It exists to
 make ranks of one host act as several nodes, so edges between the "nodes" take the cross-node
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.node_addresses import read_node_ips
 from trainer.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -87,17 +89,38 @@ def node_override(text: str, world_size: int) -> tuple[int, ...]:
     return nodes
 
 
-def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str] = ()) -> LaunchInfo:
-    """Rank, world size and node of this process from torchrun's or Slurm's variables."""
+def ranks_per_node_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """Ranks the launcher started on each node, where it says so (None: unknown or uneven):
+    torchrun's LOCAL_WORLD_SIZE, else srun's per-step task counts ("4" or "4(x2)")."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        value = env.get("LOCAL_WORLD_SIZE", "")
+        return int(value) if value.isdigit() else None
+    if "SLURM_PROCID" in env:
+        counts = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+        per_node = {part.split("(")[0] for part in counts.split(",") if part}
+        if len(per_node) == 1 and next(iter(per_node)).isdigit():
+            return int(next(iter(per_node)))
+    return None
+
+
+def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str] = (),
+                    num_gpus: int | None = None) -> LaunchInfo:
+    """Rank, world size and node of this process from torchrun's or Slurm's variables; ``node_ips``
+    and ``num_gpus`` (the prototype's flags) place ranks where the launcher does not."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
-        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        per_node = num_gpus or world
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank % per_node
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else per_node
         launcher = "torchrun"
         node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else None
-        if node is None and node_ips:
-            node = _node_from_ips(node_ips)
+        addresses, problems = read_node_ips(node_ips, world)
+        if problems:
+            raise LaunchError("; ".join(problems))
+        if node is None and addresses is not None:
+            node = addresses.node_of_rank[rank] if addresses.per_rank else _node_from_ips(addresses.nodes)
         if node is None:
             node = rank // max(local_world, 1)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
@@ -111,7 +134,7 @@ def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str
         raise LaunchError(f"rank {rank} is outside world size {world}")
     if NODE_OVERRIDE_ENV in env:
         node = node_override(env[NODE_OVERRIDE_ENV], world)[rank]
-    addr = env.get("MASTER_ADDR") or (node_ips[0] if node_ips else "127.0.0.1")
+    addr = env.get("MASTER_ADDR") or (node_ips[0] if node_ips else "127.0.0.1")  # rank 0's, in either form
     if world > 1 and "MASTER_PORT" not in env:
         raise LaunchError("environment variable MASTER_PORT is not set (the launcher must export it)")
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500

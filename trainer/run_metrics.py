@@ -3,7 +3,7 @@ behind them: GPU busy time over a window of iterations and injected stalls.
 
 Each rank writes ``metrics_rank<R>.json`` when the run closes::
 
-    {"rank", "stage", "world_size", "schedule", "workload", "device", "layers_per_stage",
+    {"rank", "stage", "world_size", "schedule", "run_name", "device", "layers_per_stage",
      "num_microbatches", "tokens_per_iteration",
      "iterations": [{"iteration": 1, "ms": 512.3, "losses": {"lm loss": 10.9}, "gpu_profiled": false}, ...],
      "peak_memory_bytes": ..., "gpu_busy": {...} | null, "stalls": {...} | null, "versions": {...}}
@@ -111,7 +111,7 @@ class RunMeasurement:
         document = {
             "rank": t.rank, "stage": t.pp_rank, "tp_rank": t.tp_rank, "dp_rank": t.dp_rank,
             "world_size": t.world_size, "pipeline_parallel": t.pipeline_parallel,
-            "virtual_pipeline": t.virtual_pipeline, "schedule": self.schedule, "workload": run.workload,
+            "virtual_pipeline": t.virtual_pipeline, "schedule": self.schedule, "run_name": run.run_name,
             "device": run.device,
             "layers_per_stage": layers_per_stage(self.cfg.model.num_layers, t.pipeline_parallel,
                                                  par.decoder_first_pipeline_num_layers,

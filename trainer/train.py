@@ -42,6 +42,7 @@ from trainer.distributed import (
     build_topology,
     init_megatron_parallel,
     init_process_group,
+    ranks_per_node_from_env,
     read_launch_env,
     shutdown,
 )
@@ -152,6 +153,9 @@ class TrainingSession:
             self.graph_stream = run_on_side_stream(self.device)  # before the model: see its docstring
         self.topology = build_topology(launch, par.tensor_model_parallel_size,
                                        par.pipeline_model_parallel_size, cfg.virtual_pipeline)
+        if cfg.run.multi_node and len(set(self.topology.node_of_rank)) < 2:
+            raise LaunchError("--multi-node but every rank reported the same node (" + self.topology.describe()
+                              + "): drop --multi-node, or launch on several nodes")
         init_megatron_parallel(self.topology)
         self._seed()
         self.num_microbatches = cfg.num_microbatches(launch.world_size)
@@ -337,7 +341,7 @@ class TrainingSession:
             "stage": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank,
             "world_size": topo.world_size, "pipeline_parallel": topo.pipeline_parallel,
             "num_chunks": topo.virtual_pipeline, "num_microbatches": self.num_microbatches,
-            "schedule": name, "workload": cfg.run.workload, "run_id": self.run_token})
+            "schedule": name, "run_name": cfg.run.run_name, "run_id": self.run_token})
         if self.tracer.enabled:
             from trainer.profiling.clock import measure_clock_offset
 
@@ -579,9 +583,9 @@ class TrainingSession:
         if self.launch.rank == 0 or self._is_logger:
             schedule = (cfg.parallel.dpp_policy if cfg.parallel.use_dpp or cfg.parallel.dpp_policy == "zb-h1" else
                         "megatron-core" if self._uses_megatron_schedule() else "1f1b policy")
-            log.info("workload %s: %s %s | %s | microbatches/iter %d x mbs %d | schedule %s | "
+            log.info("run %s: %s %s | %s | microbatches/iter %d x mbs %d | schedule %s | "
                      "transport %s | vocab %d (padded %d) | this rank holds %.2fM parameters | "
-                     "resuming at iteration %d", cfg.run.workload, cfg.model.model.upper(),
+                     "resuming at iteration %d", cfg.run.run_name, cfg.model.model.upper(),
                      f"{cfg.model.num_layers}L h{cfg.model.hidden_size}", t.describe(), self.num_microbatches,
                      cfg.optim.micro_batch_size, schedule, cfg.parallel.transport if t.pipeline_parallel > 1
                      else "none", vocab_size, cfg.model.padded_vocab_size(vocab_size, t.tensor_parallel),
@@ -708,11 +712,13 @@ def link_options(cfg: TrainConfig, shape) -> LinkOptions:
     from trainer.schedule.dynamic import one_f_one_b_cap
 
     cap = max(cfg.parallel.dpp_max_inflight or 0, one_f_one_b_cap(shape, 0))
-    itemsize = 2 if (cfg.optim.bf16 or cfg.optim.fp16) else 4
+    itemsize = cfg.pipeline_itemsize
+    default = LinkOptions()
+    if cfg.run.workload is not None:  # the prototype's per-copy share: slots of N elements (64-byte aligned)
+        return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=-(-cfg.run.workload * itemsize // 64) * 64)
     # --sequence-parallel: each TP rank sends its 1/TP of the sequence (its own links to its peer).
     seq = cfg.model.seq_length // (cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1)
     activation = seq * cfg.optim.micro_batch_size * cfg.model.hidden_size * itemsize
-    default = LinkOptions()
     return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=max(4096, -(-activation // 4096) * 4096))
 
 
@@ -728,6 +734,15 @@ def _sync_debug(mode: str | None):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def _check_gpus_per_node(cfg: TrainConfig) -> None:
+    """--num-gpus on CUDA: this node has that many GPUs (the prototype put rank r on GPU r % N)."""
+    if cfg.run.num_gpus is None or cfg.run.device != "cuda" or not torch.cuda.is_available():
+        return  # no CUDA: init_process_group names that problem
+    if torch.cuda.device_count() < cfg.run.num_gpus:
+        raise LaunchError(f"--num-gpus={cfg.run.num_gpus} GPUs per node but this node "
+                          f"({os.uname().nodename}) has {torch.cuda.device_count()}")
 
 
 def _world_size_from_env() -> int:
@@ -751,8 +766,9 @@ def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> 
     """Entry point; returns the exit code (0 all iterations done, 75 stopped on a signal, 2 bad
     configuration, 1 failure)."""
     try:
-        cfg = parse_config(argv, _world_size_from_env())
-        launch = read_launch_env(node_ips=cfg.run.node_ips)
+        cfg = parse_config(argv, _world_size_from_env(), ranks_per_node_from_env())
+        launch = read_launch_env(node_ips=cfg.run.node_ips, num_gpus=cfg.run.num_gpus)
+        _check_gpus_per_node(cfg)
     except (ConfigError, LaunchError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,6 @@ GPT16="--device cuda --mock-data --num-layers 16 --hidden-size 2048 --num-attent
 gpt16() {
     local name=$1 iters=$2; shift 2
     timeout 300 torchrun --standalone --nproc-per-node 4 -m trainer.train $GPT16 --train-iters "$iters" \
-        --workload "$name" "$@" > "$OUT/$name.log" 2>&1
+        --run-name "$name" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name (exit $?)"; grep -E "iteration +[0-9]+/|Error|error" "$OUT/$name.log" | tail -n 25
 }

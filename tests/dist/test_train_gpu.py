@@ -39,8 +39,8 @@ def test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus(tmp_path: Path) -> N
 
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
-    dpp = _losses(tmp_path / "dpp", ["--use-dpp", "--workload", "gpt16-dpp"])
-    megatron = _losses(tmp_path / "1f1b", ["--workload", "gpt16-1f1b"])
+    dpp = _losses(tmp_path / "dpp", ["--use-dpp", "--run-name", "gpt16-dpp"])
+    megatron = _losses(tmp_path / "1f1b", ["--run-name", "gpt16-1f1b"])
     print("iteration  dpp  megatron-1f1b")
     for it in sorted(megatron, key=int):
         print(it, dpp[it], megatron[it])

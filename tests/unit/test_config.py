@@ -45,7 +45,7 @@ def test_field_errors_are_all_reported_together() -> None:
          "--global-batch-size", "6", "--micro-batch-size", "4"],
      ["4 layers per stage is not divisible by --num-layers-per-virtual-pipeline-stage=3",
       "--global-batch-size=6 is not divisible by --micro-batch-size=4 x data-parallel size 2"]),
-    (4, ["--num-gpus", "8"], ["--num-gpus=8 but the launcher started world size 4"]),
+    (4, ["--num-gpus", "8"], ["--num-gpus=8 (GPUs per node) does not divide the world size 4"]),
 ])
 def test_impossible_layouts_name_every_offending_value(world, flags, needles) -> None:
     with pytest.raises(ConfigError) as err:

@@ -33,7 +33,8 @@ def test_no_launcher_is_a_single_process() -> None:
 
 
 def test_node_ips_place_this_host() -> None:
-    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "1"}
+    # Two addresses for four ranks: one per node (a list as long as the world is one per rank).
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "1"}
     import socket
 
     info = read_launch_env(env, node_ips=("192.0.2.77", socket.gethostname()))

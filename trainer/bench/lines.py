@@ -206,7 +206,7 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
                 args += variable_length_args(cfg)
             if scenario == "c":
                 args += ["--inject-stalls", cfg.stall]
-            args += ["--workload", f"bench-{scenario}-{name}"]
+            args += ["--run-name", f"bench-{scenario}-{name}"]
             label = what
             if cfg.device == "cpu" and name.startswith("megatron-"):
                 policy = "interleaved" if vp > 1 else "1f1b"
