@@ -51,3 +51,51 @@ def test_the_shared_vocabulary_is_stdlib_only():
         package_init = REPO / module.split(".")[0] / "__init__.py"
         for path in (REPO / (module.replace(".", "/") + ".py"), package_init):
             assert _imported_roots(path) <= {"__future__", "typing"}, f"{path} must import only typing"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    base = REPO / name.replace(".", "/")
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists() or any(
+        base.parent.glob(base.name + ".*.so"))
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, function-level (deferred) imports included: a
+    deferred import that closes a circle is still a circle. ``from pkg import submodule`` is an edge
+    to the submodule (its package's __init__ runs first whatever the form)."""
+    graph: dict[str, set[str]] = {}
+    for package in FORBIDDEN:
+        for path in sorted((REPO / package).rglob("*.py")):
+            edges = set()
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.Import):
+                    edges |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    for alias in node.names:
+                        sub = f"{node.module}.{alias.name}"
+                        edges.add(sub if _is_module(sub) else node.module)
+            graph[_module_name(path)] = edges
+    return {name: {e for e in edges if e in graph and e != name} for name, edges in graph.items()}
+
+
+def test_the_import_graph_has_no_circle():
+    graph, circles, state = _import_graph(), [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                circles.append(" -> ".join([*path[path.index(dep):], dep]))
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, f"import circles (house style: the import graph is a tree): {circles}"

@@ -279,3 +279,19 @@ class Policy(Protocol):
     def choose(self, state: StageState) -> Action | None:
         """The next action to run, or None to wait for an arrival."""
         ...
+
+
+def cost_order(costs: tuple[float, ...] | None, num_microbatches: int) -> list[int]:
+    """The order in which to start microbatches given their estimated relative ``costs``.
+
+    Cheapest first, rising to the dearest in the middle and falling again to the second
+    cheapest last (a "pyramid"): the pipeline fills behind the first microbatch's forward and
+    drains behind the last one's backward, so both ends want short ones; in between, neighbours of
+    similar length keep the stages in step (a long microbatch after a short one leaves the next
+    stage idle under any order of ops). Measured against the index order and against sorted
+    orders in docs/schedules.md. No costs, or all equal: the index order.
+    """
+    if costs is None or len(set(costs)) <= 1:
+        return list(range(num_microbatches))
+    ascending = sorted(range(num_microbatches), key=lambda m: (costs[m], m))
+    return ascending[0::2] + ascending[1::2][::-1]

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.problems import raise_if_any
-from trainer.schedule.core import Action, Op, PipelineShape, StageState
+from trainer.schedule.core import Action, Op, PipelineShape, StageState, cost_order
 from trainer.schedule.static import interleaved_warmup
 
 PRIORITIES = ("forward", "backward")
@@ -30,22 +30,6 @@ CHUNK_ORDERS = ("depth", "breadth")
 CAP_BASES = ("stage", "peak")
 MICROBATCH_ORDERS = ("cost", "index")
 WEIGHT_ORDERS = ("oldest", "youngest")
-
-
-def cost_order(costs: tuple[float, ...] | None, num_microbatches: int) -> list[int]:
-    """The order in which to start microbatches given their estimated relative ``costs``.
-
-    Cheapest first, rising to the dearest in the middle and falling again to the second
-    cheapest last (a "pyramid"): the pipeline fills behind the first microbatch's forward and
-    drains behind the last one's backward, so both ends want short ones; in between, neighbours of
-    similar length keep the stages in step (a long microbatch after a short one leaves the next
-    stage idle under any order of ops). Measured against the index order and against sorted
-    orders in docs/schedules.md. No costs, or all equal: the index order.
-    """
-    if costs is None or len(set(costs)) <= 1:
-        return list(range(num_microbatches))
-    ascending = sorted(range(num_microbatches), key=lambda m: (costs[m], m))
-    return ascending[0::2] + ascending[1::2][::-1]
 
 
 def one_f_one_b_cap(shape: PipelineShape, stage: int) -> int:

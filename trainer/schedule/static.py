@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trainer.problems import raise_if_any
-from trainer.schedule.core import Action, Op, PipelineShape, StageState
+from trainer.schedule.core import Action, Op, PipelineShape, StageState, cost_order
 
 
 class StaticPolicy:
@@ -39,8 +39,6 @@ class StaticPolicy:
         action = self.order[position]
         if self.microbatch_order == "cost" and state.microbatch_costs is not None:
             if state.microbatch_costs is not self._relabel_for:
-                from trainer.schedule.dynamic import cost_order  # dynamic imports this module
-
                 self._relabel_for = state.microbatch_costs
                 self._relabel = cost_order(state.microbatch_costs, state.shape.num_microbatches)
             action = Action(action.op, self._relabel[action.microbatch], action.chunk)

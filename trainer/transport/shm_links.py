@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.problems import problems_text
 from trainer.transport import _shm_ring
 from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
 from trainer.transport.channels import Delivery, Inbox
@@ -292,6 +293,36 @@ class ShmReceiver:
             self._ring.unlink()  # normally a no-op: the sender unlinked it when it attached
 
 
+def _set_up_in_phases(phases: tuple[tuple[str, Callable[[], None]], ...], rank: int, group,
+                      clean_up: Callable[[], None]) -> None:
+    """Run the set-up ``phases`` in order on every rank. COLLECTIVE over ``group``.
+
+    An all-gather after each phase keeps every rank from starting the next one (attaching to a name)
+    before every rank finished this one (created it); and when a phase failed anywhere, every rank
+    runs ``clean_up`` and raises one TransportError naming each rank's error, instead of waiting for
+    peers that will never attach.
+    """
+    for phase, work in phases:
+        error = None
+        try:
+            work()
+        except (OSError, RuntimeError, ValueError) as exc:
+            error = f"rank {rank}: {exc}"
+            if "No space" in error:
+                error += " (/dev/shm too small? lower LinkOptions.shm_slot_bytes or credits)"
+        errors = all_gather(error, group)
+        if any(errors):
+            clean_up()
+            raise TransportError(problems_text(errors, f"shared-memory set-up ({phase}) failed"))
+
+
+def _discard(rings: dict[tuple[int, int, str], _shm_ring.Ring]) -> None:
+    """Unmap and unlink every ring (after a failed set-up)."""
+    for ring in rings.values():
+        ring.close()
+        ring.unlink()
+
+
 def open_rings(
     specs: list, rank: int, job: str, group, num_slots: int, slot_bytes: int
 ) -> dict[tuple[int, int, str], _shm_ring.Ring]:
@@ -313,20 +344,7 @@ def open_rings(
             if s.src == rank:
                 rings[s.src, s.dst, s.direction] = _shm_ring.Ring.attach(ring_name(job, s.src, s.dst, s.direction))
 
-    for phase, work in (("create", create), ("attach", attach)):
-        error = None
-        try:
-            work()
-        except (OSError, RuntimeError, ValueError) as exc:
-            error = f"rank {rank}: {exc}"
-            if "No space" in error:
-                error += " (/dev/shm too small? lower LinkOptions.shm_slot_bytes or credits)"
-        errors = all_gather(error, group)
-        if any(errors):
-            for ring in rings.values():
-                ring.close()
-                ring.unlink()
-            raise TransportError(f"shared-memory set-up ({phase}) failed: " + "; ".join(e for e in errors if e))
+    _set_up_in_phases((("create", create), ("attach", attach)), rank, group, lambda: _discard(rings))
     for (src, dst, _), ring in rings.items():
         if dst == rank:
             ring.unlink()  # the sender did already; make sure nothing can outlive a crash now
@@ -375,20 +393,12 @@ def open_doorbells(
                     bells[dst] = _shm_ring.Doorbell.attach(doorbell_name(job, dst))
                 ring.set_doorbell(bells[dst])  # the ring keeps the doorbell mapped
 
-    for phase, work in (("create doorbell", create), ("attach doorbell", attach)):
-        error = None
-        try:
-            work()
-        except (OSError, RuntimeError, ValueError) as exc:
-            error = f"rank {rank}: {exc}"
-        errors = all_gather(error, group)
-        if any(errors):
-            for bell in own:
-                bell.unlink()
-            for ring in rings.values():
-                ring.close()
-                ring.unlink()
-            raise TransportError(f"shared-memory set-up ({phase}) failed: " + "; ".join(e for e in errors if e))
+    def clean_up() -> None:
+        for bell in own:
+            bell.unlink()
+        _discard(rings)
+
+    _set_up_in_phases((("create doorbell", create), ("attach doorbell", attach)), rank, group, clean_up)
     for bell in own:
         bell.unlink()  # every sender has it mapped: nothing can outlive a crash now
     all_gather(None, group)  # no rank returns while another's doorbell name is still visible
