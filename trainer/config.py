@@ -208,6 +208,14 @@ class ParallelConfig:
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
     the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
     --dpp-policy dpp, TP 1, a fixed sequence length and dropout 0; costs GPU memory per slot."""
+    cuda_graph_impl: Literal["none", "local"] = "none"
+    """megatron-core's own CUDA graphs for its schedules, as Megatron-LM's ``--cuda-graph-impl local``:
+    every transformer layer's forward and backward recorded per in-flight microbatch during the first
+    ``--cuda-graph-warmup-steps`` steps' schedule, then replayed (megatron.core.transformer.cuda_graphs).
+    CUDA, not with --use-dpp (the DPP runtime's graphs are --dpp-cuda-graphs), one sequence length.
+    "transformer_engine" and "full_iteration" need Transformer Engine / are not offered here."""
+    cuda_graph_warmup_steps: int = 3
+    """Eager steps of each graphed layer before megatron-core records its graphs (as Megatron-LM)."""
     transport: Transport = "auto"
     """Stage-to-stage transport (``--transport``): shm within a node, nccl/gloo across."""
     dpp_timeout_s: float = 300.0
@@ -264,6 +272,9 @@ class ParallelConfig:
                      "tensor-parallel ranks)")
         if self.dpp_timeout_s <= 0:
             p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
+        if self.cuda_graph_impl not in ("none", "local"):
+            p.append(f"--cuda-graph-impl={self.cuda_graph_impl!r} must be none or local (megatron-core's own "
+                     "graphs; transformer_engine needs Transformer Engine, full_iteration is not offered)")
         if self.dpp_policy not in DPP_POLICIES:
             p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
         elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
@@ -708,6 +719,7 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
     p.extend(_split_backward_problems(cfg))
     p.extend(_variable_length_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
+    p.extend(_megatron_graph_problems(cfg))
     p.extend(attention_backend_problems(cfg))
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
         p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "
@@ -786,6 +798,22 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
             not par.overlap_grad_reduce,
     }
     return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
+
+
+def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
+    """What rules out --cuda-graph-impl local (megatron-core's per-layer graphs for its schedules)."""
+    par = cfg.parallel
+    if par.cuda_graph_impl == "none":
+        return []
+    why = {
+        "megatron-core's schedules (not --use-dpp: the DPP runtime's graphs are --dpp-cuda-graphs)":
+            not par.use_dpp,
+        f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
+        "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
+            not cfg.data.variable_seq_lengths,
+        f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,
+    }
+    return [f"--cuda-graph-impl {par.cuda_graph_impl} needs {need}" for need, ok in why.items() if not ok]
 
 
 def _variable_length_problems(cfg: TrainConfig) -> list[str]:

@@ -214,7 +214,9 @@ class TrainingSession:
         if self.cfg.run.device == "cuda":
             from megatron.core import tensor_parallel
 
-            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+            # megatron-core's graphed layers need an RNG tracker whose states a graph can replay.
+            graphs = self.cfg.parallel.cuda_graph_impl == "local"
+            tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs)
 
     def _sample_source(self) -> tuple[SampleSource, int]:
         cfg = self.cfg
@@ -684,6 +686,13 @@ class TrainingSession:
         for c, graphs in ((self.dpp_context.graphs or {}) if self.dpp_context is not None else {}).items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      self.topology.pp_rank, c, graphs.replayed, graphs.eager)
+        if self.cfg.parallel.cuda_graph_impl == "local":
+            # megatron-core records one graph pair per layer and in-flight microbatch ("runner"); a run
+            # whose layers never left eager mode would otherwise look like a graphed run in the log.
+            runners = [r for chunk in self.model for mod in chunk.modules()
+                       for r in getattr(getattr(mod, "cudagraph_manager", None), "cudagraph_runners", [])]
+            log.info("stage %d: megatron-core CUDA graphs created for %d of %d layer runner(s)",
+                     self.topology.pp_rank, sum(bool(r.cudagraph_created) for r in runners), len(runners))
         if self.measure is not None:
             self.measure.write()
         if self.tensorboard is not None:

@@ -8,6 +8,8 @@ graph. tests/gpu/test_dpp_cuda_graphs.py checks the graphs themselves against ea
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -194,6 +196,39 @@ def test_graphs_without_dpp_are_refused() -> None:
     argv = [a for a in GOOD if a != "--use-dpp"]
     with pytest.raises(ConfigError, match=r"--dpp-cuda-graphs needs --use-dpp"):
         parse_config(argv, world_size=2)
+
+
+MEGATRON_GRAPHS = [a for a in GOOD if a not in ("--use-dpp", "--dpp-cuda-graphs")] + ["--cuda-graph-impl", "local"]
+
+
+def test_megatron_graphs_reach_megatron_core_config() -> None:
+    """--cuda-graph-impl local is megatron-core's own per-layer graphs (Megatron-LM's flag), for its schedules."""
+    from trainer.model.build import transformer_config
+    from trainer.topology import Topology
+
+    cfg = parse_config(MEGATRON_GRAPHS + ["--cuda-graph-warmup-steps", "2"], world_size=2)
+    assert (cfg.parallel.cuda_graph_impl, cfg.parallel.cuda_graph_warmup_steps) == ("local", 2)
+    # built as on CPU (no CUDA fusions to look for): the graph fields are what matter here
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
+    tc = transformer_config(cfg, Topology(world_size=2, rank=0, pipeline_parallel=2))
+    assert (tc.cuda_graph_impl, tc.cuda_graph_warmup_steps) == ("local", 2)
+    assert parse_config(GOOD, world_size=2).parallel.cuda_graph_impl == "none"
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--use-dpp"], "megatron-core's schedules (not --use-dpp"),
+    (["--device", "cpu"], "--device cuda (got cpu)"),
+    (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5"], "a fixed sequence length"),
+])
+def test_megatron_graphs_refuse_what_they_cannot_run(extra, needle) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(MEGATRON_GRAPHS + extra, world_size=2)
+    assert f"--cuda-graph-impl local needs {needle}" in str(err.value)
+
+
+def test_megatron_graphs_name_the_implementations_offered() -> None:
+    with pytest.raises(ConfigError, match="transformer_engine"):
+        parse_config(MEGATRON_GRAPHS + ["--cuda-graph-impl", "transformer_engine"], world_size=2)
 
 
 def test_benchmark_lists_the_graphs_line_as_not_run_where_it_cannot() -> None:

@@ -17,6 +17,9 @@ CATALOGUE = {
     # name: (what it is, v, extra trainer flags, uses the balanced split)
     "megatron-1f1b-default": ("megatron-core 1F1B, even split, default P2P (batch_p2p_sync on)", 1, [], False),
     "megatron-1f1b-best": ("megatron-core 1F1B, balanced split, --no-batch-p2p-sync", 1, ["--no-batch-p2p-sync"], True),
+    "megatron-1f1b-graphs": ("megatron-core 1F1B, balanced split, --no-batch-p2p-sync, --cuda-graph-impl local "
+                             "(megatron-core's per-layer CUDA graphs)", 1,
+                             ["--no-batch-p2p-sync", "--cuda-graph-impl", "local"], True),
     "megatron-interleaved-v2": ("megatron-core interleaved 1F1B v=2, overlapped P2P, balanced split", 2,
                                 ["--no-batch-p2p-sync"], True),
     "dpp": ("--use-dpp --dpp-policy dpp (greedy)", 1, ["--use-dpp", "--dpp-policy", "dpp"], True),
@@ -35,7 +38,7 @@ DEFAULT_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interl
 SCENARIOS = {"a": "uniform", "b": "variable sequence lengths", "c": "transient stalls"}
 SEED = 1234
 """--seed of every line (initialisation and mock data)."""
-MEGATRON_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2")
+MEGATRON_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-1f1b-graphs", "megatron-interleaved-v2")
 """The trainer's megatron-core lines: the best of them is the bar every ratio is taken against."""
 
 
@@ -219,9 +222,10 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
 
 def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policies: tuple[str, ...],
                 scenario: str = "a") -> str:
-    if "--dpp-cuda-graphs" in flags and cfg.device != "cuda":
+    graphs = "--dpp-cuda-graphs" in flags or "--cuda-graph-impl" in flags
+    if graphs and cfg.device != "cuda":
         return "CUDA graphs need CUDA"
-    if "--dpp-cuda-graphs" in flags and scenario == "b":
+    if graphs and scenario == "b":
         return "CUDA graphs capture one shape; scenario (b) varies the sequence length per microbatch"
     if name == "direct-megatron" and cfg.device != "cuda":
         return "megatron-core's schedules need CUDA (its P2P allocates on the GPU); no CPU stand-in for this line"

@@ -106,6 +106,10 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         # in a dense model; alltoall is what Megatron-LM users pass, and unused without experts.
         **({"moe_token_dispatcher_type": "alltoall"} if cfg.data.variable_seq_lengths else {}),
         calculate_per_token_loss=uses_per_token_loss(m.model, cfg.data.variable_seq_lengths),
+        # --cuda-graph-impl local: megatron-core's per-layer graphs, recorded by its schedules.
+        **({"cuda_graph_impl": cfg.parallel.cuda_graph_impl,
+            "cuda_graph_warmup_steps": cfg.parallel.cuda_graph_warmup_steps}
+           if cfg.parallel.cuda_graph_impl != "none" else {}),
     )
 
 
