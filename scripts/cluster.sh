@@ -7,6 +7,7 @@
 #   scripts/cluster.sh down     cancel every job, stop every daemon, leave no process behind
 #   scripts/cluster.sh status   one line per daemon, then sinfo; exit 0 only when all run
 #   scripts/cluster.sh purge    down, then delete the cluster folder (configs, accounting database, logs)
+#   scripts/cluster.sh plugstack  (re)write plugstack.conf: Pyxis when installed (scripts/install-enroot-pyxis.sh)
 #
 # Everything (configs, state, logs, pid files, sockets, the munge key, the MariaDB data) lives in one
 # folder, $MDPP_CLUSTER_DIR (default: .cluster/ in the repository). Users and tests `source` its `env`.
@@ -180,6 +181,27 @@ export SLURM_CONF=$CONF
 case ":\$PATH:" in *:/usr/sbin:*) ;; *) export PATH="\$PATH:/usr/sbin" ;; esac
 EOF
     mv -f "$DIR/env.tmp" "$DIR/env"
+    write_plugstack
+}
+
+# Pyxis (scripts/install-enroot-pyxis.sh builds it): Slurm reads plugstack.conf beside slurm.conf,
+# srun when it parses its options and slurmstepd when a step starts, so a running cluster picks a
+# change up with the next srun. Without the plugin there is no plugstack.conf at all: an srun with
+# --container-image then fails as an unknown option instead of running on the host.
+# use_squashfuse: a .sqsh image is mounted where it lies for each step instead of being unpacked
+# into a named container: both "nodes" of this cluster share one host and would unpack the same
+# container name into one folder.
+PYXIS_PLUGIN=${PYXIS_PLUGIN:-/usr/local/lib/slurm/spank_pyxis.so}
+write_plugstack() {
+    mkdir -p "$DIR/etc"
+    if [[ -f $PYXIS_PLUGIN ]]; then
+        printf '%s\n' "# Written by scripts/cluster.sh: Pyxis, installed by scripts/install-enroot-pyxis.sh." \
+            "required $PYXIS_PLUGIN use_squashfuse=1" >"$DIR/etc/plugstack.conf.tmp"
+        chmod 644 "$DIR/etc/plugstack.conf.tmp"
+        mv -f "$DIR/etc/plugstack.conf.tmp" "$DIR/etc/plugstack.conf"
+    else
+        rm -f "$DIR/etc/plugstack.conf"
+    fi
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +369,10 @@ case ${1:-} in
     up) cmd_up ;;
     down) cmd_down ;;
     status) cmd_status ;;
+    plugstack)
+        write_plugstack
+        if [[ -f $DIR/etc/plugstack.conf ]]; then log "Pyxis registered: $DIR/etc/plugstack.conf"
+        else log "no Pyxis at $PYXIS_PLUGIN: $DIR/etc/plugstack.conf removed"; fi ;;
     purge) cmd_down; rm -rf "$DIR"; log "removed $DIR" ;;
-    *) echo "usage: $0 up|down|status|purge   (cluster folder: $DIR)" >&2; exit 2 ;;
+    *) echo "usage: $0 up|down|status|purge|plugstack   (cluster folder: $DIR)" >&2; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import subprocess
@@ -211,8 +212,29 @@ def ib_address(node: str, sysfs: Path = Path("/sys")) -> NodeAddress | None:
     return None
 
 
+# "node1=10.0.0.1,node2=10.0.0.2": Slurm's NodeAddr of each node, handed into a container (which has
+# no scontrol) by the training sbatch file, which reads them on the host.
+NODE_ADDRS_ENV = "MDPP_NODE_ADDRS"
+
+
+def given_node_addrs(text: str | None = None) -> dict[str, str]:
+    """Node -> NodeAddr from $MDPP_NODE_ADDRS (or ``text``); malformed entries are named and skipped."""
+    text = os.environ.get(NODE_ADDRS_ENV, "") if text is None else text
+    found = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        node, sep, addr = entry.partition("=")
+        if not sep or not node or not addr:
+            log.warning("%s: ignoring %r (expected node=address)", NODE_ADDRS_ENV, entry)
+            continue
+        found[node] = addr
+    return found
+
+
 def slurm_node_addr(node: str) -> str | None:
-    """The NodeAddr Slurm has for `node` (from `scontrol show node`), or None."""
+    """The NodeAddr Slurm has for `node` ($MDPP_NODE_ADDRS, else `scontrol show node`), or None."""
+    given = given_node_addrs().get(node)
+    if given:
+        return given
     try:
         proc = slurm.call(["scontrol", "show", "node", "-o", node], timeout=COMMAND_TIMEOUT_S)
     except slurm.SlurmError as error:

@@ -23,7 +23,7 @@ import shlex
 import shutil
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,21 +327,32 @@ def _probe_with_srun(hosts: Sequence[str], timeout_s: float) -> dict[str, netinf
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise SlurmError(f"probing node addresses with srun failed: {tail}")
+    return read_reported(proc.stdout.splitlines())
+
+
+def read_reported(lines: Iterable[str]) -> dict[str, netinfo.NodeAddress]:
+    """Node -> address from the JSON lines `address` printed on the nodes (other lines are ignored)."""
     found = {}
-    for line in proc.stdout.splitlines():
+    for line in lines:
         if line.startswith("{"):
             address = netinfo.NodeAddress.from_json(line)
             found[address.node] = address
     return found
 
 
-def node_addresses(hosts: Sequence[str], probe: bool = True,
-                   probe_timeout_s: float = PROBE_TIMEOUT_S) -> list[netinfo.NodeAddress]:
-    """One address per host (duplicates resolved once), InfiniBand preferred when probing."""
+def node_addresses(hosts: Sequence[str], probe: bool = True, probe_timeout_s: float = PROBE_TIMEOUT_S,
+                   reported: dict[str, netinfo.NodeAddress] | None = None) -> list[netinfo.NodeAddress]:
+    """One address per host (duplicates resolved once), InfiniBand preferred when probing.
+
+    ``reported``: what the nodes' own `address` said, gathered by the caller (the training file
+    does so inside IMAGE); then nothing is probed here.
+    """
     unique = list(dict.fromkeys(hosts))
     local = os.environ.get("SLURMD_NODENAME")
     found: dict[str, netinfo.NodeAddress] = {}
-    if probe and unique == [local]:
+    if reported is not None:
+        found = reported
+    elif probe and unique == [local]:
         found = {local: netinfo.local_address(local)}  # a one-node job: no srun needed
     elif probe and shutil.which("srun") and os.environ.get("SLURM_JOB_ID"):
         try:
@@ -376,8 +387,20 @@ def _build_parser() -> argparse.ArgumentParser:
     env.add_argument("--no-probe", action="store_true",
                      help="do not run srun on the nodes: Slurm's NodeAddr or DNS only, no InfiniBand")
     env.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT_S, metavar="S")
+    env.add_argument("--addresses", metavar="FILE", default=None,
+                     help="the JSON lines `address` printed on the nodes ('-': standard input), gathered by "
+                          "the caller (the training file does so inside IMAGE): no srun here")
     commands.add_parser("address", help="print this node's address as JSON (what env gathers through srun)")
     return parser
+
+
+def _read_lines(path: str) -> list[str]:
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"--addresses {path}: {error.strerror}") from error
 
 
 def _job_id(given: int | None) -> int:
@@ -405,7 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             hosts = expand_nodelist(args.nodelist)
             if not hosts:
                 raise ValueError(f"node list {args.nodelist!r} names no node")
-            addresses = node_addresses(hosts, probe=not args.no_probe, probe_timeout_s=args.probe_timeout)
+            reported = None
+            if args.addresses is not None:
+                reported = read_reported(_read_lines(args.addresses))
+            addresses = node_addresses(hosts, probe=not args.no_probe, probe_timeout_s=args.probe_timeout,
+                                       reported=reported)
             sys.stdout.write(_shell_exports(launch_environment(addresses, job_id)))
         else:
             node = os.environ.get("SLURMD_NODENAME") or netinfo.short_hostname()
