@@ -1,7 +1,7 @@
 """Builds the C++ shared-memory transport extension (csrc/) during `pip install`.
 
 The extension deliberately does not link libtorch: it moves raw bytes between POSIX shared-memory
-rings and Python buffers, so it is independent of the torch ABI (see DESIGN.md §4).
+rings and Python buffers, so it is independent of the torch ABI (see docs/transport.md#transports).
 """
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup

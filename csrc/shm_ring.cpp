@@ -11,7 +11,7 @@
 // free_seq by every release), in slices of poll_s so the waiter can notice that its peer died
 // (pid gone, zombie, or pid reused: start time changed) or closed its end.
 //
-// Deliberately no libtorch: raw pointers and bytes in, a buffer-protocol view out (DESIGN.md §4).
+// Deliberately no libtorch: raw pointers and bytes in, a buffer-protocol view out (docs/transport.md#transports).
 #include <pybind11/pybind11.h>
 
 #include <atomic>

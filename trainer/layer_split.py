@@ -5,7 +5,7 @@ Megatron-LM's uneven split: ``--decoder-first-pipeline-num-layers F`` / ``--deco
 0.16 and 0.19) give the first / last stage F / L layers and spread the rest evenly over the middle
 stages. A stage carrying the embedding or the output head over a 50k vocabulary does more work than
 its layers say (the head weighs about two layers at hidden 2048), so e.g. 16 layers on 4 stages run
-faster as 5/4/4/3 than 4/4/4/4 (DESIGN.md §9).
+faster as 5/4/4/3 than 4/4/4/4 (docs/benchmarks.md#reference-megatron-core-alone-on-4-h200s).
 
 :func:`split_problems` states megatron-core's rules (``TransformerConfig.__post_init__`` and
 ``get_num_layers_to_build``) as messages naming the flags; :func:`stage_layers` reproduces

@@ -5,7 +5,8 @@ slowest), so ``global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)`` and our r
 process groups that ``megatron.core.parallel_state.initialize_model_parallel`` builds.
 
 Node membership comes from the launcher (node index per rank: SLURM_NODEID / --node-ips / torchrun's
-LOCAL_WORLD_SIZE), never from hostnames: two test "nodes" may share one host (DESIGN.md §4).
+LOCAL_WORLD_SIZE), never from hostnames: two test "nodes" may share one host
+(docs/transport.md#transports).
 """
 
 from __future__ import annotations

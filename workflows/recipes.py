@@ -186,7 +186,7 @@ class Recipe:
 
 
 def gpt(size: str = "cpu") -> Recipe:
-    """GPT with GPT-2 BPE. cpu: 4x64 demo over 2 nodes; gpu: DESIGN.md §9's 16x2048 benchmark."""
+    """GPT with GPT-2 BPE. cpu: 4x64 demo over 2 nodes; gpu: the 16x2048 benchmark of docs/benchmarks.md#reference-megatron-core-alone-on-4-h200s."""
     tokenization = Tokenization(
         tokenizer_type="GPT2BPETokenizer",
         vocab_file="datasets/gpt2/vocab.json",

@@ -1,7 +1,7 @@
 """The slurm tier: every test here runs against the project's real local cluster (scripts/cluster.sh).
 
 The session brings the cluster up once (a no-op when it already runs), exports its SLURM_CONF so
-that sbatch/srun/sacct and the code under test talk to it, and marks every test here `slurm`.
+that sbatch, srun, sacct and the code under test talk to it, and marks every test here `slurm`.
 The session that started the cluster stops it at the end, unless another test session is still
 using it (a shared lock on .cluster/pytest.lock says so): a developer's running cluster is left
 alone, and a CI run leaves no daemon behind.

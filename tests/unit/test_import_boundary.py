@@ -1,4 +1,4 @@
-"""workflows/ never imports torch or megatron; trainer/ never imports submitit or jinja2 (DESIGN.md §1)."""
+"""workflows/ never imports torch or megatron; trainer/ never imports submitit or jinja2 (README.md#layout)."""
 
 from __future__ import annotations
 

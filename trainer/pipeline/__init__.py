@@ -1,4 +1,4 @@
-"""The DPP runtime: a schedule policy executed over stage-to-stage links (DESIGN.md §3)."""
+"""The DPP runtime: a schedule policy executed over stage-to-stage links (docs/training.md#the-dpp-runtime-trainerpipelinedpppy)."""
 
 from trainer.pipeline.dpp import DppContext, forward_backward_dpp, make_forward_backward_func
 from trainer.pipeline.stall import DppStallError

@@ -31,7 +31,7 @@ class LayerCosts:
     """Extra time of the first stage: the embedding (and its gradient)."""
     head: float = 0.0
     """Extra time of the last stage: output head and loss (about two layers at hidden 2048 and a
-    50k vocabulary, DESIGN.md section 9)."""
+    50k vocabulary, docs/benchmarks.md#reference-megatron-core-alone-on-4-h200s)."""
     stage_speed: tuple[float, ...] = ()
     """Slowdown of each stage (1.2 = that GPU runs 20% slower); empty: all 1."""
 

@@ -1,4 +1,4 @@
-"""Chrome-trace export of a simulated step, in the format the runtime tracer writes (DESIGN.md §6).
+"""Chrome-trace export of a simulated step, in the format the runtime tracer writes (docs/profiling.md#trace-format-contract-shared-by-the-runtime-the-simulator-and-the-aggregator).
 
 One file holds every stage (``pid`` = stage, ``metadata.source = "simulator"``, ``rank = -1``), so
 the profiling aggregator, Perfetto and chrome://tracing read simulated and measured steps alike.

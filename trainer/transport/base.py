@@ -1,4 +1,4 @@
-"""Transport contract between pipeline stages (DESIGN.md §4).
+"""Transport contract between pipeline stages (docs/transport.md#using-it).
 
 One directed *channel* per pipeline edge and direction: activations go stage s -> next (a ring, so
 interleaving's wrap-around edge p-1 -> 0 exists), gradients go stage s -> prev. A stage therefore has
