@@ -21,6 +21,7 @@ from pathlib import Path
 from trainer.problems import problems_text
 from trainer.schedule.compare import ScheduleSpec, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
+from trainer.schedule.dynamic import CAP_BASES, CHUNK_ORDERS, MICROBATCH_ORDERS, PRIORITIES, WEIGHT_ORDERS
 from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, split_of
 from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
 from trainer.schedule.trace import write_trace
@@ -74,26 +75,26 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated time per edge s->s+1 (last = wrap-around p-1->0), overriding --transfer")
     add("--cap-factor", type=float, default=1.0,
         help="dpp/dpp-zb activation cap as a multiple of 1F1B's bound (default 1)")
-    add("--cap-basis", choices=("stage", "peak"), default=None,
+    add("--cap-basis", choices=CAP_BASES, default=None,
         help="1F1B bound the cap multiplies: this stage's (p-s) or stage 0's (the per-GPU peak);"
         " default: stage for dpp, peak for dpp-zb")
-    add("--priority", choices=("forward", "backward"), default="forward",
+    add("--priority", choices=PRIORITIES, default="forward",
         help="dpp/dpp-zb: what wins when a forward and a backward are both ready (default forward)")
-    add("--chunk-order", choices=("depth", "breadth"), default="depth",
+    add("--chunk-order", choices=CHUNK_ORDERS, default="depth",
         help="dpp/dpp-zb: later chunks first (depth) or chunk 0 first (breadth) (default depth)")
-    add("--backward-chunk-order", choices=("depth", "breadth"), default="breadth",
+    add("--backward-chunk-order", choices=CHUNK_ORDERS, default="breadth",
         help="dpp/dpp-zb backwards: earlier chunks first (depth) or later chunks first (breadth,"
         " default)")
     add("--reserve-owed", choices=("yes", "no"), default=None,
         help="dpp/dpp-zb: keep the cap's slots owed to started microbatches from new ones"
         " (default: yes for dpp, no for dpp-zb)")
-    add("--microbatch-order", choices=("cost", "index"), default="cost",
+    add("--microbatch-order", choices=MICROBATCH_ORDERS, default="cost",
         help="dpp/dpp-zb: order microbatches by their length-based cost estimates (cost, default)"
         " or by index")
-    add("--static-microbatch-order", choices=("index", "cost"), default="index",
+    add("--static-microbatch-order", choices=MICROBATCH_ORDERS, default="index",
         help="static schedules: Megatron's index order (default) or the dynamic policies' cost"
         " order (as if the data loader sorted each step's microbatches)")
-    add("--weight-order", choices=("oldest", "youngest"), default="oldest",
+    add("--weight-order", choices=WEIGHT_ORDERS, default="oldest",
         help="dpp-zb: which deferred weight gradient fills idle time first (default oldest)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from trainer.problems import raise_if_any
 from trainer.topology import Topology
-from trainer.transport.factory import LinkOptions, make_stage_links
+from trainer.transport.factory import GPU_SIGNALS, GpuSignals, LinkOptions, make_stage_links
 from trainer.transport.spawn import check_all_ok, run_processes
 from trainer.transport.tensors import header_for
 
@@ -90,7 +90,7 @@ class BenchConfig:
     rounds: int = 20
     """Rounds of the randomized-order exchange."""
     seed: int = 0
-    gpu_signals: str = "auto"
+    gpu_signals: GpuSignals = "auto"
     """Same-node GPU channels: "flags", "events" or "auto" (LinkOptions.gpu_signals)."""
 
     def __post_init__(self) -> None:
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-order", action="store_true", help="randomized-order exchange instead of timing")
     parser.add_argument("--rounds", type=int, default=20, help="rounds of --random-order")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random-order")
-    parser.add_argument("--gpu-signals", default="auto", choices=["auto", "flags", "events"],
+    parser.add_argument("--gpu-signals", default="auto", choices=GPU_SIGNALS,
                         help="same-node GPU channels: how slot filled/freed is signalled")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)

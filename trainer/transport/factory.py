@@ -18,6 +18,7 @@ import datetime
 import logging
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,12 @@ log = logging.getLogger(__name__)
 DIRECTIONS: tuple[Direction, Direction] = ("next", "prev")
 
 
+GpuSignals = Literal["auto", "flags", "events"]
+"""How same-node GPU channels signal "slot filled/freed" (LinkOptions.gpu_signals, the transport
+benchmark's --gpu-signals)."""
+GPU_SIGNALS: tuple[str, ...] = get_args(GpuSignals)
+
+
 @dataclass(frozen=True)
 class LinkOptions:
     """Tuning knobs of the stage links (the defaults suit an 8 MiB activation)."""
@@ -47,15 +54,15 @@ class LinkOptions:
     more on the receiver, so size slots to the usual activation)."""
     poll_interval_s: float = 0.05
     """How often a blocked shm wait wakes to check that its peer process is still alive."""
-    gpu_signals: str = "auto"
+    gpu_signals: GpuSignals = "auto"
     """Same-node GPU channels: how "slot filled/freed" is signalled between the processes
     (trainer.transport.gpu_signals): "flags" (driver stream memory operations), "events"
     (interprocess CUDA events), or "auto" (flags where the driver allows them)."""
 
     def __post_init__(self) -> None:
         problems = []
-        if self.gpu_signals not in ("auto", "flags", "events"):
-            problems.append(f"gpu_signals={self.gpu_signals!r} must be auto, flags or events")
+        if self.gpu_signals not in GPU_SIGNALS:
+            problems.append(f"gpu_signals={self.gpu_signals!r} must be one of {', '.join(GPU_SIGNALS)}")
         if self.credits < 1:
             problems.append(f"credits={self.credits} must be >= 1")
         if self.shm_slot_bytes < 4096 or self.shm_slot_bytes % 64:
