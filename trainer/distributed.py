@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.node_addresses import read_node_ips
+from trainer.problems import raise_if_any
 from trainer.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -117,8 +118,7 @@ def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str
         launcher = "torchrun"
         node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else None
         addresses, problems = read_node_ips(node_ips, world)
-        if problems:
-            raise LaunchError("; ".join(problems))
+        raise_if_any(problems, error=LaunchError)
         if node is None and addresses is not None:
             node = addresses.node_of_rank[rank] if addresses.per_rank else _node_from_ips(addresses.nodes)
         if node is None:
