@@ -39,7 +39,6 @@ _MAX_PREFIX_COUNT = 64 * 1024  # MAX_PREFIX_CNT: expansions of one earlier brack
 _ULONG_MAX = 2**64 - 1  # strtoul saturates here on overflow
 
 PARSERS = ("auto", "builtin", "scontrol")
-SCONTROL_TIMEOUT_S = 30.0
 
 
 class InvalidNodeList(ValueError):
@@ -238,7 +237,7 @@ def expand_builtin(nodelist: str) -> list[str]:
 
 def expand_scontrol(nodelist: str, scontrol: str = "scontrol") -> list[str]:
     """Ask `scontrol show hostnames`; it exits 0 even on bad input, so stderr decides."""
-    proc = slurm.call([scontrol, "show", "hostnames", "--", nodelist], timeout=SCONTROL_TIMEOUT_S)
+    proc = slurm.call([scontrol, "show", "hostnames", "--", nodelist])  # slurm.COMMAND_TIMEOUT_S
     problems = [line for line in proc.stderr.splitlines() if line.strip()]
     if proc.returncode != 0:
         detail = problems[-1] if problems else f"exit status {proc.returncode}"
