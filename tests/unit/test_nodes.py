@@ -181,3 +181,29 @@ def test_main_called_in_process_leaves_the_signal_dispositions_alone():
     before = signal.getsignal(signal.SIGUSR1)
     nodes.main(["hostnames", "rack[1-2]-n[1-2]", "--parser", "builtin"])
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_env_from_the_nodes_reports_probes_nothing(monkeypatch, capsys, tmp_path):
+    # What the training file does inside IMAGE: the nodes' `address` lines in, the exports out.
+    monkeypatch.setattr(nodes, "_probe_with_srun", lambda *a: pytest.fail("env --addresses must not srun"))
+    reports = tmp_path / "reports"
+    reports.write_text("workflows.nodes[n2]: INFO: a log line\n"
+                       + _ib("n2", "10.0.0.2").to_json() + "\n" + _ib("n1", "10.0.0.1").to_json() + "\n")
+    assert nodes.main(["env", "--nodelist", "n[1-2]", "--job-id", "5", "--addresses", str(reports)]) == 0
+    assert capsys.readouterr().out == (
+        "export MASTER_ADDR=10.0.0.1\nexport MASTER_PORT=20005\nexport NODE_IPS=10.0.0.1,10.0.0.2\n"
+        "export NCCL_SOCKET_IFNAME=ib0\nexport NCCL_IB_HCA=mlx5_0\n")
+
+
+def test_env_falls_back_to_the_handed_in_node_addr_for_a_node_that_did_not_report(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.setenv("MDPP_NODE_ADDRS", "n1=127.0.0.11,n2=127.0.0.12")
+    reports = tmp_path / "reports"
+    reports.write_text(NodeAddress("n1", "127.0.0.11", "slurm").to_json() + "\n")
+    assert nodes.main(["env", "--nodelist", "n[1-2]", "--job-id", "5", "--addresses", str(reports)]) == 0
+    assert "export NODE_IPS=127.0.0.11,127.0.0.12\n" in capsys.readouterr().out
+
+
+def test_env_names_an_unreadable_reports_file(capsys, tmp_path):
+    assert nodes.main(["env", "--nodelist", "n1", "--job-id", "5", "--addresses", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.startswith(f"workflows.nodes: --addresses {tmp_path / 'nope'}: No such file")

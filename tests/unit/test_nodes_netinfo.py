@@ -107,3 +107,13 @@ def test_an_unknown_node_is_an_error_naming_it(tmp_path):
 def test_netdev_ipv4_reads_ip_output():
     assert "127.0.0.1" in netinfo.netdev_ipv4("lo")
     assert netinfo.netdev_ipv4("no-such-nic0") == []
+
+
+def test_node_addr_handed_in_wins_over_scontrol_and_bad_entries_are_skipped(monkeypatch, caplog):
+    # Inside an image there is no scontrol: the training file hands Slurm's NodeAddr in.
+    monkeypatch.setenv("MDPP_NODE_ADDRS", "node1=127.0.0.11, broken ,node2=")
+    monkeypatch.setattr(netinfo.slurm, "call", lambda *a, **k: pytest.fail("scontrol must not be asked"))
+    assert netinfo.slurm_node_addr("node1") == "127.0.0.11"
+    assert netinfo.fallback_address("node1") == NodeAddress("node1", "127.0.0.11", "slurm")
+    assert netinfo.given_node_addrs() == {"node1": "127.0.0.11"}
+    assert "ignoring 'broken'" in caplog.text and "ignoring 'node2='" in caplog.text
