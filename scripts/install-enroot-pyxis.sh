@@ -17,8 +17,8 @@
 #     deps/makeself, deps/linux-headers) is built against glibc instead of a static musl
 #     (FORCE_GLIBC=1), with Debian's makeself, the system's kernel headers and libbsd's strlcpy.
 #     Skipped when `enroot version` already equals the source's version.
-#   - Pyxis: `make install` into PREFIX: PREFIX/lib/slurm/spank_pyxis.so; skipped when that file
-#     equals a fresh build's.
+#   - Pyxis: `make install` into PREFIX: PREFIX/lib/slurm/spank_pyxis.so; skipped when it was built
+#     from the same sources for the same Slurm (PREFIX/share/pyxis/mdpp-build records both).
 #   - enroot's configuration for the local cluster's two nodes on one host: ENROOT_RUNTIME_PATH,
 #     ENROOT_CACHE_PATH and ENROOT_DATA_PATH per user (PREFIX/etc/enroot/enroot.conf.d/50-mdpp.conf)
 #   - registration: scripts/cluster.sh writes the cluster's plugstack.conf (beside its slurm.conf)
@@ -126,15 +126,20 @@ ENROOT_DATA_PATH    /var/tmp/enroot-data/user-$(id -u)
 EOF
 
 # ---- Pyxis
-build=$(scratch_copy "$PYXIS_SRC" pyxis)
-make -C "$build" -j"$(nproc)" prefix="$PREFIX" >"$BUILD_ROOT/pyxis-build.log" 2>&1 \
-    || { tail -n 20 "$BUILD_ROOT/pyxis-build.log" >&2; die "Pyxis build failed (against libslurm-dev $slurm_headers)"; }
+# What the installed plugin was built from: its sources' checksum and the Slurm headers' version.
 plugin=$PREFIX/lib/slurm/spank_pyxis.so
-if cmp -s "$build/spank_pyxis.so" "$plugin"; then
-    log "Pyxis already installed ($plugin): skipped"
+stamp=$PREFIX/share/pyxis/mdpp-build
+wanted="sources $(cd "$PYXIS_SRC" && find . -path ./.git -prune -o -type f -print0 | sort -z \
+                  | xargs -0 sha256sum | sha256sum | cut -d' ' -f1) slurm $slurm_headers"
+if [[ -f $plugin && "$(cat "$stamp" 2>/dev/null)" == "$wanted" ]]; then
+    log "Pyxis already installed from these sources for Slurm $slurm_headers ($plugin): skipped"
 else
+    build=$(scratch_copy "$PYXIS_SRC" pyxis)
+    make -C "$build" -j"$(nproc)" prefix="$PREFIX" >"$BUILD_ROOT/pyxis-build.log" 2>&1 \
+        || { tail -n 20 "$BUILD_ROOT/pyxis-build.log" >&2; die "Pyxis build failed (against libslurm-dev $slurm_headers)"; }
     $SUDO make -C "$build" install prefix="$PREFIX" >"$BUILD_ROOT/pyxis-install.log" 2>&1 \
         || { tail -n 20 "$BUILD_ROOT/pyxis-install.log" >&2; die "Pyxis install failed"; }
+    echo "$wanted" | $SUDO tee "$stamp" >/dev/null
     log "installed Pyxis in $plugin (built against Slurm $slurm_headers)"
 fi
 
