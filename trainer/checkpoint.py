@@ -1,26 +1,47 @@
-"""Per-rank checkpoints, written atomically, and resume.
+"""Checkpoints through megatron-core's distributed checkpointing, in Megatron-LM's directory layout.
 
-Layout under ``--save DIR``::
+Layout under ``--save DIR`` (what Megatron-LM writes with ``--ckpt-format torch_dist``)::
 
-    DIR/iter_0000020/rank_00003.pt   model chunks + optimizer + LR scheduler + RNG + counters
-    DIR/latest                       "20" -- written LAST, by rank 0, with tmp file + os.replace
+    DIR/latest_checkpointed_iteration.txt   "20": Megatron-LM's tracker, written LAST by rank 0
+    DIR/iter_0000020/                       one megatron.core.dist_checkpointing checkpoint:
+        metadata.json                       backend (torch_dist) and version
+        common.pt                           rank 0's non-sharded state: iteration, scheduler, run identity
+        .metadata, __<rank>_<n>.distcp      torch.distributed.checkpoint shards of every tensor
 
-Every rank writes into ``iter_0000020.tmp/``; after a barrier rank 0 renames the folder and then
-points ``latest`` at it, so a crash at any moment leaves either the previous complete checkpoint
-or the new complete one, never a half-written one that ``--load`` would pick up. ``DIR`` must be
-visible to all ranks (a shared file system on multi-node jobs, as Megatron also assumes).
+Tensors are saved under megatron-core's ``sharded_state_dict`` keys, which are global: a layer is
+stored at its global layer number and a TP shard at its offset in the full matrix, so a checkpoint
+saved under one TP x PP (x VP) layout loads under another, and the DPP runtime's chunks (built by
+megatron-core, layers keep their global ``layer_number``) save and load like megatron's own. Keys
+follow Megatron-LM's ``generate_state_dict``: ``model`` (``model0``, ``model1``, ... with virtual
+pipeline chunks), ``optimizer``, ``opt_param_scheduler``, ``rng_state``, ``iteration``,
+``checkpoint_version``; this trainer's own counters and run identity sit under ``mdpp``.
 
-Saved RNG state (Python, NumPy, torch CPU and, on GPUs, CUDA + megatron's tracker) makes a resumed
-run draw the same dropout masks as the uninterrupted one; data is addressed by consumed samples.
-The distributed optimizer shards its state and needs megatron's dist-checkpointing: not supported
-here yet (refused with a clear error rather than saving something that cannot be resumed).
+The distributed optimizer is saved in megatron-core's ``fully_reshardable`` form (its state in
+model-parameter shape, gathered over DP), the form that survives a TP/PP change; the plain optimizer's
+state is sharded like the parameters. RNG states (Python, NumPy, torch CPU and, on GPUs, CUDA +
+megatron's tracker) are one object per (PP, TP) rank holding every DP rank's state; they are restored
+only when the layout is unchanged (the same rule as Megatron-LM), so a resumed run draws the same
+dropout masks as the uninterrupted one. Data is addressed by consumed samples.
+
+A save writes ``iter_0000020.tmp/`` first; after a barrier rank 0 renames it and then rewrites the
+tracker (tmp file + ``os.replace``), so a crash at any moment leaves the previous complete checkpoint
+or the new complete one. ``DIR`` must be visible to all ranks (a shared file system on multi-node jobs,
+as Megatron also assumes).
+
+``--load DIR``: a missing or empty ``DIR`` starts fresh; anything else must be a tracker naming a
+complete torch_dist checkpoint written by this trainer, and whatever :func:`find_checkpoint` cannot
+read (a tracker naming a missing folder, Megatron-LM's legacy ``mp_rank_*`` format, this trainer's old
+per-rank format, a folder without tracker) raises :class:`CheckpointError` naming the path, before
+any process group starts (:func:`preflight`, which trainer/train.py calls first thing).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +52,16 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
-LATEST = "latest"
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name (get_checkpoint_tracker_filename)
+MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes as 'checkpoint_version'
+FORMAT = "mdpp-torch_dist-1"  # this trainer's content version, in common.pt's 'mdpp' section
+_ITER_DIR = re.compile(r"^iter_\d{7}$")
+# Megatron-LM's legacy 'torch' format: iter_N/mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt
+_LEGACY_RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
+
+
+class CheckpointError(RuntimeError):
+    """``--load`` names something this trainer cannot resume from (the message names the path)."""
 
 
 @dataclass
@@ -42,33 +72,8 @@ class TrainState:
     consumed_samples: int = 0
 
 
-def _iter_dir(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}"
-
-
-def _rank_file(folder: Path, rank: int) -> Path:
-    return folder / f"rank_{rank:05d}.pt"
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -77,12 +82,107 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _is_leftover(name: str) -> bool:
+    """What a crashed save leaves (never complete, never read): iter_N.tmp/ and the tracker's tmp file."""
+    return name.endswith(".tmp") or name.startswith(TRACKER + ".tmp")
+
+
+def preflight(load: str | None, save: str | None) -> None:
+    """What can fail before any process group starts (and before training ran): an unreadable
+    ``--load`` (:func:`find_checkpoint`), and a ``--save`` that megatron-core's writer cannot do."""
+    find_checkpoint(load)
+    if save and importlib.util.find_spec("psutil") is None:
+        # megatron-core's torch_dist writer forks worker processes that call psutil first thing; one
+        # that fails there never reports, and the parent then waits for it forever.
+        raise CheckpointError(f"--save {save} needs psutil (megatron-core's checkpoint writer uses it): "
+                              "pip install psutil")
+
+
+# ---- finding the checkpoint (no torch.distributed: runs before any process group) ---------------
+def find_checkpoint(root: str | None) -> tuple[int, Path] | None:
+    """(iteration, folder) that ``root``'s tracker names; None for a missing or empty ``root``.
+
+    Raises :class:`CheckpointError`, naming the path, for everything else it cannot resume from.
+    Reads only files, so it can run before the process group (every rank sees the same folder).
+    """
+    if not root:
+        return None
+    folder = Path(root)
+    if not folder.exists():
+        return None
+    if not folder.is_dir():
+        raise CheckpointError(f"--load {folder}: not a directory")
+    tracker = folder / TRACKER
+    if not tracker.is_file():
+        _refuse_without_tracker(folder)
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        raise CheckpointError(f"{tracker} says 'release': a Megatron-LM release (weights-only) checkpoint, which "
+                              "this trainer does not resume from (it needs the optimizer, scheduler and counters "
+                              "of a training checkpoint)")
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number (or 'release'), found {text!r}")
+    iteration = int(text)
+    path = iteration_dir(folder, iteration)
+    if not path.is_dir():
+        raise CheckpointError(f"{tracker} names iteration {iteration} but {path} is missing")
+    _check_is_torch_dist(path)
+    return iteration, path
+
+
+def _refuse_without_tracker(folder: Path) -> None:
+    entries = sorted(p.name for p in folder.iterdir() if not _is_leftover(p.name))
+    if not entries:
+        return  # empty (or only a crashed first save's leftovers): start fresh
+    if (folder / "latest").is_file():
+        raise CheckpointError(
+            f"--load {folder} holds a checkpoint in this trainer's old per-rank format ('latest' + "
+            "iter_*/rank_*.pt), which it no longer reads (checkpoints are megatron-core torch_dist now): "
+            "start a new run in a new folder, or finish this one with the version that wrote it")
+    if (folder / "metadata.json").is_file():
+        raise CheckpointError(
+            f"--load {folder} is one checkpoint iteration, not a checkpoint folder: pass the folder that "
+            f"holds it and {TRACKER} (its parent, {folder.parent}, as Megatron-LM's --load expects)")
+    iters = [e for e in entries if _ITER_DIR.match(e)]
+    if iters:
+        raise CheckpointError(
+            f"--load {folder} holds {', '.join(iters[:3])}{' ...' if len(iters) > 3 else ''} but no {TRACKER}: "
+            f"write the iteration to resume into {folder / TRACKER}, or load from an empty folder to start fresh")
+    shown = ", ".join(entries[:5]) + (" ..." if len(entries) > 5 else "")
+    raise CheckpointError(f"--load {folder} is not empty ({shown}) but holds no {TRACKER}: not a checkpoint "
+                          "folder this trainer can read (an empty or missing folder starts fresh)")
+
+
+def _check_is_torch_dist(path: Path) -> None:
+    from megatron.core.dist_checkpointing.core import maybe_load_config
+
+    try:
+        config = maybe_load_config(str(path))
+    except Exception as err:  # an unreadable or foreign metadata.json
+        raise CheckpointError(f"{path / 'metadata.json'} cannot be read as a megatron-core checkpoint "
+                              f"config: {err}") from err
+    if config is None:
+        legacy = sorted(p.name for p in path.iterdir() if _LEGACY_RANK_DIR.match(p.name))
+        if legacy:
+            raise CheckpointError(
+                f"{path} is a Megatron-LM checkpoint in the legacy 'torch' format ({legacy[0]}/model_optim_rng.pt): "
+                "this trainer reads --ckpt-format torch_dist checkpoints only; convert it with Megatron-LM "
+                "(--ckpt-convert-format torch_dist)")
+        raise CheckpointError(f"{path} is not a megatron-core distributed checkpoint (no metadata.json)")
+    if config.sharded_backend != "torch_dist":
+        raise CheckpointError(f"{path} was saved with the {config.sharded_backend!r} backend; this trainer reads "
+                              "'torch_dist' checkpoints only")
+
+
+# ---- what a run must share with its checkpoint -------------------------------------------------
 def run_identity(cfg) -> dict[str, object]:
     """What a resumed run must share with its checkpoint: model shape, seed, LR schedule, batch.
 
     A run resumed with another seed or learning rate would quietly carry on with the checkpoint's
     optimizer and scheduler state (the issue-15 case trained at learning rate 0); train_iters counts
     only through the decay length it sets, so extending a run with --lr-decay-iters fixed is allowed.
+    The parallel layout is not part of it: checkpoints load under any TP x PP layout.
     """
     m, o = cfg.model, cfg.optim
     return {
@@ -103,79 +203,185 @@ def identity_differences(saved: dict[str, object], current: dict[str, object]) -
             for key in current if key in saved and saved[key] != current[key]]
 
 
-def save_checkpoint(root: str, state: TrainState, model: list, optimizer, scheduler,
-                    layout: dict[str, int], use_distributed_optimizer: bool,
-                    identity: dict[str, object] | None = None) -> Path:
-    """COLLECTIVE: every rank writes its file; returns the final folder."""
+@dataclass(frozen=True)
+class RunFacts:
+    """What save and load need to know about this run besides the model and optimizer."""
+
+    layout: dict[str, int]
+    """world_size, tp, pp, vp (no rank: common.pt is the same on every rank)."""
+    padded_vocab_size: int
+    use_distributed_optimizer: bool
+    identity: dict[str, object]
+
+
+# ---- the sharded state dict ---------------------------------------------------------------------
+def _sharding_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
+    """megatron-core's sharded_state_dict switches, as Megatron-LM sets them for torch_dist.
+
+    ``fully_reshardable``: the distributed optimizer's state in model-parameter shape (gathered over
+    DP at save), the only form that loads under another TP/PP; Megatron-LM's default,
+    ``dp_reshardable``, reshards over DP only. A fresh dict per call: megatron adds its DP group to it.
+    """
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if use_distributed_optimizer:
-        raise NotImplementedError("--save with --use-distributed-optimizer is not supported yet")
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+    return metadata
+
+
+def _model_key(index: int, count: int) -> str:
+    return "model" if count == 1 else f"model{index}"
+
+
+def _sharded_state_dict(model: list, optimizer, use_distributed_optimizer: bool, is_loading: bool) -> dict:
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(model)
+    state: dict[str, Any] = {_model_key(i, len(chunks)): chunk.sharded_state_dict(
+        metadata=_sharding_metadata(use_distributed_optimizer)) for i, chunk in enumerate(chunks)}
+    # The optimizer's state is keyed by the model tensors' global keys (it looks the parameters up
+    # in ``state``), so it reshards with them.
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=is_loading, metadata=_sharding_metadata(use_distributed_optimizer))
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+        state["rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _rng_sharded_object():
+    """COLLECTIVE over DP: this (PP, TP) rank's object holding every DP rank's RNG state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    group = ps.get_data_parallel_group()
+    states: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, _rng_state(), group=group)
+    return ShardedObject("rng_state", states,
+                         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank())
+
+
+# ---- save -----------------------------------------------------------------------------------------
+def save_checkpoint(root: str, state: TrainState, model: list, optimizer, scheduler, facts: RunFacts) -> Path:
+    """COLLECTIVE: write ``root/iter_N`` through megatron-core, then the tracker; returns the folder."""
+    from megatron.core import dist_checkpointing
+
     rank = dist.get_rank()
-    final = _iter_dir(Path(root), state.iteration)
+    final = iteration_dir(root, state.iteration)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
     dist.barrier()
-    payload = {
+    sharded = _sharded_state_dict(model, optimizer, facts.use_distributed_optimizer, is_loading=False)
+    sharded.update({
         "iteration": state.iteration,
-        "consumed_samples": state.consumed_samples,
-        "layout": layout,
-        "identity": identity or {},
-        "model": [chunk.state_dict() for chunk in model],
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": _rng_state(),
-    }
-    torch.save(payload, _rank_file(tmp, rank))
+        "checkpoint_version": MEGATRON_CHECKPOINT_VERSION,
+        "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": _rng_sharded_object(),
+        "mdpp": {"format": FORMAT, "consumed_samples": state.consumed_samples, "layout": facts.layout,
+                 "padded_vocab_size": facts.padded_vocab_size, "identity": facts.identity,
+                 "use_distributed_optimizer": facts.use_distributed_optimizer},
+    })
+    dist_checkpointing.save(sharded, str(tmp), validate_access_integrity=True)
     dist.barrier()
     if rank == 0:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write_text(Path(root) / LATEST, f"{state.iteration}\n")
+        _atomic_write_text(Path(root) / TRACKER, f"{state.iteration}\n")
     dist.barrier()
     return final
 
 
-def latest_iteration(root: str | None) -> int | None:
-    """Iteration named by ``root/latest``, or None for a missing/empty directory (start fresh)."""
-    if not root:
-        return None
-    pointer = Path(root) / LATEST
-    if not pointer.is_file():
-        return None
-    text = pointer.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{pointer}: expected an iteration number, found {text!r}")
-    return int(text)
+# ---- load -----------------------------------------------------------------------------------------
+def _read_common(path: Path) -> dict[str, Any]:
+    """common.pt, checked to be this trainer's: a foreign torch_dist checkpoint is named and refused."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as err:
+        raise CheckpointError(f"{path}: its common state (common.pt) cannot be read: {err}") from err
+    ours = common.get("mdpp") if isinstance(common, dict) else None
+    if not isinstance(ours, dict) or ours.get("format") != FORMAT:
+        found = ours.get("format") if isinstance(ours, dict) else "no 'mdpp' section"
+        raise CheckpointError(f"{path} is a torch_dist checkpoint but not one this trainer wrote (format {FORMAT!r} "
+                              f"expected, found {found!r}; a Megatron-LM checkpoint's run state is not read here)")
+    return common
 
 
-def load_checkpoint(root: str, model: list, optimizer, scheduler, layout: dict[str, int],
-                    identity: dict[str, object] | None = None, override: bool = False) -> TrainState | None:
-    """Restore this rank's state from ``root``; None when there is nothing to resume.
+def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFacts,
+                    override: bool = False) -> TrainState | None:
+    """Restore the state ``root``'s tracker names; None when there is nothing to resume (fresh start).
 
-    ValueError when the checkpoint's :func:`run_identity` differs from ``identity`` (unless ``override``).
+    ValueError when the checkpoint's :func:`run_identity` differs from ``facts.identity`` (unless
+    ``override``); :class:`CheckpointError` for a checkpoint this run cannot read.
     """
-    iteration = latest_iteration(root)
-    if iteration is None:
+    from megatron.core import dist_checkpointing
+
+    found = find_checkpoint(root)
+    if found is None:
         return None
-    path = _rank_file(_iter_dir(Path(root), iteration), dist.get_rank())
-    if not path.is_file():
-        raise FileNotFoundError(f"{root}/latest names iteration {iteration} but {path} is missing")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    if payload["layout"] != layout:
-        raise ValueError(f"checkpoint {path} was saved with layout {payload['layout']}, this run has {layout}")
-    differences = identity_differences(payload.get("identity", {}), identity or {})
+    iteration, path = found
+    common = _read_common(path)
+    saved = common["mdpp"]
+    differences = identity_differences(saved.get("identity", {}), facts.identity)
     if differences and not override:
-        raise ValueError(f"checkpoint {path.parent} belongs to a run with other settings ({'; '.join(differences)}): "
+        raise ValueError(f"checkpoint {path} belongs to a run with other settings ({'; '.join(differences)}): "
                          "resume with the same settings, save to a new folder, or pass --override-checkpoint-config")
     if differences:
         log.warning("resuming %s despite other settings (--override-checkpoint-config): %s",
-                    path.parent, "; ".join(differences))
-    for chunk, sd in zip(model, payload["model"], strict=True):
-        chunk.load_state_dict(sd)
-    optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
-    _set_rng_state(payload["rng"])
-    log.info("resumed from %s (iteration %d)", path.parent, iteration)
-    return TrainState(payload["iteration"], payload["consumed_samples"])
+                    path, "; ".join(differences))
+    if saved["padded_vocab_size"] != facts.padded_vocab_size:
+        raise CheckpointError(
+            f"{path} holds an embedding padded to {saved['padded_vocab_size']} rows, this run pads the vocabulary to "
+            f"{facts.padded_vocab_size} (--make-vocab-size-divisible-by x TP): pick a "
+            "--make-vocab-size-divisible-by that gives the checkpoint's size under this TP")
+    if saved["use_distributed_optimizer"] != facts.use_distributed_optimizer:
+        with_or_without = "with" if saved["use_distributed_optimizer"] else "without"
+        raise CheckpointError(f"{path} was saved {with_or_without} --use-distributed-optimizer: resume {with_or_without} "
+                              "it (the optimizer state is stored in that optimizer's form)")
+    same_layout = saved["layout"] == facts.layout
+    sharded = _sharded_state_dict(model, optimizer, facts.use_distributed_optimizer, is_loading=True)
+    if same_layout:
+        sharded["rng_state"] = _rng_sharded_object()
+    # raise_unexpected: a tensor this run needs that the checkpoint lacks is an error naming the key
+    # before anything is read (not a half-loaded model).
+    loaded = dist_checkpointing.load(sharded, str(path), strict="raise_unexpected")
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(model)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if same_layout:
+        from megatron.core import parallel_state as ps
+
+        _set_rng_state(loaded["rng_state"][ps.get_data_parallel_rank()])
+    elif dist.get_rank() == 0:
+        log.info("checkpoint %s was saved with layout %s, this run has %s: weights, optimizer and scheduler "
+                 "resharded; RNG states not restored (as in Megatron-LM)", path, saved["layout"], facts.layout)
+    log.info("resumed from %s (iteration %d)", path, iteration)
+    return TrainState(int(loaded["iteration"]), int(saved["consumed_samples"]))

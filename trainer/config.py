@@ -724,9 +724,6 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
         p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "
                  f"but the world size is {world_size}")
-    if par.use_distributed_optimizer and cfg.checkpoint.save:
-        p.append("--use-distributed-optimizer with --save: saving a sharded optimizer is not supported yet "
-                 "(trainer/checkpoint.py); drop one of them")
     return p
 
 

@@ -23,6 +23,9 @@ process without CUDA, :func:`apply_cpu_shims` patches them *at run time, in this
    mode while its own handler runs, and the backward runs in it), so ``torch.cuda.current_device()``
    answers "cpu" for the duration: the buffers megatron allocates in backward (``--sequence-parallel``'s
    reduce-scatter / all-gather outputs) stay on the CPU.
+7. Distributed checkpointing (``megatron.core.dist_checkpointing``'s torch_dist writer) calls
+   ``torch.cuda.synchronize()`` after staging tensors for the write, to wait for device-to-host copies;
+   a CPU-only build raises there, and with no device there is nothing to wait for: a no-op.
 
 Everything is reversible (:class:`CpuShims.remove`) and refused when CUDA is available: a GPU run must
 never silently compute on the CPU. Public names are patched (``CudaRNGStatesTracker``,
@@ -107,6 +110,10 @@ def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _no_synchronize(device: Any = None) -> None:
+    return None
+
+
 def _cpu_manual_seed(seed: int, *args: Any, **kwargs: Any) -> None:
     torch.manual_seed(seed)
 
@@ -149,6 +156,7 @@ def apply_cpu_shims() -> CpuShims:
         if hasattr(tp_random, name):
             shims.patch(tp_random, name, _no_cuda_rng_state)
     shims.patch(torch.cuda, "current_device", lambda: 0)
+    shims.patch(torch.cuda, "synchronize", _no_synchronize)
     # Module-wide on purpose: the CUDA literals sit in megatron's optimizer, clip_grads and DDP
     # buffers; on a CUDA-less build every one of them would raise, so redirecting is strictly safer.
     shims._mode = CudaToCpuMode()

@@ -33,7 +33,14 @@ early_signals.install_for_main(__name__)  # before torch's import: see trainer/e
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import TrainState, load_checkpoint, run_identity, save_checkpoint
+from trainer.checkpoint import (
+    RunFacts,
+    TrainState,
+    load_checkpoint,
+    preflight,
+    run_identity,
+    save_checkpoint,
+)
 from trainer.config import ConfigError, TrainConfig, parse_config
 from trainer.data.varlen import LENGTH_KEY, Bucketing, bucket_length, parse_length_distribution
 from trainer.distributed import (
@@ -132,6 +139,7 @@ class TrainingSession:
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, launch = self.cfg, self.launch
+        preflight(cfg.checkpoint.load, cfg.checkpoint.save)  # an unreadable --load fails before any process group
         self.device = init_process_group(
             launch, cfg.run.device, timeout_s=max(600.0, cfg.parallel.dpp_timeout_s),
             backend_choice=cfg.parallel.distributed_backend,
@@ -189,12 +197,12 @@ class TrainingSession:
             self.tensorboard = SummaryWriter(log_dir=cfg.run.tensorboard_dir, max_queue=1000)
         self._eval_forward_step = self.forward_step  # validation stays out of the run's measurements
         self.forward_step = self.measure.wrap_forward_step(self.forward_step, self.model)
+        self.padded_vocab_size = cfg.model.padded_vocab_size(vocab_size, self.topology.tensor_parallel)
         if cfg.checkpoint.load:
-            loaded = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.scheduler, self._layout(),
-                                     run_identity(cfg), cfg.checkpoint.override_checkpoint_config)
+            loaded = load_checkpoint(cfg.checkpoint.load, self.model, self.optimizer, self.scheduler,
+                                     self._checkpoint_facts(), cfg.checkpoint.override_checkpoint_config)
             if loaded is not None:
                 self.state = loaded
-        self.padded_vocab_size = cfg.model.padded_vocab_size(vocab_size, self.topology.tensor_parallel)
         if cfg.parallel.dpp_cuda_graphs and self.dpp_context is not None:
             # Last in set-up: the graphs hold the parameters' storage, which a checkpoint load could replace.
             self.dpp_context.graphs = self._capture_graphs()
@@ -391,10 +399,13 @@ class TrainingSession:
                                  group=parallel_state.get_tensor_model_parallel_group(),
                                  description=f"stage {topo.pp_rank} rank {topo.rank} (TP rank {topo.tp_rank})")
 
-    def _layout(self) -> dict[str, int]:
+    def _checkpoint_facts(self) -> RunFacts:
         t = self.topology
-        return {"world_size": t.world_size, "tp": t.tensor_parallel, "pp": t.pipeline_parallel,
-                "vp": t.virtual_pipeline, "rank": t.rank}
+        return RunFacts(layout={"world_size": t.world_size, "tp": t.tensor_parallel, "pp": t.pipeline_parallel,
+                                "vp": t.virtual_pipeline},
+                        padded_vocab_size=self.padded_vocab_size,
+                        use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
+                        identity=run_identity(self.cfg))
 
     # ---- data ------------------------------------------------------------------------------
     def _step_samples(self, microbatch: int) -> list:
@@ -646,8 +657,7 @@ class TrainingSession:
     # ---- checkpoints -----------------------------------------------------------------------
     def _save(self, on_signal: bool = False) -> None:
         path = save_checkpoint(self.cfg.checkpoint.save, self.state, self.model, self.optimizer,
-                               self.scheduler, self._layout(), self.cfg.parallel.use_distributed_optimizer,
-                               run_identity(self.cfg))
+                               self.scheduler, self._checkpoint_facts())
         if self.launch.rank == 0:
             where = "on signal" if on_signal else f"to {path}"
             log.info("saved checkpoint at iteration %d %s", self.state.iteration, where)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist.checkpoints import TRACKER
 from tests.dist.launch import launch
 
 ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -29,7 +30,7 @@ def test_resume_with_other_settings_is_refused_unless_overridden(tmp_path: Path)
     assert refused.returncode == 1, refused.output[-3000:]
     assert "belongs to a run with other settings (seed: checkpoint 1, this run 2; lr: checkpoint 0.001, " \
            "this run 0.0005)" in refused.output
-    assert (ckpt / "latest").read_text().strip() == "2"  # nothing trained, nothing saved
+    assert (ckpt / TRACKER).read_text().strip() == "2"  # nothing trained, nothing saved
     same = train(ckpt, "--train-iters", "3", "--seed", "1", "--lr", "1e-3", "--lr-decay-iters", "10")
     assert same.returncode == 0 and "resuming at iteration 2" in same.output, same.output[-3000:]
     forced = train(ckpt, "--train-iters", "4", "--seed", "2", "--lr", "1e-3", "--lr-decay-iters", "10",

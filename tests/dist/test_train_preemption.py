@@ -1,4 +1,4 @@
-"""SIGUSR1/SIGTERM: ranks agree at the next iteration boundary, save, and exit 75 (never 0: the run
+"""SIGUSR1/SIGTERM: ranks agree at the next iteration boundary, save (Megatron-LM's layout, megatron-core torch_dist), and exit 75 (never 0: the run
 did not finish); rank 0 records "checkpointed N" in $MDPP_EXIT_RECORD for the sbatch script, which
 requeues on that record. A signal during start-up (before torch is even imported) means the same."""
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist.checkpoints import assert_megatron_checkpoint
 from tests.dist.launch import start
 
 EXIT_STOPPED = 75
@@ -26,9 +27,7 @@ def assert_checkpointed_at(ckpt: Path, record: Path, results, at_least: int) -> 
     assert match, outputs
     saved = int(match.group(1))
     assert saved >= at_least
-    assert (ckpt / "latest").read_text().strip() == str(saved)
-    assert sorted(p.name for p in (ckpt / f"iter_{saved:07d}").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
-    assert not list(ckpt.glob("*.tmp"))
+    assert_megatron_checkpoint(ckpt, saved)
     assert record.read_text() == f"checkpointed {saved}\n"
     return saved
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist.checkpoints import assert_megatron_checkpoint
 from tests.dist.launch import REPO, check_ok, launch
 
 CORPUS_LINES = 150  # about 1 MB of text: enough for 50 x 8 samples of 32 tokens without repeating
@@ -59,8 +60,7 @@ def test_loss_drops_and_resume_reproduces_straight_run(sample_data: str, tmp_pat
 
     ckpt = tmp_path / "ckpt"
     part1 = _train(tmp_path / "part1", sample_data, 20, "--save", str(ckpt), "--save-interval", "20")
-    assert (ckpt / "latest").read_text().strip() == "20"
-    assert sorted(p.name for p in (ckpt / "iter_0000020").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    assert_megatron_checkpoint(ckpt, 20)
     part2 = _train(tmp_path / "part2", sample_data, 50, "--load", str(ckpt))
     assert sorted(part2) == list(range(21, 51))  # resumed at 20, not from scratch
     assert {**part1, **part2} == straight  # exact: same samples, same weights, same optimizer state

@@ -71,13 +71,6 @@ def test_megatron_interleaved_needs_divisible_microbatches_but_dpp_does_not() ->
     assert layout_problems(cfg, 2) == []
 
 
-def test_distributed_optimizer_with_save_is_refused_before_any_process_group():
-    """Before: accepted, then the first save (iteration 5 of the chain) raised NotImplementedError."""
-    with pytest.raises(ConfigError, match=r"--use-distributed-optimizer with --save: saving a sharded optimizer"):
-        parse_config(["--mock-data", "--use-distributed-optimizer", "--save", "/tmp/x"], 1)
-    parse_config(["--mock-data", "--use-distributed-optimizer"], 1)  # without --save it is fine
-
-
 # Megatron-LM flags this trainer does not implement (the AWS line's --split/--eval-*, once here, now are).
 UNIMPLEMENTED_MEGATRON = ["--num-experts", "4", "--swiglu", "--wandb-project", "p", "--qk-layernorm"]
 

@@ -240,12 +240,13 @@ def test_training_writes_into_its_own_folder_by_default(tmp_path):
     assert argv[argv.index("--save") + 1] == f"{REPO}/runs/gpt-7/checkpoints"  # job 7's own
 
 
+@pytest.mark.parametrize("tracker", ["latest_checkpointed_iteration.txt", "latest"])  # Megatron-LM's, the old one
 @pytest.mark.parametrize(("extra", "refused"), [({}, True), ({"RESUME": "1"}, False),
                                                 ({"SLURM_RESTART_COUNT": "1"}, False)])
-def test_a_new_job_refuses_another_runs_checkpoint_unless_resume(tmp_path, extra, refused):
+def test_a_new_job_refuses_another_runs_checkpoint_unless_resume(tmp_path, extra, refused, tracker):
     """Before: every job passed --load and silently continued whatever the folder held."""
     (tmp_path / "out" / "checkpoints").mkdir(parents=True)
-    (tmp_path / "out" / "checkpoints" / "latest").write_text("20\n")
+    (tmp_path / "out" / "checkpoints" / tracker).write_text("20\n")
     result, argv = run_sbatch(jobs.TRAIN, tmp_path, **TRAIN_ENV, **extra)
     if refused:
         assert (result.returncode, argv) == (2, []), result.stderr

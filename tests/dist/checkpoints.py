@@ -1,0 +1,21 @@
+"""What a checkpoint folder written by trainer.train must look like: Megatron-LM's layout
+(``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/``) holding a megatron-core torch_dist checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def assert_megatron_checkpoint(root: Path, iteration: int) -> Path:
+    """``root``'s tracker names ``iteration`` and ``iter_<iteration>`` is a complete torch_dist checkpoint."""
+    assert (root / TRACKER).read_text().strip() == str(iteration)
+    folder = root / f"iter_{iteration:07d}"
+    names = {p.name for p in folder.iterdir()}
+    assert {"metadata.json", "common.pt", ".metadata"} <= names, sorted(names)
+    assert any(name.endswith(".distcp") for name in names), sorted(names)
+    assert json.loads((folder / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert not list(root.glob("*.tmp")), "a save left its temporary folder behind"
+    return folder
