@@ -13,6 +13,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "scripts" / "install-enroot-pyxis.sh"
 CLUSTER = REPO / "scripts" / "cluster.sh"
@@ -75,3 +77,56 @@ def test_cluster_plugstack_registers_pyxis_only_when_the_plugin_exists(tmp_path)
     done = run(CLUSTER, "plugstack", MDPP_CLUSTER_DIR=str(cluster_dir), PYXIS_PLUGIN=str(plugin))
     assert done.returncode == 0 and not (cluster_dir / "etc" / "plugstack.conf").exists()
     assert f"no Pyxis at {plugin}" in done.stderr
+
+
+# The training file's IMAGE branch, wired up without Pyxis: `srun` runs the command it is given on
+# the host (as each node would in the image) and records its options; `scontrol` knows two nodes.
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\n' "$*" >> "$FAKE_LOG"
+command=()
+for arg in "$@"; do
+    if ((${#command[@]})) || [[ $arg != --* ]]; then command+=("$arg"); fi
+done
+case "${command[*]}" in
+    *"workflows.nodes address"*)
+        for node in node1 node2; do SLURMD_NODENAME=$node "${command[@]}" || exit; done ;;
+    *"workflows.nodes env"*) exec "${command[@]}" ;;
+    *) env > "$FAKE_LOG.ranks-env"; echo "done 20" > "$MDPP_EXIT_RECORD" ;;
+esac
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$1 $2" in
+    "show hostnames") printf 'node1\\nnode2\\n' ;;
+    "show node") printf 'NodeName=node1 Arch=x86_64 NodeAddr=10.9.0.1 NodeHostName=h\\n'
+                 printf 'NodeName=node2 Arch=x86_64 NodeAddr=10.9.0.2 NodeHostName=h\\n' ;;
+esac
+"""
+
+
+def test_with_an_image_the_training_file_probes_the_nodes_inside_it(tmp_path):
+    if Path("/sys/class/infiniband").is_dir():
+        pytest.skip("this host has InfiniBand: the probe would report its address, not Slurm's NodeAddr")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "srun.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MDPP_")) and k not in ("IMAGE", "NODE_IPS")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), REPO_DIR=str(REPO),
+               OUTPUT_DIR=str(tmp_path / "out"), DATA_PATH=str(tmp_path / "data"), IMAGE="/images/mdpp.sqsh",
+               SLURM_JOB_ID="77", SLURM_JOB_NODELIST="node[1-2]", SLURM_JOB_NUM_NODES="2")
+    done = subprocess.run(["bash", str(REPO / "sbatch" / "2.distributed-training.sbatch")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    probe, gather, ranks = log.read_text().splitlines()
+    pyxis = "--container-image=/images/mdpp.sqsh"
+    assert probe.startswith("--nodes=2 --ntasks=2 --ntasks-per-node=1") and pyxis in probe
+    assert probe.endswith("python3 -m workflows.nodes address")
+    assert gather.startswith("--nodes=1 --ntasks=1") and pyxis in gather
+    assert gather.endswith("python3 -m workflows.nodes env --addresses -")
+    assert pyxis in ranks and "--node-ips 10.9.0.1,10.9.0.2 --multi-node" in ranks
+    # Slurm's NodeAddr, read on the host, reached the probe; the exports reached the ranks.
+    ranks_env = (tmp_path / "srun.log.ranks-env").read_text().splitlines()
+    assert "MDPP_NODE_ADDRS=node1=10.9.0.1,node2=10.9.0.2" in ranks_env
+    assert {"MASTER_ADDR=10.9.0.1", "MASTER_PORT=20077"} <= set(ranks_env)
