@@ -17,7 +17,7 @@
 #                             tree's tracked files, uncommitted edits included)
 #   REBUILD=1                 start again from an empty WORK_DIR
 #
-# Steps, each skipped when its stamp in WORK_DIR says it is done:
+# Steps, each skipped when its stamp in WORK_DIR says it was done from the same inputs:
 #   1. debootstrap --variant=minbase SUITE with python3, venv, the C/C++ runtime torch needs, iproute2
 #      (workflows.netinfo runs `ip` inside the image) and procps
 #   2. on the host, `pip wheel`: this package (the extension compiled here, against the same Debian
@@ -62,8 +62,17 @@ for tool in debootstrap mksquashfs unshare chroot; do
 done
 [[ -z "${REBUILD:-}" ]] || { log "REBUILD=1: removing $WORK_DIR"; rm -rf "$WORK_DIR"; }
 mkdir -p "$WORK_DIR" "$WHEELS" "$(dirname "$OUTPUT")"
-done_step() { [[ -f "$WORK_DIR/.done-$1" ]]; }
-mark_done() { touch "$WORK_DIR/.done-$1"; }
+# A step is done when its stamp holds the key of what it was built from: a changed input (the C++
+# extension's sources, the dependencies, TORCH_SPEC, SUITE) redoes that step and every later one.
+step_key() {
+    case $1 in
+        debootstrap) echo "$SUITE $MIRROR" ;;
+        wheels) echo "$(step_key debootstrap) $TORCH_SPEC $(cd "$REPO" && cat pyproject.toml setup.py csrc/* | sha256sum | cut -c1-16)" ;;
+        python) step_key wheels ;;
+    esac
+}
+done_step() { [[ "$(cat "$WORK_DIR/.done-$1" 2>/dev/null)" == "$(step_key "$1")" ]]; }
+mark_done() { step_key "$1" >"$WORK_DIR/.done-$1"; }
 
 # Commands inside the root filesystem: a private mount namespace, so that the bind mounts vanish with
 # the command (also when it fails) and never show on the host.
@@ -112,6 +121,7 @@ package_wheel=${package_wheels[0]}
 # 3. Python environment and the package
 if ! done_step python; then
     log "venv $VENV with the dependencies from the wheelhouse"
+    rm -rf "${ROOTFS:?}$VENV"
     in_rootfs python3 -m venv "$VENV"
     # The package's own wheel resolves the dependency set (torch pinned by the wheelhouse's one
     # file); the package itself then comes out again: its sources go to the workdir below.

@@ -9,6 +9,8 @@ install and a chain under Pyxis are tests/containers/ (skipped where enroot/Pyxi
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -130,3 +132,15 @@ def test_with_an_image_the_training_file_probes_the_nodes_inside_it(tmp_path):
     ranks_env = (tmp_path / "srun.log.ranks-env").read_text().splitlines()
     assert "MDPP_NODE_ADDRS=node1=10.9.0.1,node2=10.9.0.2" in ranks_env
     assert {"MASTER_ADDR=10.9.0.1", "MASTER_PORT=20077"} <= set(ranks_env)
+
+
+def test_the_offline_image_holds_what_the_dockerfile_copies_where_the_sbatch_files_look():
+    from tests.unit.test_render_containers import instructions
+    from workflows import jobs
+
+    text = (REPO / "containers" / "build-offline.sh").read_text()
+    packaged = re.search(r"^PACKAGE_PATHS=\((.*)\)$", text, re.M).group(1).split()
+    copied = [source for instruction, arguments in instructions() if instruction == "COPY"
+              for source in shlex.split(arguments)[:-1]]
+    assert sorted(packaged) == sorted(copied)
+    assert re.search(rf"^WORKDIR_IN_IMAGE={re.escape(jobs.CONTAINER_WORKDIR)}\s", text, re.M)
