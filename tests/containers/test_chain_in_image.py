@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.containers.conftest import CLUSTER_DIR, IMAGE
 from workflows import slurm
 
@@ -41,12 +43,14 @@ def describe(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
     return text
 
 
-def test_the_chain_runs_inside_the_image_on_two_nodes(slurm_cluster):
+@pytest.mark.parametrize("via", ["submitit", "sbatch"])
+def test_the_chain_runs_inside_the_image_on_two_nodes(slurm_cluster, via):
     # Runs under the repository (not /tmp: enroot puts a tmpfs on the container's /tmp), with the
-    # mounts given through --env, as a user on a cluster with a shared file system would.
+    # mounts given through --env, as a user on a cluster with a shared file system would. Through
+    # plain sbatch the batch scripts are bash alone: no Python runs on the host in any job.
     runs_dir = REPO / "runs" / "containers-test"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    proc, job_ids, run_dir = submit(runs_dir, "--env", f"CONTAINER_MOUNTS={runs_dir}:{runs_dir}")
+    proc, job_ids, run_dir = submit(runs_dir, "--via", via, "--env", f"CONTAINER_MOUNTS={runs_dir}:{runs_dir}")
     report = describe(proc, run_dir)
     assert proc.returncode == 0, report
     records = {r.job_id: r for r in slurm.query(job_ids=list(job_ids.values()))}
