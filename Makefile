@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: setup demo test check lint render cluster-up cluster-down clean
+.PHONY: setup demo test check lint render cluster-up cluster-down image clean
 
 setup:
 	@scripts/setup.sh
@@ -30,6 +30,10 @@ cluster-up:
 
 cluster-down:
 	scripts/cluster.sh down
+
+## The CPU enroot image of the containers tier, without Docker (root, debootstrap; docs/workflows.md)
+image:
+	containers/build-offline.sh
 
 clean:
 	rm -rf build *.egg-info .pytest_cache benchmark runs
