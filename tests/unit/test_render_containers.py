@@ -1,4 +1,5 @@
-"""containers/: there is no Docker engine or enroot here, so these are lint checks of the files.
+"""containers/: there is no Docker engine here, so these are lint checks of the Dockerfile and build.sh (the
+enroot/Pyxis path runs for real in tests/containers/).
 
 What they pin down: the image copies only paths that exist, installs every runtime dependency of
 pyproject.toml except the two the NGC base must keep (torch, numpy), and puts the package where the
