@@ -128,6 +128,7 @@ def find_checkpoint(root: str | None) -> tuple[int, Path] | None:
     if not path.is_dir():
         raise CheckpointError(f"{tracker} names iteration {iteration} but {path} is missing")
     _check_is_torch_dist(path)
+    read_common_state(path)  # refuses a torch_dist checkpoint some other program wrote
     return iteration, path
 
 
@@ -173,6 +174,22 @@ def _check_is_torch_dist(path: Path) -> None:
     if config.sharded_backend != "torch_dist":
         raise CheckpointError(f"{path} was saved with the {config.sharded_backend!r} backend; this trainer reads "
                               "'torch_dist' checkpoints only")
+
+
+def read_common_state(path: Path) -> dict[str, Any]:
+    """common.pt, checked to be this trainer's: a foreign torch_dist checkpoint is named and refused."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as err:
+        raise CheckpointError(f"{path}: its common state (common.pt) cannot be read: {err}") from err
+    ours = common.get("mdpp") if isinstance(common, dict) else None
+    if not isinstance(ours, dict) or ours.get("format") != FORMAT:
+        found = ours.get("format") if isinstance(ours, dict) else "no 'mdpp' section"
+        raise CheckpointError(f"{path} is a torch_dist checkpoint but not one this trainer wrote (format {FORMAT!r} "
+                              f"expected, found {found!r}; a Megatron-LM checkpoint's run state is not read here)")
+    return common
 
 
 # ---- what a run must share with its checkpoint -------------------------------------------------
@@ -232,9 +249,36 @@ def _model_key(index: int, count: int) -> str:
     return "model" if count == 1 else f"model{index}"
 
 
+def _materialize_adam_state(optimizer) -> None:
+    """Give every parameter of a torch Adam/AdamW that has not stepped yet the state its first step
+    would create (step 0, zero moments): the same optimizer, written down.
+
+    Without Apex or Transformer Engine (CPU runs) megatron-core drives torch's own Adam, whose state
+    appears only at the first step; the distributed optimizer's ``state_dict`` then fails on a fresh
+    optimizer (it reads every parameter's ``step``: a save at iteration 0, and every load, which builds
+    the state dict to load into), and a plain optimizer saved at iteration 0 lacks the moments a load
+    asks for. Fused Adams (TE, Apex) are left alone: megatron-core handles them.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if state:
+                    continue
+                state["step"] = torch.tensor(0.0)  # torch's own initial value (non-capturable, non-fused)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def _sharded_state_dict(model: list, optimizer, use_distributed_optimizer: bool, is_loading: bool) -> dict:
     from megatron.core.utils import unwrap_model
 
+    _materialize_adam_state(optimizer)
     chunks = unwrap_model(model)
     state: dict[str, Any] = {_model_key(i, len(chunks)): chunk.sharded_state_dict(
         metadata=_sharding_metadata(use_distributed_optimizer)) for i, chunk in enumerate(chunks)}
@@ -315,22 +359,6 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
 
 
 # ---- load -----------------------------------------------------------------------------------------
-def _read_common(path: Path) -> dict[str, Any]:
-    """common.pt, checked to be this trainer's: a foreign torch_dist checkpoint is named and refused."""
-    from megatron.core import dist_checkpointing
-
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as err:
-        raise CheckpointError(f"{path}: its common state (common.pt) cannot be read: {err}") from err
-    ours = common.get("mdpp") if isinstance(common, dict) else None
-    if not isinstance(ours, dict) or ours.get("format") != FORMAT:
-        found = ours.get("format") if isinstance(ours, dict) else "no 'mdpp' section"
-        raise CheckpointError(f"{path} is a torch_dist checkpoint but not one this trainer wrote (format {FORMAT!r} "
-                              f"expected, found {found!r}; a Megatron-LM checkpoint's run state is not read here)")
-    return common
-
-
 def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFacts,
                     override: bool = False) -> TrainState | None:
     """Restore the state ``root``'s tracker names; None when there is nothing to resume (fresh start).
@@ -344,7 +372,7 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFact
     if found is None:
         return None
     iteration, path = found
-    common = _read_common(path)
+    common = read_common_state(path)
     saved = common["mdpp"]
     differences = identity_differences(saved.get("identity", {}), facts.identity)
     if differences and not override:
@@ -374,7 +402,10 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFact
     chunks = unwrap_model(model)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    from trainer.megatron_compat import torch_adam_distributed_optimizer_load
+
+    with torch_adam_distributed_optimizer_load(optimizer):
+        optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if same_layout:
         from megatron.core import parallel_state as ps

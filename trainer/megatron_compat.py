@@ -27,6 +27,9 @@ process without CUDA, :func:`apply_cpu_shims` patches them *at run time, in this
    ``torch.cuda.synchronize()`` after staging tensors for the write, to wait for device-to-host copies;
    a CPU-only build raises there, and with no device there is nothing to wait for: a no-op.
 
+Outside the CPU shims, :func:`torch_adam_distributed_optimizer_load` works around two faults of megatron-core's distributed
+optimizer when it loads into torch's own Adam (no Apex/TE, so every CPU run).
+
 Everything is reversible (:class:`CpuShims.remove`) and refused when CUDA is available: a GPU run must
 never silently compute on the CPU. Public names are patched (``CudaRNGStatesTracker``,
 ``GlobalMemoryBuffer``, ``model_parallel_cuda_manual_seed``), which exist in megatron-core 0.16 and 0.19,
@@ -203,3 +206,50 @@ def apply_gloo_cuda_shims() -> CpuShims:
     shims.patch(param_and_grad_buffer, "_coalescing_manager", _OneByOne)
     log.debug("megatron-core gloo-on-CUDA shims applied")
     return shims
+
+
+@contextlib.contextmanager
+def torch_adam_distributed_optimizer_load(optimizer: Any) -> Iterator[None]:
+    """Around ``optimizer.load_state_dict``: megatron-core's distributed optimizer loading into torch's
+    own Adam (what megatron-core drives without Apex or Transformer Engine, so every CPU run).
+
+    Two faults of megatron-core (0.16) on that path, both around Adam's per-parameter ``step``:
+
+    * it restores ``step`` from the saved param groups, then copies the loaded tensors into each
+      parameter's optimizer state by the state's own keys; torch's Adam keeps ``step`` there and the
+      loaded tensors never carry it, so the copy raises ``KeyError: 'step'``. For the duration, the copy
+      runs with ``step`` taken out of the state and put back (the value restored from the param groups);
+    * it gives every parameter the SAME ``step`` tensor, which torch's Adam then increments in place
+      once per parameter per step: the bias correction runs ahead and a resumed run drifts from the
+      uninterrupted one. On exit each parameter gets its own copy.
+
+    States without ``step`` (fused Adams) are untouched; patched only where the release has the method.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = getattr(DistributedOptimizer, "_set_main_param_and_optimizer_states", None)
+
+    def set_states(self: Any, model_param: Any, tensors: dict) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param] if main_param in self.optimizer.state else {}
+        step = state.pop("step") if "step" in state and "step" not in tensors else None
+        try:
+            original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    if original is not None:
+        DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        if original is not None:
+            DistributedOptimizer._set_main_param_and_optimizer_states = original
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if isinstance(sub, DistributedOptimizer) and isinstance(inner, torch.optim.Optimizer):
+            for state in inner.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
