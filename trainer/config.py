@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.data.megatron_gpt import parse_blend
 from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
@@ -434,8 +435,14 @@ class OptimConfig:
 class DataConfig:
     """Where samples come from: a preprocessed indexed dataset or seeded synthetic tokens."""
 
-    data_path: str | None = None
-    """Prefix of a megatron-core indexed dataset (``--data-path``, without .bin/.idx)."""
+    data_path: tuple[str, ...] = ()
+    """``--data-path PREFIX`` (a megatron-core indexed dataset, without .bin/.idx), or Megatron-LM's
+    blend ``--data-path 0.3 A 0.7 B`` (weights normalised; several prefixes without weights blend by
+    size): GPT samples come from megatron-core's BlendedMegatronDatasetBuilder (trainer/data/megatron_gpt.py).
+    --variable-seq-lengths and BERT read one prefix with the project's own datasets."""
+    data_cache_path: str | None = None
+    """Where megatron-core caches the GPT document/sample/shuffle and blending indices
+    (``--data-cache-path``, as Megatron-LM); None: a ``cache/`` folder beside the data, its default."""
     mock_data: bool = False
     """Synthetic tokens from a seeded generator, fetched by sample index (``--mock-data``)."""
     vocab_file: str | None = None
@@ -459,9 +466,11 @@ class DataConfig:
     --seq-len-dist), drawn per sample from (--seed, sample index); required in that mode."""
 
     split: str | None = None
-    """Train/valid/test shares (``--split 969,30,1``, Megatron-LM's weights), taken of sample indices
-    in repeating blocks (trainer/data/split.py): training reads only the train share, --eval-interval
-    the valid share. None: every sample trains, or Megatron-LM's default 969,30,1 when validating."""
+    """Train/valid/test shares (``--split 969,30,1``, Megatron-LM's weights): of each prefix's documents
+    for GPT --data-path (megatron-core's builder, as Megatron-LM), else of sample indices in repeating
+    blocks (trainer/data/split.py; mock data, --variable-seq-lengths, BERT). Training reads only the
+    train share, --eval-interval the valid share. None: every sample trains, or Megatron-LM's default
+    969,30,1 when validating."""
 
     def __post_init__(self) -> None:
         p = []
@@ -474,10 +483,21 @@ class DataConfig:
         elif self.mock_data and self.variable_seq_lengths:
             p.append("--variable-seq-lengths with --mock-data needs --mock-seq-len-dist (e.g. lognormal:0.6): "
                      "mock samples have no documents of their own")
+        if isinstance(self.data_path, str):  # one prefix given as a string, not a list
+            object.__setattr__(self, "data_path", (self.data_path,))
+        object.__setattr__(self, "data_path", tuple(self.data_path))
         if not self.mock_data and not self.data_path:
             p.append("one of --data-path or --mock-data is required")
         if self.mock_data and self.data_path:
-            p.append(f"--mock-data and --data-path={self.data_path} are mutually exclusive")
+            p.append(f"--mock-data and --data-path {' '.join(self.data_path)} are mutually exclusive")
+        blend, blend_problems = parse_blend(self.data_path)
+        p.extend(blend_problems)
+        if blend is not None and len(blend.prefixes) > 1 and self.variable_seq_lengths:
+            p.append(f"--variable-seq-lengths reads one --data-path prefix (one document per sample, which "
+                     f"megatron-core's GPT dataset builder does not offer), got {len(blend.prefixes)} to blend")
+        if self.data_cache_path is not None and (self.mock_data or self.variable_seq_lengths):
+            p.append(f"--data-cache-path={self.data_cache_path} caches megatron-core's GPT indices, which "
+                     "--mock-data and --variable-seq-lengths do not build")
         if self.split is not None:
             p.extend(parse_split(self.split)[1])
         if self.tokenizer_type not in TOKENIZERS:
@@ -718,6 +738,7 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
                  f"{cfg.data.split} gives the valid share 0")
     p.extend(_split_backward_problems(cfg))
     p.extend(_variable_length_problems(cfg))
+    p.extend(_data_source_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
     p.extend(_megatron_graph_problems(cfg))
     p.extend(attention_backend_problems(cfg))
@@ -811,6 +832,22 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
         f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,
     }
     return [f"--cuda-graph-impl {par.cuda_graph_impl} needs {need}" for need, ok in why.items() if not ok]
+
+
+def _data_source_problems(cfg: TrainConfig) -> list[str]:
+    """What megatron-core's GPT dataset builder cannot serve here: BERT reads one prefix with the
+    project's dataset (trainer/data/bert_dataset.py), so no blend and no index cache."""
+    d = cfg.data
+    if cfg.model.model != "bert" or not d.data_path:
+        return []
+    p = []
+    blend = parse_blend(d.data_path)[0]
+    if blend is not None and len(blend.prefixes) > 1:
+        p.append(f"--model bert reads one --data-path prefix (trainer/data/bert_dataset.py; blending is "
+                 f"megatron-core's GPT builder's), got {len(blend.prefixes)}")
+    if d.data_cache_path is not None:
+        p.append(f"--data-cache-path={d.data_cache_path} caches megatron-core's GPT indices; --model bert builds none")
+    return p
 
 
 def _variable_length_problems(cfg: TrainConfig) -> list[str]:
@@ -954,6 +991,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(renames.get(f.name, "--no-" + flag[2:]), action="store_false", **kwargs)
             elif f.type in ("bool",):
                 group.add_argument(flag, action="store_true", **kwargs)
+            elif f.name == "data_path":  # Megatron-LM's nargs='*': a prefix or WEIGHT PREFIX pairs
+                group.add_argument(flag, nargs="+", type=str, metavar="[WEIGHT] PREFIX", **kwargs)
             elif f.name == "node_ips":
                 group.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), metavar="IP,IP,...",
                                    **kwargs)

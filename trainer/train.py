@@ -226,18 +226,19 @@ class TrainingSession:
             graphs = self.cfg.parallel.cuda_graph_impl == "local"
             tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs)
 
-    def _sample_source(self) -> tuple[SampleSource, int]:
+    def _sample_source(self) -> tuple[Callable[[str, int], dict], int]:
+        """(split name, k) -> sample k of that split, and the vocabulary size. GPT --data-path goes through
+        megatron-core's dataset builder (its --split of documents, blends, index cache); mock data,
+        --variable-seq-lengths and BERT are the project's index -> sample functions, split by index."""
         cfg = self.cfg
         m, seed = cfg.model, cfg.optim.seed
         if cfg.data.mock_data:
             lengths = (parse_length_distribution(cfg.data.mock_seq_len_dist)[0]
                        if cfg.data.variable_seq_lengths else None)
-            return mock_sample_source(m.model, seed, m.seq_length, m.vocab_size, lengths), m.vocab_size
+            return self._by_index(mock_sample_source(m.model, seed, m.seq_length, m.vocab_size, lengths)), m.vocab_size
         gbs = cfg.optim.global_batch_size
-        total = self.split.span("train", cfg.optim.total_iters * gbs)
-        if cfg.validates:
-            evaluations = cfg.optim.total_iters // cfg.run.eval_interval
-            total = max(total, self.split.span("valid", evaluations * cfg.run.eval_iters * gbs))
+        train = cfg.optim.total_iters * gbs
+        valid = cfg.optim.total_iters // cfg.run.eval_interval * cfg.run.eval_iters * gbs if cfg.validates else 0
         if cfg.data.tokenizer_type == "NullTokenizer":
             vocab, tokenizer = m.vocab_size, None
         else:
@@ -245,19 +246,30 @@ class TrainingSession:
 
             tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file)
             vocab = tokenizer.vocab_size
-        if m.model == "gpt":
-            from trainer.data.gpt_dataset import GPTDocumentDataset, GPTSampleDataset
+        if m.model == "gpt" and not cfg.data.variable_seq_lengths:
+            from trainer.data.megatron_gpt import MegatronGPTSamples, SplitSizes, parse_blend
 
-            if cfg.data.variable_seq_lengths:
-                dataset = GPTDocumentDataset(cfg.data.data_path, m.seq_length, seed, num_samples=total,
-                                             pad_id=tokenizer.pad if tokenizer is not None else 0)
-            else:
-                dataset = GPTSampleDataset(cfg.data.data_path, m.seq_length, seed, num_samples=total)
+            source = MegatronGPTSamples(
+                parse_blend(cfg.data.data_path)[0], cfg.sample_split or "1,0,0", m.seq_length, seed,
+                SplitSizes(train, valid), cfg.data.tokenizer_type, vocab,
+                tokenizer.eod if tokenizer is not None else vocab - 1, cache_dir=cfg.data.data_cache_path)
+            return source.sample, vocab
+        total = max(self.split.span("train", train), self.split.span("valid", valid))
+        (prefix,) = cfg.data.data_path  # config allows one prefix here
+        if m.model == "gpt":
+            from trainer.data.gpt_dataset import GPTDocumentDataset
+
+            dataset = GPTDocumentDataset(prefix, m.seq_length, seed, num_samples=total,
+                                         pad_id=tokenizer.pad if tokenizer is not None else 0)
         else:
             from trainer.data.bert_dataset import BertSampleDataset
 
-            dataset = BertSampleDataset(cfg.data.data_path, m.seq_length, tokenizer, seed, num_samples=total)
-        return dataset.__getitem__, vocab
+            dataset = BertSampleDataset(prefix, m.seq_length, tokenizer, seed, num_samples=total)
+        return self._by_index(dataset.__getitem__), vocab
+
+    def _by_index(self, source: SampleSource) -> Callable[[str, int], dict]:
+        """An index -> sample function read through --split's share of sample indices (trainer/data/split.py)."""
+        return lambda split, k: source(self.split.index(split, k))
 
     def _build_optimizer(self) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -421,10 +433,9 @@ class TrainingSession:
             topo, o = self.topology, self.cfg.optim
             plan = BatchPlan(o.micro_batch_size, topo.data_parallel, topo.dp_rank)
             if self._eval_start is None:
-                samples = [self.samples(self.split.index("train", k))
-                           for k in plan.indices(self.state.consumed_samples, microbatch)]
+                samples = [self.samples("train", k) for k in plan.indices(self.state.consumed_samples, microbatch)]
             else:
-                samples = [self.samples(self.split.index("valid", k)) for k in plan.indices(self._eval_start, microbatch)]
+                samples = [self.samples("valid", k) for k in plan.indices(self._eval_start, microbatch)]
             self._samples_of[microbatch] = samples
         return self._samples_of[microbatch]
 

@@ -106,3 +106,16 @@ def test_workload_is_the_prototypes_integer_and_sizes_the_shm_slots() -> None:
         parse_config(BASE + ["--workload", "0"], world_size=1)
     with pytest.raises(SystemExit):  # no longer a name: argparse refuses a non-integer (exit 2, usage)
         parse_config(BASE + ["--workload", "gpt16"], world_size=1)
+
+
+def test_the_prototypes_single_node_example_list_is_refused_not_misread() -> None:
+    """Its train_gpt3_175b_distributed.sh passes 8 addresses (2 nodes x 4) with GPUS_PER_NODE=4, NUM_NODES=1:
+    for 4 ranks that is neither one per rank nor one per node, so it is refused instead of guessed at."""
+    ips = "192.168.0.7,192.168.0.7,192.168.0.7,192.168.0.7,192.168.0.2,192.168.0.2,192.168.0.2,192.168.0.2"
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + ["--node-ips", ips, "--num-gpus", "4", "--workload", str(2048 * 512)], world_size=4,
+                     ranks_per_node=4)
+    assert err.value.problems == [f"--node-ips={ips} has 8 addresses with repeats: one address per rank needs "
+                                  "exactly 4 (the world size), one per node needs distinct addresses"]
+    cfg = parse_config(BASE + ["--node-ips", ips, "--num-gpus", "4", "--multi-node"], world_size=8, ranks_per_node=4)
+    assert cfg.run.node_ips == tuple(ips.split(","))  # the same list on its two nodes

@@ -1,5 +1,10 @@
 """GPT pretraining samples addressed by sample number: ``dataset[i]`` depends only on (data, i, seed).
 
+Training reads fixed-length GPT samples through megatron-core's dataset builder
+(trainer/data/megatron_gpt.py); of this module it uses GPTDocumentDataset (``--variable-seq-lengths``,
+which megatron-core's GPTDataset cannot express). GPTSampleDataset remains, with its tests, as the
+project's own reading of the same windows.
+
 Like Megatron-Core's GPTDataset, documents (indexed sequences) are concatenated in a shuffled order
 and cut into samples of ``seq_length + 1`` tokens that overlap by one token (inputs and shifted labels).
 Each epoch uses its own document order and sample order, both drawn from ``(seed, epoch)``; asking for

@@ -1,0 +1,182 @@
+"""GPT training data through megatron-core's dataset builder, as Megatron-LM's pretrain_gpt.py builds it.
+
+``BlendedMegatronDatasetBuilder(GPTDataset, sizes, ...)`` with a ``GPTDatasetConfig`` gives what
+Megatron-LM users expect of ``--data-path``/``--split``/``--data-cache-path``:
+
+- ``--data-path A`` or a blend ``--data-path 0.3 A 0.7 B`` (weights normalised; an odd-length or
+  unweighted list of prefixes blends by dataset size), each prefix split into train/valid/test
+  *documents* by ``--split``; megatron-core's BlendedDataset interleaves the datasets so that after n
+  samples each has contributed its weight x n, to within one sample (its blending-index helper);
+- the document/sample/shuffle indices (and a blend's dataset index) are built once by global rank 0
+  and cached as ``.npy`` files -- under ``--data-cache-path``, else, as in Megatron-LM, in a
+  ``cache/`` folder beside the data -- then read by every other rank after a barrier;
+- the samples: ``seq_length + 1`` token windows of the shuffled document stream, tokens and shifted
+  labels, loss mask 1, position ids 0..seq-1 (no --reset-position-ids / --eod-mask-loss here).
+
+Every sample is still a pure function of its split and index (the indices are seeded by --seed), so
+the DPP runtime may read microbatches in any order. The index helpers are megatron-core's compiled
+``helpers_cpp`` extension, shipped inside its wheel (0.16 for Python 3.11, 0.19 in the GPU images);
+:func:`check_helpers` fails with the fix when it is missing instead of letting megatron-core try to
+compile it with ``make`` on a compute node.
+
+What stays the project's own (trainer/data/gpt_dataset.py, bert_dataset.py): ``--variable-seq-lengths``
+(one document or piece of one per sample, which GPTDataset's fixed windows cannot express) and BERT
+(see docs/training.md), both splitting by sample index (trainer/data/split.py) and reading one prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer.data.split import SPLIT_NAMES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Blend:
+    """A parsed ``--data-path``: dataset prefixes and their weights (None: blend by dataset size)."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...] | None = None
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_blend(data_path: Sequence[str]) -> tuple[Blend | None, list[str]]:
+    """(blend, problems) of Megatron-LM's ``--data-path`` list: ``PREFIX [PREFIX ...]`` or
+    ``WEIGHT PREFIX [WEIGHT PREFIX ...]`` (an even-length list whose every other item is a number)."""
+    items = [item.strip() for item in data_path]
+    if not items:
+        return None, []
+    given = f"--data-path {' '.join(items)}"
+    pairs = len(items) % 2 == 0 and all(_number(w) is not None for w in items[::2])
+    if not pairs:
+        numbers = [item for item in items if _number(item) is not None]
+        if numbers:  # a weight without a partner, or a prefix that happens to be a number
+            return None, [f"{given}: weights and prefixes must alternate (WEIGHT PREFIX WEIGHT PREFIX ...); "
+                          f"{' '.join(numbers)} looks like a weight without its dataset"]
+        return Blend(tuple(items)), []
+    weights = tuple(float(w) for w in items[::2])
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        return None, [f"{given}: blend weights must be >= 0 with a positive sum"]
+    return Blend(tuple(items[1::2]), weights), []
+
+
+def check_helpers() -> None:
+    """RuntimeError naming the fix when megatron-core's compiled index helpers are missing.
+
+    Megatron-LM compiles them at start-up with ``make`` in the installed package (rank 0 only, then a
+    barrier); megatron-core's wheels ship them prebuilt. Here a missing extension is a broken
+    installation, reported before any index is built rather than compiled behind the user's back.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            "megatron-core's dataset index helpers (megatron.core.datasets.helpers_cpp) are not built: "
+            f"{exc}. Reinstall megatron-core from a wheel (pip install --force-reinstall megatron-core), or "
+            "build them in place: make -C $(python -c 'import megatron.core.datasets as d, os; "
+            "print(os.path.dirname(d.__file__))')"
+        ) from None
+
+
+def _check_documents(blend: Blend, split: str, split_matrix: list, requested: list[int]) -> None:
+    """ValueError naming the prefix and split when a split that must give samples gets no document of a
+    prefix (megatron-core's GPTDataset would loop forever looking for its tokens). The document
+    ranges are megatron-core's: round(bookend x documents) at either end."""
+    from trainer.data.indexed import open_indexed_dataset
+
+    for prefix in blend.prefixes:
+        documents = len(open_indexed_dataset(prefix).sequence_lengths)  # also checks the .bin's size
+        for name, bookends, size in zip(SPLIT_NAMES, split_matrix, requested, strict=True):
+            if size == 0:
+                continue
+            first, end = (0, 0) if bookends is None else (round(bookends[0] * documents), round(bookends[1] * documents))
+            if end <= first:
+                raise ValueError(f"--split {split} gives the {name} split none of the {documents} documents of "
+                                 f"{prefix}, but {size} {name} samples are needed: change --split or add data")
+
+
+class _TokenizerView:
+    """What GPTDataset reads of its tokenizer. No ``pad``: GPT pretraining samples are never padded,
+    and Megatron-LM's GPT-2 tokenizer has none either (an EOD-valued pad would take every EOD out of
+    the loss)."""
+
+    def __init__(self, kind: str, vocab_size: int, eod: int) -> None:
+        self.vocab_size, self.eod = vocab_size, eod
+        self.unique_identifiers = {"class": kind, "vocab_size": vocab_size, "eod": eod}  # part of the cache key
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """Samples each split must provide (Megatron-LM's ``train_val_test_num_samples``)."""
+
+    train: int
+    valid: int = 0
+    test: int = 0
+
+
+class MegatronGPTSamples:
+    """Train/valid/test GPT samples built by megatron-core; ``sample(split, k)`` -> numpy sample dict.
+
+    COLLECTIVE when torch.distributed is initialised: every rank must construct it (rank 0 builds and
+    caches the indices first, the others wait on a barrier of the default group and read them).
+    """
+
+    def __init__(self, blend: Blend, split: str, seq_length: int, seed: int, sizes: SplitSizes,
+                 tokenizer_kind: str, vocab_size: int, eod: int, cache_dir: str | None = None) -> None:
+        check_helpers()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+            from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+        config = GPTDatasetConfig(
+            random_seed=seed, sequence_length=seq_length,
+            blend=(list(blend.prefixes), None if blend.weights is None else list(blend.weights)), split=split,
+            path_to_cache=cache_dir, tokenizer=_TokenizerView(tokenizer_kind, vocab_size, eod),
+            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            create_attention_mask=False,  # the trainer builds the causal mask on the device
+        )
+        requested = [sizes.train, sizes.valid, sizes.test]
+        # Splits no sample is asked of are not built (megatron-core would build a split asked for 0
+        # samples anyway, and loop forever on one without documents); the others keep --split's bookends.
+        config.split_matrix = [bookends if size > 0 else None
+                               for bookends, size in zip(config.split_matrix, requested, strict=True)]
+        _check_documents(blend, split, config.split_matrix, requested)
+        self.datasets = BlendedMegatronDatasetBuilder(GPTDataset, requested, lambda: True, config).build()
+        self.split = split
+        log.info("GPT data (megatron-core builder) %s weights %s, --split %s: %s samples", " ".join(blend.prefixes),
+                 "by size" if blend.weights is None else blend.weights, split,
+                 ", ".join(f"{n} {0 if d is None else len(d)}" for n, d in zip(SPLIT_NAMES, self.datasets, strict=True)))
+
+    def sample(self, split: str, k: int) -> dict[str, Any]:
+        dataset = self.datasets[SPLIT_NAMES.index(split)]
+        if dataset is None or not 0 <= k < len(dataset):
+            size = 0 if dataset is None else len(dataset)
+            raise IndexError(f"{split} sample {k} outside the {size} that megatron-core's builder made")
+        item = dataset[k]
+        return {key: np.asarray(item[key].numpy() if hasattr(item[key], "numpy") else item[key])
+                for key in ("tokens", "labels", "loss_mask", "position_ids")}
+
+    def dataset_of(self, split: str, k: int) -> int:
+        """Which --data-path prefix sample ``k`` of ``split`` comes from (its position in the blend)."""
+        dataset = self.datasets[SPLIT_NAMES.index(split)]
+        if hasattr(dataset, "dataset_index"):  # a BlendedDataset
+            return int(dataset.dataset_index[k])
+        return 0
