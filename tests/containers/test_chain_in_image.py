@@ -61,7 +61,9 @@ def test_the_chain_runs_inside_the_image_on_two_nodes(slurm_cluster, via):
     data = run_dir / "data" / "gpt2"
     assert (data / "sample_text_document.bin").stat().st_size > 0, report
     assert (data / "sample_text_document.idx").stat().st_size > 0, report
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "20", report
+    checkpoints = run_dir / "checkpoints"  # Megatron-LM's layout: a tracker file and iter_NNNNNNN/
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "20", report
+    assert (checkpoints / "iter_0000020").is_dir(), report
     traces = run_dir / "traces"
     assert len(list(traces.glob("trace_rank*.json"))) == 2, report  # one per rank, one rank per node
     summary = json.loads((traces / "summary.json").read_text())
