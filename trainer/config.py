@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import importlib.util
 import inspect
+import math
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -200,6 +201,11 @@ class ParallelConfig:
     """Run the dynamic pipeline schedule instead of 1F1B (``--use-dpp``)."""
     dpp_max_inflight: int | None = None
     """DPP cap on forwards whose activations are held; None means 1F1B's per-stage cap."""
+    dpp_cap_factor: float = 1.0
+    """Multiplies each stage's 1F1B in-flight cap, rounded down (``--dpp-cap-factor``): 1.5 at PP=4
+    gives 6/4/3/1. Headroom on the early stages hides the stage-to-stage round trip (a stage at
+    1F1B's cap must wait for its oldest microbatch's gradient before the next forward) at the
+    memory of the extra activations; the last stage keeps 1F1B's cap (its F and B are adjacent)."""
     dpp_policy: Literal["dpp", "dpp-zb", "zb-h1"] = "dpp"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
@@ -261,6 +267,13 @@ class ParallelConfig:
         if self.num_layers_per_virtual_pipeline_stage is not None and self.num_layers_per_virtual_pipeline_stage < 1:
             p.append(f"--num-layers-per-virtual-pipeline-stage={self.num_layers_per_virtual_pipeline_stage}"
                      " must be >= 1")
+        if not (math.isfinite(self.dpp_cap_factor) and self.dpp_cap_factor >= 1.0):
+            p.append(f"--dpp-cap-factor={self.dpp_cap_factor} must be a finite number >= 1")
+        elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:
+            p.append(f"--dpp-cap-factor={self.dpp_cap_factor} and --dpp-max-inflight={self.dpp_max_inflight}: "
+                     "give one (a fixed cap for every stage, or a multiple of each stage's 1F1B cap)")
+        elif self.dpp_cap_factor != 1.0 and not (self.use_dpp and self.dpp_policy != "zb-h1"):
+            p.append(f"--dpp-cap-factor={self.dpp_cap_factor} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
         if self.dpp_max_inflight is not None and self.dpp_max_inflight < 1:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
         if self.transport not in TRANSPORTS:
@@ -830,6 +843,12 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
         "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
             not cfg.data.variable_seq_lengths,
         f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,
+        # Measured on 4xH100 with megatron-core 0.19.2 (no Transformer Engine there): at PP=4 its graph
+        # creation fails after the first step (assert fwd_buffer_reuse_ref_count == 0 in
+        # _create_cudagraphs); PP=1 ran and matched eager. Refused until a pipeline run has passed.
+        f"--pipeline-model-parallel-size 1 (got {par.pipeline_model_parallel_size}: megatron-core's "
+        "local graphs failed to build under its pipeline schedule in the one configuration tried, "
+        "docs/benchmarks.md)": par.pipeline_model_parallel_size == 1,
     }
     return [f"--cuda-graph-impl {par.cuda_graph_impl} needs {need}" for need, ok in why.items() if not ok]
 

@@ -339,7 +339,7 @@ class TrainingSession:
         shape = PipelineShape(topo.pipeline_parallel, self.num_microbatches, topo.virtual_pipeline)
         par = cfg.parallel
         if par.use_dpp and par.dpp_policy != "zb-h1":
-            name, options = par.dpp_policy, {"max_inflight": par.dpp_max_inflight}
+            name, options = par.dpp_policy, {"max_inflight": par.dpp_max_inflight, "cap_factor": par.dpp_cap_factor}
         elif par.dpp_policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
             name, options = "zb-h1", {}
         else:
@@ -741,7 +741,7 @@ def link_options(cfg: TrainConfig, shape) -> LinkOptions:
     """
     from trainer.schedule.dynamic import one_f_one_b_cap
 
-    cap = max(cfg.parallel.dpp_max_inflight or 0, one_f_one_b_cap(shape, 0))
+    cap = max(cfg.parallel.dpp_max_inflight or 0, math.floor(cfg.parallel.dpp_cap_factor * one_f_one_b_cap(shape, 0) + 1e-9))
     itemsize = cfg.pipeline_itemsize
     default = LinkOptions()
     if cfg.run.workload is not None:  # the prototype's per-copy share: slots of N elements (64-byte aligned)

@@ -3,7 +3,9 @@ same losses and gradients as the eager megatron-core run, and the graphs really 
 
 This is the bench's ``megatron-1f1b-graphs`` line: the fair bar for --dpp-cuda-graphs, since a Megatron
 user can switch graphs on too. fp32 and dropout 0, so replays and eager ops run the same kernels on the
-same data. One GPU: PP=1 (megatron-core's no-pipelining schedule); with 2+ GPUs also PP=2 (1F1B, NCCL).
+same data. PP=1 (megatron-core's no-pipelining schedule): under its pipeline schedule (PP=4, 4xH100,
+megatron-core 0.19.2 without Transformer Engine) the graphs failed to build, and the trainer refuses
+--cuda-graph-impl local at PP > 1 (tests/unit/test_cuda_graphs.py).
 
     python -m pytest -m gpu tests/gpu/test_megatron_cuda_graphs.py -s
 """
@@ -40,10 +42,8 @@ def _run(out: Path, pp: int, extra: list[str]) -> tuple[list, dict]:
 
 
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("pp", [1, 2], ids=["pp1", "pp2"])
-def test_megatron_graphs_equal_eager_megatron(tmp_path: Path, pp: int) -> None:
-    if torch.cuda.device_count() < pp:
-        pytest.skip(f"PP={pp} over NCCL needs {pp} GPUs, this machine has {torch.cuda.device_count()}")
+def test_megatron_graphs_equal_eager_megatron(tmp_path: Path) -> None:
+    pp = 1
     _, eager = _run(tmp_path / "eager", pp, [])
     results, graphed = _run(tmp_path / "graphed", pp, ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "1"])
     created = {int(m[1]): (int(m[2]), int(m[3])) for r in results for m in CREATED.finditer(r.output)}

@@ -198,7 +198,8 @@ def test_graphs_without_dpp_are_refused() -> None:
         parse_config(argv, world_size=2)
 
 
-MEGATRON_GRAPHS = [a for a in GOOD if a not in ("--use-dpp", "--dpp-cuda-graphs")] + ["--cuda-graph-impl", "local"]
+MEGATRON_GRAPHS = [a for a in GOOD if a not in ("--use-dpp", "--dpp-cuda-graphs")] + [
+    "--cuda-graph-impl", "local", "--pipeline-model-parallel-size", "1"]
 
 
 def test_megatron_graphs_reach_megatron_core_config() -> None:
@@ -206,19 +207,25 @@ def test_megatron_graphs_reach_megatron_core_config() -> None:
     from trainer.model.build import transformer_config
     from trainer.topology import Topology
 
-    cfg = parse_config(MEGATRON_GRAPHS + ["--cuda-graph-warmup-steps", "2"], world_size=2)
+    cfg = parse_config(MEGATRON_GRAPHS + ["--cuda-graph-warmup-steps", "2"], world_size=1)
     assert (cfg.parallel.cuda_graph_impl, cfg.parallel.cuda_graph_warmup_steps) == ("local", 2)
     # built as on CPU (no CUDA fusions to look for): the graph fields are what matter here
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
-    tc = transformer_config(cfg, Topology(world_size=2, rank=0, pipeline_parallel=2))
+    tc = transformer_config(cfg, Topology(world_size=1, rank=0))
     assert (tc.cuda_graph_impl, tc.cuda_graph_warmup_steps) == ("local", 2)
     assert parse_config(GOOD, world_size=2).parallel.cuda_graph_impl == "none"
+
+
+def test_benchmark_lists_megatron_graphs_as_not_run_under_a_pipeline() -> None:
+    [line] = plan(BenchConfig(), ["megatron-1f1b-graphs"], ["a"], ("dpp",))
+    assert isinstance(line, NotRun) and "PP > 1" in line.reason
 
 
 @pytest.mark.parametrize("extra, needle", [
     (["--use-dpp"], "megatron-core's schedules (not --use-dpp"),
     (["--device", "cpu"], "--device cuda (got cpu)"),
     (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5"], "a fixed sequence length"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1 (got 2"),
 ])
 def test_megatron_graphs_refuse_what_they_cannot_run(extra, needle) -> None:
     with pytest.raises(ConfigError) as err:
@@ -228,7 +235,7 @@ def test_megatron_graphs_refuse_what_they_cannot_run(extra, needle) -> None:
 
 def test_megatron_graphs_name_the_implementations_offered() -> None:
     with pytest.raises(ConfigError, match="transformer_engine"):
-        parse_config(MEGATRON_GRAPHS + ["--cuda-graph-impl", "transformer_engine"], world_size=2)
+        parse_config(MEGATRON_GRAPHS + ["--cuda-graph-impl", "transformer_engine"], world_size=1)
 
 
 def test_benchmark_lists_the_graphs_line_as_not_run_where_it_cannot() -> None:

@@ -90,7 +90,10 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         recompute_num_layers=m.recompute_num_layers,
         use_cpu_initialization=on_cpu,
         # Megatron frees a sent activation's storage and keeps its graph (deallocate_output_tensor).
-        deallocate_pipeline_outputs=True,
+        # Not with its CUDA graphs: a graphed layer's output is a view of the graph's static buffer,
+        # which megatron refuses to free ("counter-productive to free a view"), and whose memory
+        # belongs to the graph pool anyway (freeing .data would release nothing).
+        deallocate_pipeline_outputs=cfg.parallel.cuda_graph_impl == "none",
         # Megatron's own softmax kernels ship with Megatron-LM builds, not the pip wheel: only use
         # them when they import (TE's attention does not need them).
         masked_softmax_fusion=not on_cpu and _importable("scaled_upper_triang_masked_softmax_cuda"),
