@@ -275,6 +275,27 @@ def _materialize_adam_state(optimizer) -> None:
                     state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
+def _zero_steps_where_unsaved(optimizer, loaded: Any) -> None:
+    """Give a loaded torch Adam/AdamW state saved before the first step its step (0) back.
+
+    megatron-core stores the plain optimizer's shared step only when it is non-zero (``if step:``), so
+    the moments of a checkpoint saved at iteration 0 (a signal during start-up) come back without a
+    ``step``, which torch's Adam refuses; 0 is what they were saved with.
+    """
+    live = getattr(optimizer, "chained_optimizers", [optimizer])
+    saved = [loaded] if len(live) == 1 else [loaded[k] for k in sorted(loaded)] if isinstance(loaded, dict) \
+        else list(loaded)
+    for sub, sub_state in zip(live, saved, strict=True):
+        # FP32Optimizer: torch's own {'state', 'param_groups'}; Float16Optimizer: under 'optimizer'.
+        inner_state = sub_state.get("optimizer", sub_state) if isinstance(sub_state, dict) else None
+        state = inner_state.get("state") if isinstance(inner_state, dict) else None
+        if type(getattr(sub, "optimizer", None)) not in (torch.optim.Adam, torch.optim.AdamW) \
+                or not isinstance(state, dict) or "common_step" in state:
+            continue
+        if any(isinstance(s, dict) and s and "step" not in s for s in state.values()):
+            state["common_step"] = torch.tensor(0.0)
+
+
 def _sharded_state_dict(model: list, optimizer, use_distributed_optimizer: bool, is_loading: bool) -> dict:
     from megatron.core.utils import unwrap_model
 
@@ -404,6 +425,7 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFact
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
     from trainer.megatron_compat import torch_adam_distributed_optimizer_load
 
+    _zero_steps_where_unsaved(optimizer, loaded["optimizer"])
     with torch_adam_distributed_optimizer_load(optimizer):
         optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
