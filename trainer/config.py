@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainer.data.megatron_gpt import parse_blend
+from trainer.data.megatron_datasets import parse_blend
 from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
@@ -451,10 +451,11 @@ class DataConfig:
     data_path: tuple[str, ...] = ()
     """``--data-path PREFIX`` (a megatron-core indexed dataset, without .bin/.idx), or Megatron-LM's
     blend ``--data-path 0.3 A 0.7 B`` (weights normalised; several prefixes without weights blend by
-    size): GPT samples come from megatron-core's BlendedMegatronDatasetBuilder (trainer/data/megatron_gpt.py).
-    --variable-seq-lengths and BERT read one prefix with the project's own datasets."""
+    size): samples come from megatron-core's BlendedMegatronDatasetBuilder (trainer/data/megatron_datasets.py;
+    GPTDataset, BERTMaskedWordPieceDataset). --variable-seq-lengths reads one prefix with the project's
+    own datasets."""
     data_cache_path: str | None = None
-    """Where megatron-core caches the GPT document/sample/shuffle and blending indices
+    """Where megatron-core caches its dataset indices (GPT document/sample/shuffle, BERT samples, blends)
     (``--data-cache-path``, as Megatron-LM); None: a ``cache/`` folder beside the data, its default."""
     mock_data: bool = False
     """Synthetic tokens from a seeded generator, fetched by sample index (``--mock-data``)."""
@@ -480,8 +481,8 @@ class DataConfig:
 
     split: str | None = None
     """Train/valid/test shares (``--split 969,30,1``, Megatron-LM's weights): of each prefix's documents
-    for GPT --data-path (megatron-core's builder, as Megatron-LM), else of sample indices in repeating
-    blocks (trainer/data/split.py; mock data, --variable-seq-lengths, BERT). Training reads only the
+    for --data-path (megatron-core's builder, as Megatron-LM), else of sample indices in repeating
+    blocks (trainer/data/split.py; mock data, --variable-seq-lengths). Training reads only the
     train share, --eval-interval the valid share. None: every sample trains, or Megatron-LM's default
     969,30,1 when validating."""
 
@@ -506,10 +507,10 @@ class DataConfig:
         blend, blend_problems = parse_blend(self.data_path)
         p.extend(blend_problems)
         if blend is not None and len(blend.prefixes) > 1 and self.variable_seq_lengths:
-            p.append(f"--variable-seq-lengths reads one --data-path prefix (one document per sample, which "
-                     f"megatron-core's GPT dataset builder does not offer), got {len(blend.prefixes)} to blend")
+            p.append(f"--variable-seq-lengths reads one --data-path prefix (samples that carry their own length, "
+                     f"which megatron-core's dataset builder does not offer), got {len(blend.prefixes)} to blend")
         if self.data_cache_path is not None and (self.mock_data or self.variable_seq_lengths):
-            p.append(f"--data-cache-path={self.data_cache_path} caches megatron-core's GPT indices, which "
+            p.append(f"--data-cache-path={self.data_cache_path} caches megatron-core's dataset indices, which "
                      "--mock-data and --variable-seq-lengths do not build")
         if self.split is not None:
             p.extend(parse_split(self.split)[1])
@@ -751,7 +752,7 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
                  f"{cfg.data.split} gives the valid share 0")
     p.extend(_split_backward_problems(cfg))
     p.extend(_variable_length_problems(cfg))
-    p.extend(_data_source_problems(cfg))
+    p.extend(_bert_data_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
     p.extend(_megatron_graph_problems(cfg))
     p.extend(attention_backend_problems(cfg))
@@ -853,20 +854,14 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
     return [f"--cuda-graph-impl {par.cuda_graph_impl} needs {need}" for need, ok in why.items() if not ok]
 
 
-def _data_source_problems(cfg: TrainConfig) -> list[str]:
-    """What megatron-core's GPT dataset builder cannot serve here: BERT reads one prefix with the
-    project's dataset (trainer/data/bert_dataset.py), so no blend and no index cache."""
+def _bert_data_problems(cfg: TrainConfig) -> list[str]:
+    """BERT on --data-path masks WordPiece tokens ([CLS]/[SEP]/[MASK], whole words): it needs a WordPiece
+    --tokenizer-type (megatron-core's BERT dataset and the project's alike)."""
     d = cfg.data
-    if cfg.model.model != "bert" or not d.data_path:
+    if cfg.model.model != "bert" or not d.data_path or d.tokenizer_type.startswith("BertWordPiece"):
         return []
-    p = []
-    blend = parse_blend(d.data_path)[0]
-    if blend is not None and len(blend.prefixes) > 1:
-        p.append(f"--model bert reads one --data-path prefix (trainer/data/bert_dataset.py; blending is "
-                 f"megatron-core's GPT builder's), got {len(blend.prefixes)}")
-    if d.data_cache_path is not None:
-        p.append(f"--data-cache-path={d.data_cache_path} caches megatron-core's GPT indices; --model bert builds none")
-    return p
+    return [f"--model bert with --data-path needs --tokenizer-type BertWordPieceLowerCase or BertWordPieceCase "
+            f"(got {d.tokenizer_type})"]
 
 
 def _variable_length_problems(cfg: TrainConfig) -> list[str]:

@@ -227,9 +227,9 @@ class TrainingSession:
             tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs)
 
     def _sample_source(self) -> tuple[Callable[[str, int], dict], int]:
-        """(split name, k) -> sample k of that split, and the vocabulary size. GPT --data-path goes through
-        megatron-core's dataset builder (its --split of documents, blends, index cache); mock data,
-        --variable-seq-lengths and BERT are the project's index -> sample functions, split by index."""
+        """(split name, k) -> sample k of that split, and the vocabulary size. --data-path goes through
+        megatron-core's dataset builder (its --split of documents, blends, index cache); mock data and
+        --variable-seq-lengths are the project's index -> sample functions, split by index."""
         cfg = self.cfg
         m, seed = cfg.model, cfg.optim.seed
         if cfg.data.mock_data:
@@ -246,14 +246,18 @@ class TrainingSession:
 
             tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file)
             vocab = tokenizer.vocab_size
-        if m.model == "gpt" and not cfg.data.variable_seq_lengths:
-            from trainer.data.megatron_gpt import MegatronGPTSamples, SplitSizes, parse_blend
+        if not cfg.data.variable_seq_lengths:
+            from trainer.data.megatron_datasets import SplitSizes, bert_samples, gpt_samples, parse_blend
 
-            source = MegatronGPTSamples(
-                parse_blend(cfg.data.data_path)[0], cfg.sample_split or "1,0,0", m.seq_length, seed,
-                SplitSizes(train, valid), cfg.data.tokenizer_type, vocab,
-                tokenizer.eod if tokenizer is not None else vocab - 1, cache_dir=cfg.data.data_cache_path)
+            blend, split, sizes = parse_blend(cfg.data.data_path)[0], cfg.sample_split or "1,0,0", SplitSizes(train, valid)
+            if m.model == "gpt":
+                source = gpt_samples(blend, split, m.seq_length, seed, sizes, cfg.data.tokenizer_type, vocab,
+                                     tokenizer.eod if tokenizer is not None else vocab - 1, cfg.data.data_cache_path)
+            else:
+                source = bert_samples(blend, split, m.seq_length, seed, sizes, tokenizer,
+                                      cache_dir=cfg.data.data_cache_path)
             return source.sample, vocab
+        # --variable-seq-lengths: the project's datasets, whose samples carry their real length.
         total = max(self.split.span("train", train), self.split.span("valid", valid))
         (prefix,) = cfg.data.data_path  # config allows one prefix here
         if m.model == "gpt":

@@ -1,5 +1,9 @@
 """BERT pretraining samples (masked LM + sentence order) addressed by sample number.
 
+Training reads fixed-length BERT samples through megatron-core's BERTMaskedWordPieceDataset
+(trainer/data/megatron_datasets.py); this dataset serves ``--variable-seq-lengths``, whose samples
+must carry their real length (``"length"``), which megatron-core's do not.
+
 Built on a ``..._text_sentence`` indexed dataset (``python -m trainer.preprocess --split-sentences``):
 consecutive sentences of one document are grouped until they fill ``seq_length - 3`` tokens; each
 group is one sample ``[CLS] A [SEP] B [SEP]``. As in Megatron-Core's BERTMaskedWordPieceDataset, A/B

@@ -1,7 +1,7 @@
 """GPT pretraining samples addressed by sample number: ``dataset[i]`` depends only on (data, i, seed).
 
 Training reads fixed-length GPT samples through megatron-core's dataset builder
-(trainer/data/megatron_gpt.py); of this module it uses GPTDocumentDataset (``--variable-seq-lengths``,
+(trainer/data/megatron_datasets.py); of this module it uses GPTDocumentDataset (``--variable-seq-lengths``,
 which megatron-core's GPTDataset cannot express). GPTSampleDataset remains, with its tests, as the
 project's own reading of the same windows.
 

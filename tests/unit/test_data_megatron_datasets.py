@@ -1,5 +1,6 @@
-"""GPT data through megatron-core's dataset builder (trainer/data/megatron_gpt.py, issue 17 part 4):
---data-path blends, --split of documents, the index cache, and samples as the trainer reads them.
+"""Data through megatron-core's dataset builder (trainer/data/megatron_datasets.py, issue 17 part 4):
+--data-path blends, --split of documents, the index cache, and GPT and BERT samples as the trainer
+reads them.
 
 The datasets are written with megatron-core's IndexedDatasetBuilder so that every token says where it
 came from: document d of dataset s holds only the token ``1000 * s + d`` (plus 1 for its last token),
@@ -16,7 +17,15 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from trainer.data.megatron_gpt import Blend, MegatronGPTSamples, SplitSizes, check_helpers, parse_blend
+from trainer.data.megatron_datasets import (
+    Blend,
+    MegatronSamples,
+    SplitSizes,
+    bert_samples,
+    check_helpers,
+    gpt_samples,
+    parse_blend,
+)
 from trainer.ports import free_port
 
 SEQ = 16
@@ -54,8 +63,8 @@ def corpora(tmp_path_factory) -> tuple[str, str]:
     return _write(folder / "a_text_document", 1), _write(folder / "b_text_document", 2)
 
 
-def _samples(blend: Blend, split: str, sizes: SplitSizes, cache: Path, seed: int = 5) -> MegatronGPTSamples:
-    return MegatronGPTSamples(blend, split, SEQ, seed, sizes, "NullTokenizer", VOCAB, VOCAB - 1, cache_dir=str(cache))
+def _samples(blend: Blend, split: str, sizes: SplitSizes, cache: Path, seed: int = 5) -> MegatronSamples:
+    return gpt_samples(blend, split, SEQ, seed, sizes, "NullTokenizer", VOCAB, VOCAB - 1, str(cache))
 
 
 def _origins(sample: dict) -> set[tuple[int, int]]:
@@ -162,3 +171,67 @@ def test_indices_are_cached_and_read_back(corpora, tmp_path) -> None:
     for split, count in (("train", 40), ("valid", 10)):
         for k in range(count):
             assert np.array_equal(first.sample(split, k)["tokens"], again.sample(split, k)["tokens"])
+
+
+# ---- BERT -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bert_corpus(tmp_path_factory):
+    """80 documents of the shipped corpus, sentence-split and WordPiece-tokenized (python -m trainer.preprocess)."""
+    import lzma
+
+    from trainer.data.preprocess import main as preprocess_main
+    from trainer.data.tokenizer import build_tokenizer
+
+    datasets = Path(__file__).resolve().parents[2] / "datasets"
+    folder = tmp_path_factory.mktemp("bert")
+    with lzma.open(datasets / "python-docs.jsonl.xz", "rt", encoding="utf-8") as f:
+        (folder / "slice.jsonl").write_text("".join(next(f) for _ in range(80)))
+    vocab = datasets / "bert" / "vocab.txt"
+    assert preprocess_main(["--input", str(folder / "slice.jsonl"), "--output-prefix", str(folder / "bert"),
+                            "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab),
+                            "--split-sentences"]) == 0
+    return str(folder / "bert_text_sentence"), build_tokenizer("BertWordPieceLowerCase", vocab)
+
+
+def test_bert_samples_are_megatron_cores_masked_pairs(bert_corpus, tmp_path) -> None:
+    prefix, tok = bert_corpus
+    source = bert_samples(Blend((prefix,)), "9,1,0", 64, 3, SplitSizes(200, 20), tok, cache_dir=str(tmp_path))
+    predicted_share = []
+    for k in range(0, 200, 5):
+        s = source.sample("train", k)
+        assert {key: s[key].dtype for key in ("text", "types", "labels", "padding_mask", "loss_mask")} == {
+            "text": np.int64, "types": np.int64, "labels": np.int64, "padding_mask": np.int64, "loss_mask": np.float32}
+        assert s["text"].shape == (64,) and int(s["is_random"]) in (0, 1)
+        real = int(s["padding_mask"].sum())
+        text = s["text"][:real]
+        seps = np.flatnonzero(text == tok.sep)
+        assert text[0] == tok.cls and len(seps) == 2 and seps[1] == real - 1, text
+        assert np.all(s["padding_mask"][:real] == 1) and np.all(s["padding_mask"][real:] == 0)
+        predicted = s["loss_mask"] == 1
+        assert np.all(s["labels"][~predicted] == -1) and np.all(s["labels"][predicted] >= 0)
+        predicted_share.append(predicted.sum() / (real - 3))
+    assert 0.1 < float(np.mean(predicted_share)) <= 0.16  # Megatron-LM's 15% of the word pieces
+    again = bert_samples(Blend((prefix,)), "9,1,0", 64, 3, SplitSizes(200, 20), tok, cache_dir=str(tmp_path / "b"))
+    for split, k in (("train", 7), ("valid", 3), ("train", 199)):
+        first, second = source.sample(split, k), again.sample(split, k)
+        assert all(np.array_equal(first[key], second[key]) for key in first)
+
+
+def test_config_reads_blends_and_refuses_what_the_builder_cannot_serve() -> None:
+    from trainer.config import ConfigError, parse_config
+
+    gpt2 = ["--vocab-file", "v.json", "--merge-file", "m.txt"]
+    cfg = parse_config(["--data-path", "0.3", "A", "0.7", "B", "--data-cache-path", "/c", *gpt2], world_size=1)
+    assert (cfg.data.data_path, cfg.data.data_cache_path) == (("0.3", "A", "0.7", "B"), "/c")
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--data-path", "0.3", "A", "0.7", "B", "--variable-seq-lengths", "--data-cache-path", "/c",
+                      "--model", "bert", "--seq-length", "64", "--seq-length-divisible-by", "8", *gpt2], world_size=1)
+    assert set(err.value.problems) == {
+        "--variable-seq-lengths reads one --data-path prefix (samples that carry their own length, which "
+        "megatron-core's dataset builder does not offer), got 2 to blend",
+        "--data-cache-path=/c caches megatron-core's dataset indices, which --mock-data and --variable-seq-lengths "
+        "do not build"}
+    with pytest.raises(ConfigError) as err:  # a layout-level check: after the field checks pass
+        parse_config(["--data-path", "A", "--model", "bert", *gpt2], world_size=1)
+    assert err.value.problems == ["--model bert with --data-path needs --tokenizer-type BertWordPieceLowerCase or "
+                                  "BertWordPieceCase (got GPT2BPETokenizer)"]
