@@ -45,6 +45,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="containers tier skipped: " + "; ".join(lacking)))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """item.passed: whether the test body passed (runs_dir keeps a failed chain's folder)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.passed = report.passed
+
+
 @pytest.fixture
 def slurm(tmp_path: Path) -> Slurm:
     return Slurm(tmp_path)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,13 +46,24 @@ def describe(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
     return text
 
 
+@pytest.fixture
+def runs_dir(request) -> Iterator[Path]:
+    """A folder under the repository's runs/ (not /tmp: enroot puts a tmpfs on the container's /tmp),
+    removed after a passing test and kept for a look after a failing one."""
+    (REPO / "runs").mkdir(exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="containers-test-", dir=REPO / "runs"))
+    yield folder
+    if getattr(request.node, "passed", False):
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        print(f"\nkept {folder} for a look")
+
+
+@pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
 @pytest.mark.parametrize("via", ["submitit", "sbatch"])
-def test_the_chain_runs_inside_the_image_on_two_nodes(slurm_cluster, via):
-    # Runs under the repository (not /tmp: enroot puts a tmpfs on the container's /tmp), with the
-    # mounts given through --env, as a user on a cluster with a shared file system would. Through
-    # plain sbatch the batch scripts are bash alone: no Python runs on the host in any job.
-    runs_dir = REPO / "runs" / "containers-test"
-    runs_dir.mkdir(parents=True, exist_ok=True)
+def test_the_chain_runs_inside_the_image_on_two_nodes(slurm_cluster, runs_dir, via):
+    # The mounts are given through --env, as a user on a cluster with a shared file system would.
+    # Through plain sbatch the batch scripts are bash alone: no Python runs on the host in any job.
     proc, job_ids, run_dir = submit(runs_dir, "--via", via, "--env", f"CONTAINER_MOUNTS={runs_dir}:{runs_dir}")
     report = describe(proc, run_dir)
     assert proc.returncode == 0, report
@@ -99,10 +113,9 @@ def slurm_steps(job_id: str) -> list[tuple[str, int]]:
     return sorted(steps, key=lambda s: int(s[0]))
 
 
-def test_a_step_inside_the_image_runs_the_images_python_with_the_mounts(slurm_cluster, tmp_path):
+def test_a_step_inside_the_image_runs_the_images_python_with_the_mounts(slurm_cluster, runs_dir):
     """Pyxis runs srun's command in the image: its own Python and package, the workdir, the mounts."""
-    shared = REPO / "runs" / "containers-test" / "mounted"
-    shared.mkdir(parents=True, exist_ok=True)
+    shared = runs_dir
     marker = shared / "from-host.txt"
     marker.write_text("host\n")
     script = ("import sys, os, trainer, pathlib; "
