@@ -34,8 +34,8 @@ def image_problems(image: str | None) -> list[str]:
     if path.is_file():
         return []
     what = "is a directory, not a squashfs file" if path.is_dir() else "no such file"
-    return [f"--image {image}: {what} (build one with containers/build.sh, or name a registry image"
-            " such as nvcr.io#nvidia/pytorch:24.07-py3)"]
+    return [f"--image {image}: {what} (build one with containers/build.sh, or containers/build-offline.sh"
+            " for the CPU image, or name a registry image such as nvcr.io#nvidia/pytorch:24.07-py3)"]
 
 
 def partition_problems(nodes: int, partition: str | None) -> list[str]:

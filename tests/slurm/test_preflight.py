@@ -27,8 +27,9 @@ def _submit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (["--nodes", "4", "--env", "PP=4"], "--nodes 4: partition debug has 2 node(s); the job would pend forever"),
     (["--partition", "nosuch"], "--partition nosuch: no such partition (this cluster has: debug)"),
     (["--image", "./no-such-image.sqsh", "--nodes", "4", "--env", "PP=4"],
-     "--image ./no-such-image.sqsh: no such file (build one with containers/build.sh, or name a registry "
-     "image such as nvcr.io#nvidia/pytorch:24.07-py3); --nodes 4: partition debug has 2 node(s)"),
+     "--image ./no-such-image.sqsh: no such file (build one with containers/build.sh, or "
+     "containers/build-offline.sh for the CPU image, or name a registry image such as "
+     "nvcr.io#nvidia/pytorch:24.07-py3); --nodes 4: partition debug has 2 node(s)"),
 ])
 def test_submit_refuses_before_submitting(tmp_path, args, message):
     done = _submit(tmp_path, *args)

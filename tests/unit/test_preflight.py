@@ -43,8 +43,8 @@ def test_partition_check_is_skipped_without_slurm(monkeypatch):
 def test_image_paths_must_exist(tmp_path):
     image = tmp_path / "mdpp.sqsh"
     assert preflight.image_problems(str(image)) == [
-        f"--image {image}: no such file (build one with containers/build.sh, or name a registry image"
-        " such as nvcr.io#nvidia/pytorch:24.07-py3)"]
+        f"--image {image}: no such file (build one with containers/build.sh, or containers/build-offline.sh"
+        " for the CPU image, or name a registry image such as nvcr.io#nvidia/pytorch:24.07-py3)"]
     assert "is a directory" in preflight.image_problems(str(tmp_path))[0]
     image.write_bytes(b"hsqs")
     assert preflight.image_problems(str(image)) == []
