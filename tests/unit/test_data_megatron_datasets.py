@@ -137,6 +137,13 @@ def test_a_split_asked_for_samples_without_documents_is_an_error(corpora, tmp_pa
         _samples(Blend((corpora[0],)), "99,1,0", SplitSizes(10, 0, 4), tmp_path)
 
 
+def test_an_unwritable_cache_folder_is_named(corpora, tmp_path) -> None:
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(RuntimeError, match=r"caches its dataset indices in .*a-file/cache, which rank 0 cannot "
+                                           r"create \(.*\): give --data-cache-path a writable folder"):
+        _samples(Blend((corpora[0],)), "1,0,0", SplitSizes(10), tmp_path / "a-file" / "cache")
+
+
 def test_blend_follows_the_weights_sample_by_sample(corpora, tmp_path) -> None:
     """--data-path 0.3 A 0.7 B: megatron-core's blending index gives, after every n samples, each dataset
     its weight x n to within one sample, and the samples really are that dataset's."""

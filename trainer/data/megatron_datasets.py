@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,6 +117,27 @@ def _check_documents(dataset_cls: type, blend: Blend, split: str, split_matrix: 
                                  f"{prefix}, but {size} {name} samples are needed: change --split or add data")
 
 
+def _check_cache(cache_dir: str | None, dataset_cls: type, blend: Blend) -> None:
+    """RuntimeError naming the folder when global rank 0, which writes the index cache, cannot create it
+    (megatron-core would fail deep in its index building, the other ranks waiting at its barrier)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    # megatron-core's default without --data-cache-path: a cache/ folder under each dataset prefix.
+    folders = [cache_dir] if cache_dir else [os.path.join(p, "cache", f"{dataset_cls.__name__}_indices")
+                                             for p in blend.prefixes]
+    for folder in folders:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeError(f"megatron-core caches its dataset indices in {folder}, which rank 0 cannot create "
+                               f"({exc.strerror or exc}): give --data-cache-path a writable folder") from None
+        if not os.access(folder, os.W_OK):
+            raise RuntimeError(f"megatron-core caches its dataset indices in {folder}, which rank 0 cannot write: "
+                               "give --data-cache-path a writable folder")
+
+
 class _GPTTokenizerView:
     """What GPTDataset reads of its tokenizer. No ``pad``: GPT pretraining samples are never padded,
     and Megatron-LM's GPT-2 tokenizer has none either (an EOD-valued pad would take every EOD out of
@@ -169,6 +191,7 @@ class MegatronSamples:
         config.split_matrix = [bookends if size > 0 else None
                                for bookends, size in zip(config.split_matrix, requested, strict=True)]
         _check_documents(dataset_cls, blend, config.split, config.split_matrix, requested)
+        _check_cache(config.path_to_cache, dataset_cls, blend)
         self.datasets = BlendedMegatronDatasetBuilder(dataset_cls, requested, lambda: True, config).build()
         self.split, self.keys = config.split, keys
         log.info("%s data (megatron-core builder) %s weights %s, --split %s: %s samples", what, " ".join(blend.prefixes),
