@@ -237,9 +237,13 @@ def _sharding_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
 
     ``fully_reshardable``: the distributed optimizer's state in model-parameter shape (gathered over
     DP at save), the only form that loads under another TP/PP; Megatron-LM's default,
-    ``dp_reshardable``, reshards over DP only. A fresh dict per call: megatron adds its DP group to it.
+    ``dp_reshardable``, reshards over DP only. The DP group is named as Megatron-LM names it (newer
+    megatron-core reads it from here rather than from parallel_state). A fresh dict per call.
     """
-    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    from megatron.core import parallel_state as ps
+
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                                "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     if use_distributed_optimizer:
         metadata["distrib_optim_sharding_type"] = "fully_reshardable"
     return metadata
