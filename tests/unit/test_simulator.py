@@ -98,7 +98,7 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
                 m_count = p * max(1, m_count // p)  # Megatron's own precondition
             options = {}
             if name in ("dpp", "dpp-zb"):
-                options = {"cap_factor": float(rng.choice([1.0, 1.25, 1.5, 2.0])),
+                options = {"cap_factor": float(rng.choice([1.0, 1.25, 1.5, 1.75, 2.0, 3.0])),
                            "priority": str(rng.choice(["forward", "backward"])),
                            "chunk_order": str(rng.choice(["depth", "breadth"])),
                            "backward_chunk_order": str(rng.choice(["depth", "breadth"])),
@@ -111,7 +111,8 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
                 options = {"microbatch_order": str(rng.choice(["cost", "index"]))}
             costs = CostModel(forward=float(rng.uniform(0.3, 2)), input_grad=float(rng.uniform(0.3, 2)),
                               weight_grad=float(rng.uniform(0.3, 2)),
-                              edge_transfer=tuple(rng.uniform(0, 0.5, p).tolist()),
+                              # per-hop latency up to 2 forwards (the 4xH100 runtime's is ~1.7)
+                              edge_transfer=tuple(rng.uniform(0, float(rng.choice([0.5, 2.0])), p).tolist()),
                               jitter=float(rng.uniform(0, 0.8)), seq_len_sigma=float(rng.uniform(0, 0.8)),
                               straggler_stage=int(rng.integers(p)), straggler_factor=float(rng.uniform(1, 2)),
                               stall_probability=float(rng.uniform(0, 0.1)),
@@ -130,6 +131,66 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
 def test_no_deadlock_over_1000_random_draws_per_policy():
     names = ["gpipe", "1f1b", "interleaved", "zb-h1", "dpp", "dpp-zb"]
     assert _deadlock_sweep(names, draws=1000, seed=2026) == 6000
+
+
+# ---- per-hop latency (--hop-latency, CostModel.transfer) ------------------------------------------
+def _closed_form_1f1b(p: int, m_count: int, latency: float) -> float:
+    """1F1B on uniform costs (F = I = W = 1) with every message ``latency`` late, M = k p.
+
+    Stage 0 holds p activations, so its forward of m + p waits for m's round trip: p - 1
+    forwards down, p - 1 backwards (2 each) back up and 2 (p - 1) hops, then its own B(m) and
+    F(m + p): 3p + 2(p - 1) L for every p microbatches. The cap divides the round trip: each
+    microbatch pays 2(p - 1) L / p of idle time on every stage, not only in the fill and drain,
+    which add 2(p - 2) L (p = 2, M = 2 by hand: stage 1 runs F0 B0 F1 B1 from 1 + L, stage 0's
+    B0 starts at 4 + 2L, B1 at 7 + 2L: 9 + 2L)."""
+    return 3 * (m_count + p - 1) + latency * (2 * (p - 1) * m_count / p + 2 * (p - 2))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("latency", [0.0, 0.1, 0.5, 1.5])
+def test_hop_latency_1f1b_closed_form(p, latency):
+    costs = CostModel(transfer=latency)
+    steps = {}
+    for k in (1, 2, 4):
+        steps[k] = run_once(ScheduleSpec("1f1b"), p, k * p, costs, seed=0).step_time
+        assert steps[k] == pytest.approx(_closed_form_1f1b(p, k * p, latency), abs=1e-9), k
+    # one more round trip of stage 0 per p more microbatches
+    assert steps[2] - steps[1] == pytest.approx(3 * p + 2 * (p - 1) * latency, abs=1e-9)
+
+
+def test_hop_latency_zero_is_todays_model():
+    """Latency 0 reproduces the figures of docs/schedules.md exactly (uniform row), and every
+    draw is the same with transfer=0 given or not."""
+    expected = {("1f1b", 1): 105.0, ("zb-h1", 1): 99.0, ("dpp", 1): 105.0, ("dpp-zb", 1): 99.0,
+                ("interleaved", 2): 100.5, ("dpp", 2): 101.0, ("dpp-zb", 2): 98.0}
+    for (name, v), step in expected.items():
+        assert run_once(ScheduleSpec(name, v), 4, 32, CostModel(transfer=0.0), seed=0).step_time == step
+        for varied in (dict(jitter=0.3), dict(seq_len_sigma=0.6), dict(stall_probability=0.05, stall_duration=2)):
+            assert (run_once(ScheduleSpec(name, v), 4, 16, CostModel(transfer=0.0, **varied), seed=4).step_time
+                    == run_once(ScheduleSpec(name, v), 4, 16, CostModel(**varied), seed=4).step_time)
+
+
+@pytest.mark.parametrize("latency", [0.5, 1.0, 1.5])
+def test_cap_headroom_hides_hop_latency(latency):
+    """The 4xH100 finding (docs/benchmarks.md, third session): at 1F1B's caps dpp pays the round
+    trip on every microbatch exactly as 1F1B does; with headroom it does not. A stage's cap
+    must hold at least (p - s) + 2(p - s - 1) L / (F + B) activations to cover its round trip;
+    with 2x (8/6/4/2 at p=4) only the fill and drain pay the latency (2 (p - 1) hops)."""
+    p, m_count, costs = 4, 32, CostModel(transfer=latency)
+    step = {f: run_once(ScheduleSpec("dpp", 1, {"cap_factor": f}), p, m_count, costs, seed=0).step_time
+            for f in (1.0, 1.25, 1.5, 2.0)}
+    assert step[1.0] == pytest.approx(_closed_form_1f1b(p, m_count, latency))
+    assert step[1.0] > step[1.25] > step[1.5] > step[2.0]
+    assert step[2.0] == pytest.approx(3 * (m_count + p - 1) + 2 * (p - 1) * latency)
+    # 1.25x leaves stage 1 at 3 < 3 + 4L/3: it stays latency-bound, >= M (3*3 + 4L) / 3 apart
+    assert step[1.25] >= m_count * (9 + 4 * latency) / 3
+
+
+def test_cli_hop_latency_flag(capsys):
+    assert simulate_main(["--pp", "4", "--vp", "1", "--microbatches", "32", "--schedules", "dpp",
+                          "--hop-latency", "1", "--cap-factor", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "median step 157.00" in out and "\ndpp " in out and "111.00" in out
 
 
 def test_deadlock_is_reported_not_returned():

@@ -70,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--input-grad", type=float, default=1.0, help="input-gradient (I) cost of one stage (default 1)")
     add("--weight-grad", type=float, default=1.0,
         help="weight-gradient (W) cost of one stage (default 1); B = I + W")
-    add("--transfer", type=float, default=0.0, help="time to cross one pipeline edge (default 0)")
+    add("--transfer", "--hop-latency", type=float, default=0.0,
+        help="per-hop latency of every message (activation or gradient), for every schedule alike:"
+        " sent at t, usable by the neighbour at t + this (copy + signal + launch; overlaps"
+        " compute; in units of one stage's forward; default 0)")
     add("--edge-transfer", default=None,
         help="comma-separated time per edge s->s+1 (last = wrap-around p-1->0), overriding --transfer")
     add("--cap-factor", type=float, default=1.0,
