@@ -1,4 +1,4 @@
-"""Typed training configuration with Megatron-LM's flag names (DESIGN.md §5).
+"""Typed training configuration with Megatron-LM's flag names (docs/training.md#flags).
 
 Each dataclass validates its own fields in ``__post_init__``; :func:`layout_problems` checks what
 needs the world size (known from the launcher's environment before any process group exists).
@@ -260,13 +260,9 @@ class ParallelConfig:
     PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its
     --no-<field> convention for TransformerConfig.batch_p2p_sync). Only megatron-core's schedules use it."""
 
-    def __post_init__(self) -> None:
-        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
-             for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-             if getattr(self, n) < 1]
-        if self.num_layers_per_virtual_pipeline_stage is not None and self.num_layers_per_virtual_pipeline_stage < 1:
-            p.append(f"--num-layers-per-virtual-pipeline-stage={self.num_layers_per_virtual_pipeline_stage}"
-                     " must be >= 1")
+    def _dpp_problems(self) -> list[str]:
+        """The DPP runtime's own knobs: policy, caps."""
+        p: list[str] = []
         if not (math.isfinite(self.dpp_cap_factor) and self.dpp_cap_factor >= 1.0):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} must be a finite number >= 1")
         elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:
@@ -276,6 +272,23 @@ class ParallelConfig:
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
         if self.dpp_max_inflight is not None and self.dpp_max_inflight < 1:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
+        if self.dpp_policy not in DPP_POLICIES:
+            p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
+        elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
+            p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
+        if self.dpp_policy == "zb-h1" and self.dpp_max_inflight is not None:
+            p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
+                     "not to the static zb-h1")
+        return p
+
+    def __post_init__(self) -> None:
+        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
+             for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+             if getattr(self, n) < 1]
+        if self.num_layers_per_virtual_pipeline_stage is not None and self.num_layers_per_virtual_pipeline_stage < 1:
+            p.append(f"--num-layers-per-virtual-pipeline-stage={self.num_layers_per_virtual_pipeline_stage}"
+                     " must be >= 1")
+        p.extend(self._dpp_problems())
         if self.transport not in TRANSPORTS:
             p.append(f"--transport={self.transport!r} must be one of {', '.join(TRANSPORTS)}")
         if self.distributed_backend not in ("auto", "nccl", "gloo"):
@@ -289,13 +302,6 @@ class ParallelConfig:
         if self.cuda_graph_impl not in ("none", "local"):
             p.append(f"--cuda-graph-impl={self.cuda_graph_impl!r} must be none or local (megatron-core's own "
                      "graphs; transformer_engine needs Transformer Engine, full_iteration is not offered)")
-        if self.dpp_policy not in DPP_POLICIES:
-            p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
-        elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
-            p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
-        if self.dpp_policy == "zb-h1" and self.dpp_max_inflight is not None:
-            p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
-                     "not to the static zb-h1")
         vs = self.num_virtual_stages_per_pipeline_rank
         if vs is not None and vs < 1:
             p.append(f"--num-virtual-stages-per-pipeline-rank={vs} must be >= 1")
@@ -695,16 +701,11 @@ class TrainConfig:
         return par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
 
 
-def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> list[str]:
-    """Every way ``cfg`` cannot be laid out on ``world_size`` ranks (empty list: it can);
-    ``ranks_per_node``: what the launcher started on each node, where it says."""
-    m, par, o = cfg.model, cfg.parallel, cfg.optim
-    tp, pp, vp_layers = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, \
-        par.num_layers_per_virtual_pipeline_stage
-    p: list[str] = _node_problems(cfg, world_size, ranks_per_node)
-    if world_size % (tp * pp):
-        p.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size={tp} x "
-                 f"--pipeline-model-parallel-size={pp}")
+def _stage_split_problems(cfg: TrainConfig) -> list[str]:
+    """How the layers cannot be placed on the pipeline stages (and virtual stages)."""
+    m, par = cfg.model, cfg.parallel
+    pp, vp_layers = par.pipeline_model_parallel_size, par.num_layers_per_virtual_pipeline_stage
+    p: list[str] = []
     vs = par.num_virtual_stages_per_pipeline_rank
     if cfg.uneven_pipeline:
         p.extend(split_problems(m.num_layers, pp, vs or 1, par.decoder_first_pipeline_num_layers,
@@ -722,25 +723,46 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
             p.append(f"--num-layers={m.num_layers} / --pipeline-model-parallel-size={pp} = "
                      f"{m.num_layers // pp} layers per stage is not divisible by "
                      f"--num-layers-per-virtual-pipeline-stage={vp_layers}")
+    return p
+
+
+def _batch_problems(cfg: TrainConfig, dp: int) -> list[str]:
+    """How the global batch cannot be cut into microbatches for ``dp`` data-parallel replicas."""
+    o, par = cfg.optim, cfg.parallel
+    pp = par.pipeline_model_parallel_size
+    p: list[str] = []
+    if o.global_batch_size % (o.micro_batch_size * dp):
+        p.append(f"--global-batch-size={o.global_batch_size} is not divisible by "
+                 f"--micro-batch-size={o.micro_batch_size} x data-parallel size {dp}")
+    else:
+        microbatches = o.global_batch_size // (o.micro_batch_size * dp)
+        if pp > 1 and microbatches < pp:
+            p.append(f"{microbatches} microbatches per iteration (--global-batch-size="
+                     f"{o.global_batch_size} / (--micro-batch-size={o.micro_batch_size} x DP {dp})) "
+                     f"is fewer than --pipeline-model-parallel-size={pp} stages")
+        if cfg.virtual_pipeline > 1 and not par.use_dpp and cfg.run.device == "cuda" and microbatches % pp:
+            p.append(f"megatron-core's interleaved 1F1B needs microbatches ({microbatches}) divisible "
+                     f"by --pipeline-model-parallel-size={pp}; use --use-dpp or change the batch")
+    return p
+
+
+def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> list[str]:
+    """Every way ``cfg`` cannot be laid out on ``world_size`` ranks (empty list: it can);
+    ``ranks_per_node``: what the launcher started on each node, where it says."""
+    m, par = cfg.model, cfg.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    p: list[str] = _node_problems(cfg, world_size, ranks_per_node)
+    if world_size % (tp * pp):
+        p.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size={tp} x "
+                 f"--pipeline-model-parallel-size={pp}")
+    p.extend(_stage_split_problems(cfg))
     if m.num_attention_heads % tp:
         p.append(f"--num-attention-heads={m.num_attention_heads} is not divisible by "
                  f"--tensor-model-parallel-size={tp}")
     if m.ffn_size % tp:
         p.append(f"--ffn-hidden-size={m.ffn_size} is not divisible by --tensor-model-parallel-size={tp}")
     if world_size % (tp * pp) == 0:
-        dp = world_size // (tp * pp)
-        if o.global_batch_size % (o.micro_batch_size * dp):
-            p.append(f"--global-batch-size={o.global_batch_size} is not divisible by "
-                     f"--micro-batch-size={o.micro_batch_size} x data-parallel size {dp}")
-        else:
-            microbatches = o.global_batch_size // (o.micro_batch_size * dp)
-            if pp > 1 and microbatches < pp:
-                p.append(f"{microbatches} microbatches per iteration (--global-batch-size="
-                         f"{o.global_batch_size} / (--micro-batch-size={o.micro_batch_size} x DP {dp})) "
-                         f"is fewer than --pipeline-model-parallel-size={pp} stages")
-            if cfg.virtual_pipeline > 1 and not par.use_dpp and cfg.run.device == "cuda" and microbatches % pp:
-                p.append(f"megatron-core's interleaved 1F1B needs microbatches ({microbatches}) divisible "
-                         f"by --pipeline-model-parallel-size={pp}; use --use-dpp or change the batch")
+        p.extend(_batch_problems(cfg, world_size // (tp * pp)))
     if cfg.virtual_pipeline > 1 and not par.overlap_p2p_comm and not par.use_dpp and pp == 2 \
             and cfg.run.device == "cuda":
         p.append("--no-overlap-p2p-communication with interleaving needs --pipeline-model-parallel-size > 2 "
