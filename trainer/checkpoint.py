@@ -51,6 +51,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer.early_signals import kept_from_child_processes
+
 log = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name (get_checkpoint_tracker_filename)
 MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes as 'checkpoint_version'
@@ -372,7 +374,8 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
                  "padded_vocab_size": facts.padded_vocab_size, "identity": facts.identity,
                  "use_distributed_optimizer": facts.use_distributed_optimizer},
     })
-    dist_checkpointing.save(sharded, str(tmp), validate_access_integrity=True)
+    with kept_from_child_processes():  # its writer processes must survive Slurm's USR1 (see there)
+        dist_checkpointing.save(sharded, str(tmp), validate_access_integrity=True)
     dist.barrier()
     if rank == 0:
         if final.exists():
@@ -421,7 +424,8 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFact
         sharded["rng_state"] = _rng_sharded_object()
     # raise_unexpected: a tensor this run needs that the checkpoint lacks is an error naming the key
     # before anything is read (not a half-loaded model).
-    loaded = dist_checkpointing.load(sharded, str(path), strict="raise_unexpected")
+    with kept_from_child_processes():
+        loaded = dist_checkpointing.load(sharded, str(path), strict="raise_unexpected")
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(model)

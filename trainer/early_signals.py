@@ -9,9 +9,11 @@ PreemptionFlag takes the note over once installed. Imported by tests or tools, n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -43,3 +45,21 @@ def install_for_main(module_name: str) -> None:
                     pass
             except OSError as exc:  # the script then keeps the signal until srun ends: say why
                 print(f"early_signals: cannot mark rank {rank} ready in {ready_dir}: {exc}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def kept_from_child_processes() -> Iterator[None]:
+    """Block USR1/TERM in this thread while the block runs, so that processes started from it (megatron-core's
+    checkpoint writer: a spawned multiprocessing Manager and forked workers) inherit them blocked.
+
+    Why: Slurm delivers a step's signals to every process of the step, children included. A spawned child
+    starts with the default actions, and USR1's kills it: the checkpoint that USR1 asked for then died in
+    megatron-core's writer (BrokenPipeError from its Manager). A child inherits the signal mask of the
+    thread that starts it, and the Manager outlives this block, so it stays immune. This process loses
+    nothing: a signal arriving meanwhile is delivered to another thread or on leaving the block, and
+    the Python handler runs in the main thread either way."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

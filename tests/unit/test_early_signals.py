@@ -40,3 +40,39 @@ def test_imported_it_installs_nothing_and_marks_nothing(tmp_path: Path) -> None:
     done = _probe("trainer.train", {"MDPP_READY_DIR": str(tmp_path)})
     assert done.returncode == -10  # SIGUSR1's default action: the probe never printed
     assert list(tmp_path.iterdir()) == []
+
+
+CHILD_PROBE = """
+import multiprocessing as mp, os, signal, sys, time
+from trainer import early_signals
+signal.signal(signal.SIGUSR1, lambda *a: print("parent noted USR1", flush=True))
+if sys.argv[1] == "kept":
+    with early_signals.kept_from_child_processes():
+        manager = mp.get_context("spawn").Manager()  # what megatron-core's checkpoint writer starts
+else:
+    manager = mp.get_context("spawn").Manager()
+queue = manager.Queue()
+os.kill(manager._process.pid, signal.SIGUSR1)  # Slurm signals every process of the step
+os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(1)
+try:
+    queue.put(1)
+    print("manager alive", queue.get())
+except Exception as exc:
+    print("manager dead", type(exc).__name__)
+"""
+
+
+def _child_probe(mode: str) -> str:
+    done = subprocess.run([sys.executable, "-c", CHILD_PROBE, mode], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_spawned_child_dies_of_usr1_unless_started_inside_the_block() -> None:
+    # The control: without the block the writer's Manager dies (what broke USR1 checkpoints under Slurm).
+    assert "manager dead" in _child_probe("plain")
+    out = _child_probe("kept")
+    assert "manager alive 1" in out
+    assert "parent noted USR1" in out  # the parent still gets its own signal after the block
