@@ -1,5 +1,6 @@
 """The shared vocabulary: names that the trainer's flags, the workflow knobs and the recipes all
-accept, each written once here and read everywhere else.
+accept, and the names a run gives its shared-memory segments (spelled from the run token, which
+trainer/run_token.py draws), each written once here and read everywhere else.
 
 Standard library only (no torch): it is the one trainer module that workflows/ may import
 (tests/unit/test_import_boundary.py).
@@ -22,3 +23,65 @@ TokenizerType = Literal[FileTokenizer, "NullTokenizer"]
 """What training's ``--tokenizer-type`` accepts: a file tokenizer, or NullTokenizer (token ids as
 they are in the dataset, with ``--vocab-size``)."""
 TOKENIZERS: tuple[str, ...] = get_args(TokenizerType)
+
+# ---- the run token and the shared-memory names made from it ----------------------------------
+# No imports beyond typing (workflows/ may import this module): the environment comes in as an
+# argument, and the character filter is a set rather than a regular expression.
+
+RUN_TOKEN_MAX_LENGTH = 40
+"""Shared-memory names derive from the run token; keep them well under NAME_MAX (255)."""
+
+_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.")
+_JOB_CHARS = _TOKEN_CHARS | {"-"}
+
+
+def _only(text: str, allowed: frozenset[str]) -> str:
+    return "".join(c if c in allowed else "_" for c in text)
+
+
+def launcher_prefix(env: dict[str, str]) -> str:
+    """What the launcher says about the job: Slurm's ``JOB[.STEP][-rRESTART]``, else torchrun's run id.
+
+    The step id is kept: two job steps of one allocation may run at the same time on the same host
+    (``srun --exact`` side by side), and with it their names differ by construction rather than
+    only by the random suffix; a human reading /dev/shm or a trace also sees which step it was.
+    Slurm sets SLURM_STEP_ID in every srun task (the training ranks), not in the batch script."""
+    if env.get("SLURM_JOB_ID"):
+        prefix = env["SLURM_JOB_ID"]
+        if env.get("SLURM_STEP_ID"):
+            prefix += f".{env['SLURM_STEP_ID']}"
+        if env.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
+            prefix += f"-r{env['SLURM_RESTART_COUNT']}"
+        return prefix
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    return "" if run_id in ("", "none") else run_id  # "none": torchrun's default, shared by every job
+
+
+def make_token(prefix: str, suffix: int) -> str:
+    """``prefix-suffix`` with only [A-Za-z0-9_.-], at most RUN_TOKEN_MAX_LENGTH characters (the
+    suffix kept; a ``-`` inside the prefix becomes ``_``, so the last ``-`` starts the suffix)."""
+    tail = f"{suffix & 0xFFFFFFFF:08x}"
+    head = _only(prefix, _TOKEN_CHARS)[: RUN_TOKEN_MAX_LENGTH - len(tail) - 1]
+    return f"{head}-{tail}" if head else tail
+
+
+def job_name_part(job: str) -> str:
+    """A caller's job id made safe for a shared-memory name: only [A-Za-z0-9_.-], at most
+    RUN_TOKEN_MAX_LENGTH characters (a run token passes unchanged)."""
+    return _only(job, _JOB_CHARS)[:RUN_TOKEN_MAX_LENGTH]
+
+
+def ring_name(job: str, src: int, dst: int, direction: str) -> str:
+    """POSIX shm name of one stage-to-stage channel (tests/conftest.py watches for the ``mdpp`` prefix)."""
+    return f"/mdpp-{job}-{src}-{dst}-{direction}"
+
+
+def doorbell_name(job: str, rank: int) -> str:
+    """POSIX shm name of one receiving rank's doorbell (trainer.transport.channels.Doorbell)."""
+    return f"/mdpp-{job}-{rank}-bell"
+
+
+def tp_decision_name(job: str, pp_rank: int, dp_rank: int) -> str:
+    """Name of one stage's TP decision segment (trainer.pipeline.tp_decision), as Python's
+    ``shared_memory.SharedMemory`` takes it: without the leading ``/`` it adds."""
+    return f"mdpp-{job}-pp{pp_rank}-dp{dp_rank}-tpdecide"

@@ -13,41 +13,20 @@ for a human reading ``/dev/shm`` or a trace.
 from __future__ import annotations
 
 import os
-import re
 import secrets
 
 import torch
 import torch.distributed as dist
 
-MAX_LENGTH = 40
-"""Segment names derive from the token; keep them well under NAME_MAX."""
-
-
-def launcher_prefix(env: dict[str, str] | None = None) -> str:
-    """What the launcher says about the job: Slurm job[.step][-rRESTART], else torchrun's run id."""
-    env = dict(os.environ) if env is None else env
-    if env.get("SLURM_JOB_ID"):
-        prefix = env["SLURM_JOB_ID"]
-        if env.get("SLURM_STEP_ID"):  # two steps of one allocation may overlap
-            prefix += f".{env['SLURM_STEP_ID']}"
-        if env.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
-            prefix += f"-r{env['SLURM_RESTART_COUNT']}"
-        return prefix
-    run_id = env.get("TORCHELASTIC_RUN_ID", "")
-    return "" if run_id in ("", "none") else run_id  # "none": torchrun's default, shared by every job
-
-
-def make_token(prefix: str, suffix: int) -> str:
-    """``prefix-suffix`` with only [A-Za-z0-9_.-], at most MAX_LENGTH characters (the suffix kept)."""
-    tail = f"{suffix & 0xFFFFFFFF:08x}"
-    head = re.sub(r"[^A-Za-z0-9_.]", "_", prefix)[: MAX_LENGTH - len(tail) - 1]
-    return f"{head}-{tail}" if head else tail
+from trainer.names import launcher_prefix, make_token
 
 
 def agreed_run_token(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> str:
     """COLLECTIVE over ``group`` (default: the world): the run's token, the same on every rank.
 
-    Without torch.distributed initialised (one process) the token is simply drawn here.
+    Without torch.distributed initialised (one process) the token is simply drawn here. How it is
+    spelled (launcher prefix, character set, length) is trainer.names's, which also makes the
+    shared-memory names from it.
     """
     suffix = secrets.randbits(32)
     if dist.is_available() and dist.is_initialized():
@@ -57,4 +36,4 @@ def agreed_run_token(group: dist.ProcessGroup | None = None, device: torch.devic
         source = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast(value, src=source, group=group)
         suffix = int(value.item())
-    return make_token(launcher_prefix(), suffix)
+    return make_token(launcher_prefix(dict(os.environ)), suffix)

@@ -62,6 +62,7 @@ from trainer.model.batches import (
     mock_sample_source,
 )
 from trainer.model.prefetch import MicrobatchPrefetcher
+from trainer.names import tp_decision_name
 from trainer.run_metrics import RunMeasurement
 from trainer.run_token import agreed_run_token
 from trainer.topology import Topology
@@ -409,7 +410,7 @@ class TrainingSession:
         from trainer.pipeline.tp_decision import TpDecisionChannel
 
         topo = self.topology
-        name = f"mdpp-{self.run_token}-pp{topo.pp_rank}-dp{topo.dp_rank}-tpdecide"
+        name = tp_decision_name(self.run_token, topo.pp_rank, topo.dp_rank)
         return TpDecisionChannel(name, capacity=3 * shape.num_microbatches * shape.num_chunks,
                                  is_leader=topo.tp_rank == 0,
                                  group=parallel_state.get_tensor_model_parallel_group(),

@@ -13,7 +13,7 @@ store is single-copy atomic on x86-64 and AArch64, so a reader sees either the o
 never half of one, and no memory-ordering fence between separate fields is needed. The generation
 (step counter, never 0) tells this step's decision from the previous step's leftover.
 
-The segment ``/dev/shm/mdpp-<job>-pp<stage>-dp<dp>-tpdecide`` (mode 0600) is unlinked as soon as all
+The segment ``/dev/shm/mdpp-<job>-pp<stage>-dp<dp>-tpdecide`` (trainer.names.tp_decision_name; mode 0600) is unlinked as soon as all
 peers have mapped it, so a crash later leaks nothing.
 """
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
-from trainer.names import TRANSPORTS
+from trainer.names import TRANSPORTS, job_name_part
 from trainer.problems import raise_if_any
 from trainer.run_token import agreed_run_token
 from trainer.topology import Topology
@@ -185,8 +184,9 @@ def make_stage_links(
 def _agreed_job_id(job_id: str | None, group: dist.ProcessGroup) -> str:
     """A short token, identical on all ranks, that makes shared-memory names unique to this job:
     ``job_id`` when the caller has one (trainer.train passes its run token), else a new run token
-    (trainer.run_token, the one place that makes them: torchrun's default TORCHELASTIC_RUN_ID "none"
-    or a requeued Slurm job's id alone would repeat names, and a leftover segment would block)."""
+    (trainer.run_token.agreed_run_token, the one place that draws them: torchrun's default
+    TORCHELASTIC_RUN_ID "none" or a requeued Slurm job's id alone would repeat names, and a leftover
+    segment would block). The names themselves are trainer.names's."""
     if job_id:
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:40]
+        return job_name_part(job_id)
     return agreed_run_token(group)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.names import doorbell_name, ring_name
 from trainer.problems import problems_text
 from trainer.transport import _shm_ring
 from trainer.transport.base import Direction, Header, Message, TransportError, TransportTimeout
@@ -46,11 +47,6 @@ class PooledCopy:
     on release."""
 
     buffer: torch.Tensor
-
-
-def ring_name(job: str, src: int, dst: int, direction: str) -> str:
-    """POSIX shm name of one channel (tests/conftest.py watches for the ``mdpp`` prefix)."""
-    return f"/mdpp-{job}-{src}-{dst}-{direction}"
 
 
 class _RingStatus:
@@ -363,11 +359,6 @@ def all_gather(obj, group) -> list:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
-
-
-def doorbell_name(job: str, rank: int) -> str:
-    """POSIX shm name of one receiving rank's doorbell (see :class:`channels.Doorbell`)."""
-    return f"/mdpp-{job}-{rank}-bell"
 
 
 def open_doorbells(
