@@ -1,5 +1,5 @@
-"""A free loopback port for a local rendezvous: the one helper of every local rank launcher
-(tests/dist/launch.py, trainer/transport/spawn.py, trainer/bench/launch.py). Torch-free."""
+"""A free loopback port for a local rendezvous: the launcher's (trainer/local_ranks.py), and that of
+the tests that start a process group themselves. Torch-free."""
 
 from __future__ import annotations
 

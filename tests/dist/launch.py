@@ -1,16 +1,19 @@
-"""Start N ranks the way torchrun does (RANK/WORLD_SIZE/LOCAL_*/MASTER_*), with a free port and a timeout."""
+"""The tests' way to start N ranks the way torchrun does: trainer/local_ranks.py (the one launcher)
+with the tests' defaults — the repository as working folder, OMP_NUM_THREADS=1 (2-core CI), output
+kept in a temporary folder until the ranks are waited for, and no grace period after a failure (a
+test may want a failing rank's peers to report for themselves)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import shutil
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from trainer import local_ranks as launcher
 from trainer.ports import free_port
+
+__all__ = ["REPO", "RankResult", "Ranks", "check_ok", "free_port", "launch", "start"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,46 +29,32 @@ class RankResult:
 class Ranks:
     """Running ranks; :meth:`wait` always returns (killing stragglers past the deadline)."""
 
-    procs: list[subprocess.Popen]
-    logs: list = field(default_factory=list)
+    running: launcher.Ranks
+    folder: Path
+
+    @property
+    def procs(self) -> list:
+        return self.running.procs
 
     def output(self, rank: int) -> str:
-        return Path(self.logs[rank].name).read_text()
+        return self.running.output(rank)
 
     def wait(self, timeout_s: float) -> list[RankResult]:
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                break
-        results = []
-        for rank, (proc, log) in enumerate(zip(self.procs, self.logs, strict=True)):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.seek(0)
-            results.append(RankResult(rank, proc.returncode, log.read()))
-            log.close()
-            os.unlink(log.name)
+        self.running.wait(timeout_s)
+        results = [RankResult(rank, proc.returncode, self.running.output(rank))
+                   for rank, proc in enumerate(self.running.procs)]
+        shutil.rmtree(self.folder, ignore_errors=True)
         return results
 
 
 def start(module_args: list[str], world_size: int, local_world_size: int | None = None,
           extra_env: dict[str, str] | None = None) -> Ranks:
     """Start ``python -m <module_args>`` on ``world_size`` ranks (OMP_NUM_THREADS=1: 2-core CI)."""
-    port = free_port()
-    ranks = Ranks(procs=[])
-    for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(local_world_size or world_size), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "TORCHELASTIC_RUN_ID": f"t{port}", **(extra_env or {})}
-        log = tempfile.NamedTemporaryFile("w+", prefix=f"mdpp-test-{port}-{rank}-", suffix=".log", delete=False)
-        ranks.logs.append(log)
-        ranks.procs.append(subprocess.Popen([sys.executable, "-m", *module_args], cwd=REPO, env=env,
-                                            stdout=log, stderr=subprocess.STDOUT))
-    return ranks
+    folder = Path(tempfile.mkdtemp(prefix="mdpp-test-"))
+    running = launcher.start_ranks(module_args, world_size, folder, run_id="t", cwd=REPO,
+                                   env={"OMP_NUM_THREADS": "1", **(extra_env or {})},
+                                   local_world_size=local_world_size)
+    return Ranks(running, folder)
 
 
 def launch(module_args: list[str], world_size: int, timeout_s: float = 240.0,

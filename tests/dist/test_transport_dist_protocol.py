@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trainer.local_ranks import check_all_ok, run_processes
 from trainer.topology import Topology
 from trainer.transport import TransportError, TransportTimeout
 from trainer.transport.edge_groups import HEADER_TAG, build_edge_groups
 from trainer.transport.factory import LinkOptions, make_stage_links, plan_channels
-from trainer.transport.spawn import check_all_ok, run_processes
 from trainer.transport.tensors import header_for
 from trainer.transport.wire import encode
 

@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.bench.launch import run_ranks
 from trainer.bench.lines import (
     CATALOGUE,
     DEFAULT_LINES,
@@ -38,6 +37,7 @@ from trainer.bench.lines import (
 from trainer.bench.report import plot_kernel_timeline, plot_trace_timeline, write_report
 from trainer.bench.results import LineResult, line_result
 from trainer.config import field_docs
+from trainer.local_ranks import run_ranks
 from trainer.problems import problems_text
 
 

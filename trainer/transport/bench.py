@@ -41,10 +41,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainer.local_ranks import check_all_ok, run_processes
 from trainer.problems import raise_if_any
 from trainer.topology import Topology
 from trainer.transport.factory import GPU_SIGNALS, GpuSignals, LinkOptions, make_stage_links
-from trainer.transport.spawn import check_all_ok, run_processes
 from trainer.transport.tensors import header_for
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
