@@ -49,7 +49,8 @@ def _mean_loss(losses: list[dict]) -> dict[str, float]:
     return {"lm loss": float(stacked.mean())}
 
 
-def run(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (1: not GPT on CUDA)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -68,7 +69,8 @@ def run(argv: Sequence[str]) -> int:
     launch = read_launch_env()
     cfg = parse_config(argv, launch.world_size)
     if cfg.run.device != "cuda" or cfg.model.model != "gpt":
-        raise SystemExit("trainer.bench.direct runs GPT on CUDA only (megatron-core's P2P allocates on the GPU)")
+        print("trainer.bench.direct runs GPT on CUDA only (megatron-core's P2P allocates on the GPU)", file=sys.stderr)
+        return 1
     device = init_process_group(launch, "cuda")
     topo = build_topology(launch, cfg.parallel.tensor_model_parallel_size,
                           cfg.parallel.pipeline_model_parallel_size, cfg.virtual_pipeline)
@@ -117,4 +119,4 @@ def run(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+    sys.exit(main())

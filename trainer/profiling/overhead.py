@@ -8,6 +8,7 @@ figures and what they mean against a pipeline step.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 import timeit
@@ -69,4 +70,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

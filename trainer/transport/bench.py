@@ -34,6 +34,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -415,7 +416,7 @@ def run(config: BenchConfig) -> list[dict]:
     return check_all_ok(outcomes)[0]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.transport.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64K,1M,8M,64M,256M", help="comma-separated, K/M/G binary units")
     parser.add_argument("--transports", default=None, help="default: shm,gloo on cpu; shm,nccl on cuda (shm on one GPU)")
@@ -461,7 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"config": asdict(config), "rows": rows}, fh, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
