@@ -30,6 +30,11 @@ CATALOGUE = {
                           ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.25"], True),
     "dpp-graphs-cf1.5": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.5 (1F1B caps x 1.5: 6/4/3/1 at PP=4)", 1,
                          ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.5"], True),
+    "dpp-graphs-cf1.75": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.75 (7/5/3/1 at PP=4: the simulator's pick "
+                          "for the measured per-hop latency, docs/schedules.md)", 1,
+                          ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.75"], True),
+    "dpp-graphs-cf2": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 2 (8/6/4/2 at PP=4)", 1,
+                       ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "2"], True),
     "dpp-graphs-v2": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs, v=2", 2,
                       ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
