@@ -744,9 +744,9 @@ def link_options(cfg: TrainConfig, shape) -> LinkOptions:
     sized to one activation (seq x mbs x hidden in the pipeline dtype, seq / TP with
     ``--sequence-parallel``), so a message is one copy.
     """
-    from trainer.schedule.dynamic import one_f_one_b_cap
+    from trainer.schedule.dynamic import scaled_cap
 
-    cap = max(cfg.parallel.dpp_max_inflight or 0, math.floor(cfg.parallel.dpp_cap_factor * one_f_one_b_cap(shape, 0) + 1e-9))
+    cap = max(cfg.parallel.dpp_max_inflight or 0, scaled_cap(shape, 0, cfg.parallel.dpp_cap_factor))
     itemsize = cfg.pipeline_itemsize
     default = LinkOptions()
     if cfg.run.workload is not None:  # the prototype's per-copy share: slots of N elements (64-byte aligned)

@@ -40,6 +40,11 @@ def one_f_one_b_cap(shape: PipelineShape, stage: int) -> int:
     return min(interleaved_warmup(shape, stage) + 1, shape.num_microbatches * shape.num_chunks)
 
 
+def scaled_cap(shape: PipelineShape, stage: int, factor: float) -> int:
+    """``factor`` x :func:`one_f_one_b_cap`, rounded down (the tolerance keeps e.g. 1.5 x 2 at 3)."""
+    return math.floor(factor * one_f_one_b_cap(shape, stage) + 1e-9)
+
+
 @dataclass(frozen=True)
 class DynamicOptions:
     """Knobs of the greedy policy (``make_policy(name, shape, stage, **options)``)."""
@@ -106,7 +111,7 @@ class DynamicOptions:
         raise_if_any(problems, "invalid dynamic schedule options")
 
     def _scaled_bound(self, shape: PipelineShape, stage: int) -> int:
-        return math.floor(self.cap_factor * one_f_one_b_cap(shape, stage) + 1e-9)
+        return scaled_cap(shape, stage, self.cap_factor)
 
     def resolve_caps(
         self, shape: PipelineShape, stage: int, split_backward: bool
