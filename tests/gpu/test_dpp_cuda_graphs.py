@@ -11,14 +11,13 @@ eager everywhere would pass the comparison and prove nothing.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.dist.launch import check_ok, launch
+from tests.gpu.same_run import assert_same_grads, assert_same_losses, grad_dumps, train
 
 pytestmark = pytest.mark.gpu
 
@@ -37,10 +36,7 @@ def _run(out: Path, extra: list[str]) -> tuple[list, dict]:
     args = [*GPT, *extra]
     if torch.cuda.device_count() < 2:
         args += ["--distributed-backend", "gloo"]
-    results = launch(["tests.dist.train_harness", "--out", str(out), "--dump-grads", "2", "--", *args], 2,
-                     timeout_s=300)
-    check_ok(results)
-    return results, json.loads((out / "losses_rank1.json").read_text())
+    return train(out, 2, ["--dump-grads", "2", "--", *args], last_rank=1)
 
 
 @pytest.mark.timeout(700)
@@ -55,16 +51,6 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int) -> None:
     print("replayed/eager forwards per (stage, chunk):", counts)
     # Every training forward of every chunk replays (a stage's in-flight cap is each chunk's number of slots).
     assert counts == {(s, c): (ITERS * M, 0) for s in range(2) for c in range(chunks)}, counts
-    print("iteration  eager  graphed")
-    for it in sorted(eager, key=int):
-        print(it, eager[it]["lm loss"], graphed[it]["lm loss"])
-        assert graphed[it]["lm loss"] == pytest.approx(eager[it]["lm loss"], rel=1e-5, abs=1e-6), f"iteration {it}"
-    dumps = sorted(p.name for p in (tmp_path / "eager").glob("grads_rank*_it*.pt"))
-    assert len(dumps) == 4, dumps  # 2 ranks x 2 iterations (--dump-grads 2)
-    assert dumps == sorted(p.name for p in (tmp_path / "graphed").glob("grads_rank*_it*.pt"))
-    for dump in dumps:
-        want = torch.load(tmp_path / "eager" / dump)
-        got = torch.load(tmp_path / "graphed" / dump)
-        assert sorted(got) == sorted(want), dump
-        for name, (grad, *_) in want.items():
-            torch.testing.assert_close(got[name][0], grad, rtol=1e-4, atol=1e-6, msg=lambda m, d=dump, n=name: f"{d} {n}: {m}")
+    assert_same_losses(eager, graphed)
+    assert len(grad_dumps(tmp_path / "eager")) == 4  # 2 ranks x 2 iterations (--dump-grads 2)
+    assert_same_grads(tmp_path / "eager", tmp_path / "graphed")

@@ -12,14 +12,12 @@ megatron-core 0.19.2 without Transformer Engine) the graphs failed to build, and
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.dist.launch import check_ok, launch
+from tests.gpu.same_run import assert_same_grads, assert_same_losses, grad_dumps, train
 
 pytestmark = pytest.mark.gpu
 
@@ -35,10 +33,7 @@ CREATED = re.compile(r"stage (\d+): megatron-core CUDA graphs created for (\d+) 
 
 def _run(out: Path, pp: int, extra: list[str]) -> tuple[list, dict]:
     args = [*GPT, "--pipeline-model-parallel-size", str(pp), *extra]
-    results = launch(["tests.dist.train_harness", "--out", str(out), "--dump-grads", str(ITERS), "--", *args],
-                     pp, timeout_s=300)
-    check_ok(results)
-    return results, json.loads((out / f"losses_rank{pp - 1}.json").read_text())
+    return train(out, pp, ["--dump-grads", str(ITERS), "--", *args], last_rank=pp - 1)
 
 
 @pytest.mark.timeout(700)
@@ -51,15 +46,6 @@ def test_megatron_graphs_equal_eager_megatron(tmp_path: Path) -> None:
     assert sorted(created) == list(range(pp)), created
     for stage, (made, runners) in created.items():
         assert runners > 0 and made == runners, f"stage {stage}: {made} of {runners} runners graphed"
-    print("iteration  eager  graphed")
-    for it in sorted(eager, key=int):
-        print(it, eager[it]["lm loss"], graphed[it]["lm loss"])
-        assert graphed[it]["lm loss"] == pytest.approx(eager[it]["lm loss"], rel=1e-5, abs=1e-6), f"iteration {it}"
-    dumps = sorted(p.name for p in (tmp_path / "eager").glob("grads_rank*_it*.pt"))
-    assert dumps and dumps == sorted(p.name for p in (tmp_path / "graphed").glob("grads_rank*_it*.pt"))
-    for dump in dumps:
-        want, got = torch.load(tmp_path / "eager" / dump), torch.load(tmp_path / "graphed" / dump)
-        assert sorted(got) == sorted(want), dump
-        for name, (grad, *_) in want.items():
-            torch.testing.assert_close(got[name][0], grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, d=dump, n=name: f"{d} {n}: {m}")
+    assert_same_losses(eager, graphed)
+    assert grad_dumps(tmp_path / "eager")
+    assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
