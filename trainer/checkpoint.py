@@ -6,6 +6,8 @@ Layout under ``--save DIR`` (what Megatron-LM writes with ``--ckpt-format torch_
     DIR/iter_0000020/                       one megatron.core.dist_checkpointing checkpoint:
         metadata.json                       backend (torch_dist) and version
         common.pt                           rank 0's non-sharded state: iteration, scheduler, run identity
+                                            (megatron-core 0.16; 0.19 writes no common.pt: its
+                                            load_common_state_dict reads the .distcp files)
         .metadata, __<rank>_<n>.distcp      torch.distributed.checkpoint shards of every tensor
 
 Tensors are saved under megatron-core's ``sharded_state_dict`` keys, which are global: a layer is

@@ -3,7 +3,7 @@
 # ring extension in place, and sets the environment every GPU process must have.
 # Make .whl here first:  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #   --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2 pybind11 \
-#   pytest pluggy iniconfig pytest-timeout
+#   pytest pluggy iniconfig pytest-timeout psutil
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
