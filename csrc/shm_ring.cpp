@@ -11,6 +11,10 @@
 // free_seq by every release), in slices of poll_s so the waiter can notice that its peer died
 // (pid gone, zombie, or pid reused: start time changed) or closed its end.
 //
+// WordLog: one writer (TP rank 0 of a stage) publishes 64-bit words into numbered slots and bumps a
+// futex word; readers (its TP peers) sleep on that word until the slot they want holds a word of the
+// current step, checking the writer's pid between slices like the ring waits (trainer/pipeline/tp_decision.py).
+//
 // Deliberately no libtorch: raw pointers and bytes in, a buffer-protocol view out (docs/transport.md#transports).
 #include <pybind11/pybind11.h>
 
@@ -124,6 +128,55 @@ double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// Spin this long before sleeping on a futex word (doorbell and word-log waits). On virtual machines
+// (the GPU hosts here are Firecracker VMs) waking a thread whose vCPU halted costs ~75 us, paid on
+// every message that arrives after the consumer fell asleep; most arrive within tens of microseconds
+// of the consumer running dry (a neighbour finishing its op), so a 100 us spin picks them up without
+// that round trip. An idle wait still sleeps after it: the core is busy at most 100 us per wait.
+constexpr double kSpinS = 100e-6;
+
+void publish_self(Endpoint& me) {
+    me.pid_namespace.store(own_pid_namespace());
+    me.start_time.store(process_start_time(getpid()));
+    me.pid.store(getpid());
+}
+
+// False if the process behind `p` died: pid gone, zombie, or pid reused (start time changed). True
+// while it may be alive, also when it cannot tell (not announced yet, or another pid namespace).
+bool endpoint_alive(const Endpoint& p, bool same_namespace) {
+    int pid = p.pid.load();
+    if (pid == 0 || !same_namespace) return true;  // not attached yet / cannot tell
+    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+    int64_t recorded = p.start_time.load(), started = process_start_time(pid);
+    if (started == 0) return false;                 // zombie
+    if (started < 0 || recorded < 0) return true;   // /proc cannot tell: trust kill()
+    return started == recorded;                     // a different start time: pid reused
+}
+
+// Sleep on `word` until ready() returns something other than kTimeout, alive() says the peer died
+// (asked every poll_s), or the timeout passes. Called with the GIL released.
+template <typename Alive, typename Ready>
+auto sleep_until(SeqWord& word, double timeout_s, double poll_s, Alive alive, Ready ready) -> decltype(ready()) {
+    double deadline = now_s() + timeout_s;
+    double next_check = now_s() + poll_s;
+    while (true) {
+        uint32_t seen = word.seq.load(std::memory_order_seq_cst);
+        auto rc = ready();
+        if (rc != kTimeout) return rc;
+        double now = now_s();
+        if (now >= next_check) {
+            if (!alive()) return kPeerDead;
+            next_check = now + poll_s;
+        }
+        if (now >= deadline) return kTimeout;
+        double slice = std::min(deadline - now, poll_s);
+        timespec ts{static_cast<time_t>(slice), static_cast<long>((slice - static_cast<time_t>(slice)) * 1e9)};
+        word.waiters.fetch_add(1, std::memory_order_seq_cst);
+        if (ready() == kTimeout) futex(&word.seq, FUTEX_WAIT, seen, &ts);
+        word.waiters.fetch_sub(1, std::memory_order_seq_cst);
+    }
+}
+
 std::runtime_error os_error(const std::string& what, const std::string& name) {
     return std::runtime_error(what + " " + name + ": " + std::strerror(errno));
 }
@@ -217,13 +270,6 @@ class Doorbell {
     SeqWord& word() { return page()->bell; }
 
   private:
-    // Spin this long before sleeping. On virtual machines (the GPU hosts here are Firecracker VMs)
-    // waking a thread whose vCPU halted costs ~75 us, paid on every message that arrives after the
-    // consumer fell asleep; most arrive within tens of microseconds of the consumer running dry (a
-    // neighbour finishing its op), so a 100 us spin picks them up without that round trip. An idle
-    // wait still sleeps after it: the core is busy at most 100 us per wait.
-    static constexpr double kSpinS = 100e-6;
-
     Doorbell(std::string name, int fd) : name_(std::move(name)), base_(map_segment(fd, kPage, name_)) {}
     DoorbellPage* page() const { return static_cast<DoorbellPage*>(base_); }
 
@@ -246,7 +292,7 @@ class Ring {
         c->num_slots = num_slots;
         c->slot_bytes = slot_bytes;
         c->total_bytes = total;
-        ring->publish_self(c->receiver);
+        publish_self(c->receiver);
         return ring;
     }
 
@@ -265,7 +311,7 @@ class Ring {
             delete ring;
             throw std::runtime_error("shared-memory segment " + name + " has a foreign layout");
         }
-        ring->publish_self(c->sender);
+        publish_self(c->sender);
         wake(c->free);  // the receiver may be waiting for us to attach
         ring->unlink();
         return ring;
@@ -384,44 +430,11 @@ class Ring {
     void check_slot(uint32_t slot) const {
         if (slot >= num_slots()) throw std::out_of_range("slot index out of range");
     }
-    void publish_self(Endpoint& me) {
-        me.pid_namespace.store(own_pid_namespace());
-        me.start_time.store(process_start_time(getpid()));
-        me.pid.store(getpid());
-    }
-    bool peer_alive() const {
-        const Endpoint& p = peer();
-        int pid = p.pid.load();
-        if (pid == 0 || !pid_checks_possible()) return true;  // not attached yet / cannot tell
-        if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-        int64_t recorded = p.start_time.load(), started = process_start_time(pid);
-        if (started == 0) return false;                 // zombie
-        if (started < 0 || recorded < 0) return true;   // /proc cannot tell: trust kill()
-        return started == recorded;                     // a different start time: pid reused
-    }
+    bool peer_alive() const { return endpoint_alive(peer(), pid_checks_possible()); }
 
-    // Sleep on `word` until ready() returns something other than kTimeout, the peer dies, or the
-    // timeout passes. Called with the GIL released.
     template <typename Ready>
     int wait_until(SeqWord& word, double timeout_s, double poll_s, bool check_peer, Ready ready) {
-        double deadline = now_s() + timeout_s;
-        double next_check = now_s() + poll_s;
-        while (true) {
-            uint32_t seen = word.seq.load(std::memory_order_seq_cst);
-            int rc = ready();
-            if (rc != kTimeout) return rc;
-            double now = now_s();
-            if (check_peer && now >= next_check) {
-                if (!peer_alive()) return kPeerDead;
-                next_check = now + poll_s;
-            }
-            if (now >= deadline) return kTimeout;
-            double slice = std::min(deadline - now, poll_s);
-            timespec ts{static_cast<time_t>(slice), static_cast<long>((slice - static_cast<time_t>(slice)) * 1e9)};
-            word.waiters.fetch_add(1, std::memory_order_seq_cst);
-            if (ready() == kTimeout) futex(&word.seq, FUTEX_WAIT, seen, &ts);
-            word.waiters.fetch_sub(1, std::memory_order_seq_cst);
-        }
+        return sleep_until(word, timeout_s, poll_s, [&]() { return !check_peer || peer_alive(); }, ready);
     }
 
     std::string name_;
@@ -434,11 +447,109 @@ class Ring {
     SeqWord* doorbell_ = nullptr;  // sender: the receiving rank's doorbell, if any
 };
 
+// One writer publishes 64-bit words into `capacity` numbered slots; readers wait for slot i to hold
+// a word whose bits from `shift` up equal `tag` (trainer/pipeline/tp_decision.py: the step's
+// generation). Each slot is one aligned 8-byte atomic, so a reader sees a whole word or the old one.
+// The writer creates the segment and records its pid and rank; every publish bumps `bell`, the
+// futex word the readers sleep on after a short spin.
+struct alignas(64) WordLogControl {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t capacity;
+    int64_t writer_rank;
+    Endpoint writer;
+    SeqWord bell;
+};
+
+class WordLog {
+  public:
+    static WordLog* create(const std::string& name, uint32_t capacity, int64_t writer_rank) {
+        if (capacity == 0) throw std::invalid_argument("capacity must be > 0");
+        size_t size = round_up(words_offset() + capacity * sizeof(uint64_t), kPage);
+        WordLog* log = new WordLog(name, create_segment(name, size), size);
+        WordLogControl* c = log->control();  // fallocate'd pages are zero: no slot holds a tag yet
+        c->magic = kMagic;
+        c->version = kVersion;
+        c->capacity = capacity;
+        c->writer_rank = writer_rank;
+        publish_self(c->writer);
+        return log;
+    }
+    static WordLog* attach(const std::string& name) {
+        int fd = shm_open(name.c_str(), O_RDWR, 0600);
+        if (fd < 0) throw os_error("shm_open(attach)", name);
+        struct stat st;
+        if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < words_offset()) {
+            close(fd);
+            throw std::runtime_error("shared-memory segment " + name + " is not a word log (too small)");
+        }
+        WordLog* log = new WordLog(name, fd, static_cast<size_t>(st.st_size));
+        WordLogControl* c = log->control();
+        if (c->magic != kMagic || c->version != kVersion || words_offset() + c->capacity * sizeof(uint64_t) > log->size_) {
+            delete log;
+            throw std::runtime_error("shared-memory segment " + name + " is not a word log");
+        }
+        return log;
+    }
+    ~WordLog() {
+        if (base_ != nullptr) munmap(base_, size_);
+    }
+
+    uint32_t capacity() const { return control()->capacity; }
+    int64_t writer_rank() const { return control()->writer_rank; }
+    int writer_pid() const { return control()->writer.pid.load(); }
+    bool pid_checks_possible() const { return control()->writer.pid_namespace.load() == own_pid_namespace(); }
+    void unlink() {
+        if (!unlinked_) {
+            shm_unlink(name_.c_str());
+            unlinked_ = true;
+        }
+    }
+
+    uint64_t load(uint32_t index) const { return slot(index).load(std::memory_order_acquire); }
+    void publish(uint32_t index, uint64_t word) {
+        slot(index).store(word, std::memory_order_release);
+        wake(control()->bell);
+    }
+    // The word in slot `index` once its bits from `shift` up equal `tag` (spin kSpinS, then sleep on
+    // the bell in slices of poll_s with a writer pid check between them); else TIMEOUT or PEER_DEAD.
+    // Words must fit in 63 bits: the status codes are negative.
+    int64_t wait_tag(uint32_t index, uint64_t tag, uint32_t shift, double timeout_s, double poll_s) {
+        std::atomic<uint64_t>& w = slot(index);
+        auto ready = [&]() -> int64_t {
+            uint64_t word = w.load(std::memory_order_acquire);
+            return (word >> shift) == tag ? static_cast<int64_t>(word) : kTimeout;
+        };
+        double start = now_s(), spin_until = start + std::min(timeout_s, kSpinS);
+        do {
+            int64_t rc = ready();
+            if (rc != kTimeout) return rc;
+        } while (now_s() < spin_until);
+        bool same_namespace = pid_checks_possible();
+        return sleep_until(control()->bell, std::max(0.0, timeout_s - (now_s() - start)), poll_s,
+                           [&]() { return endpoint_alive(control()->writer, same_namespace); }, ready);
+    }
+
+  private:
+    WordLog(std::string name, int fd, size_t size) : name_(std::move(name)), base_(map_segment(fd, size, name_)), size_(size) {}
+    static size_t words_offset() { return round_up(sizeof(WordLogControl), 64); }
+    WordLogControl* control() const { return static_cast<WordLogControl*>(base_); }
+    std::atomic<uint64_t>& slot(uint32_t index) const {
+        if (index >= capacity()) throw std::out_of_range("word log index out of range");
+        return reinterpret_cast<std::atomic<uint64_t>*>(static_cast<uint8_t*>(base_) + words_offset())[index];
+    }
+
+    std::string name_;
+    void* base_ = nullptr;
+    size_t size_ = 0;
+    bool unlinked_ = false;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_shm_ring, m) {
     m.doc() = "POSIX shared-memory ring buffers for MegatronDPP's stage-to-stage transport";
-    m.attr("ABI_VERSION") = 3;
+    m.attr("ABI_VERSION") = 4;
     m.attr("HEADER_BYTES") = kHeaderBytes;
     m.attr("TIMEOUT") = kTimeout;
     m.attr("PEER_DEAD") = kPeerDead;
@@ -452,6 +563,20 @@ PYBIND11_MODULE(_shm_ring, m) {
         .def("wait", &Doorbell::wait, py::arg("seen"), py::arg("timeout_s"), gil(),
              "Sleep until seq != seen or the timeout passes; True if it moved.")
         .def("unlink", &Doorbell::unlink);
+    py::class_<WordLog>(m, "WordLog")
+        .def_static("create", &WordLog::create, py::arg("name"), py::arg("capacity"), py::arg("writer_rank"),
+                    "Writer: create (mode 0600, zeroed) and record this process as the writer.")
+        .def_static("attach", &WordLog::attach, py::arg("name"), "Reader: map an existing word log.")
+        .def_property_readonly("capacity", &WordLog::capacity)
+        .def_property_readonly("writer_rank", &WordLog::writer_rank)
+        .def_property_readonly("writer_pid", &WordLog::writer_pid)
+        .def_property_readonly("pid_checks_possible", &WordLog::pid_checks_possible)
+        .def("load", &WordLog::load, py::arg("index"))
+        .def("publish", &WordLog::publish, py::arg("index"), py::arg("word"))
+        .def("wait_tag", &WordLog::wait_tag, py::arg("index"), py::arg("tag"), py::arg("shift"),
+             py::arg("timeout_s"), py::arg("poll_s"), gil(),
+             "The word of slot index once word >> shift == tag; TIMEOUT or PEER_DEAD (the writer died).")
+        .def("unlink", &WordLog::unlink);
     py::class_<Ring>(m, "Ring", py::buffer_protocol())
         .def_static("create", &Ring::create, py::arg("name"), py::arg("num_slots"), py::arg("slot_bytes"),
                     "Receiver end: create the segment (mode 0600, pages reserved).")

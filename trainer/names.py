@@ -82,6 +82,6 @@ def doorbell_name(job: str, rank: int) -> str:
 
 
 def tp_decision_name(job: str, pp_rank: int, dp_rank: int) -> str:
-    """Name of one stage's TP decision segment (trainer.pipeline.tp_decision), as Python's
-    ``shared_memory.SharedMemory`` takes it: without the leading ``/`` it adds."""
+    """Name of one stage's TP decision segment (trainer.pipeline.tp_decision), without the leading
+    ``/`` that trainer.pipeline.tp_decision.TpDecisionChannel adds."""
     return f"mdpp-{job}-pp{pp_rank}-dp{dp_rank}-tpdecide"

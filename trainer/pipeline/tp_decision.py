@@ -13,6 +13,14 @@ store is single-copy atomic on x86-64 and AArch64, so a reader sees either the o
 never half of one, and no memory-ordering fence between separate fields is needed. The generation
 (step counter, never 0) tells this step's decision from the previous step's leftover.
 
+Followers do not poll: the slots live in a word log of the C++ shared-memory extension
+(``_shm_ring.WordLog``, csrc/shm_ring.cpp), whose every publish bumps a futex word. A follower spins
+100 us on its slot (the leader is usually about to publish: TP ranks run in lockstep), then sleeps on
+that word; between sleeps of at most _LEADER_CHECK_S it checks that the leader's pid still lives
+(same test as the transport rings: gone, zombie or reused), so a killed leader is reported within a
+fraction of a second, naming the stage, this TP rank, the leader and the decision awaited, instead of
+surfacing as a watchdog timeout (docs/transport.md#transports, "Dead peers").
+
 The segment ``/dev/shm/mdpp-<job>-pp<stage>-dp<dp>-tpdecide`` (trainer.names.tp_decision_name; mode 0600) is unlinked as soon as all
 peers have mapped it, so a crash later leaks nothing.
 """
@@ -20,19 +28,20 @@ peers have mapped it, so a crash later leaks nothing.
 from __future__ import annotations
 
 import logging
-import time
-from multiprocessing import resource_tracker, shared_memory
 
-import numpy as np
 import torch.distributed as dist
 
 from trainer.schedule.core import Action, Op
+from trainer.transport import _shm_ring
 
 log = logging.getLogger(__name__)
 
 _OPS = (Op.F, Op.B, Op.I, Op.W)
 _GEN_BITS, _OP_BITS, _CHUNK_BITS, _MB_BITS = 20, 2, 8, 24
 _GEN_MASK = (1 << _GEN_BITS) - 1
+_GEN_SHIFT = _OP_BITS + _CHUNK_BITS + _MB_BITS  # a word's generation: word >> _GEN_SHIFT
+# A waiting follower checks its leader's pid at least this often: a dead leader is noticed this fast.
+_LEADER_CHECK_S = 0.1
 
 
 def encode(generation: int, action: Action) -> int:
@@ -52,62 +61,64 @@ def decode(word: int) -> tuple[int, Action]:
     return word >> _OP_BITS, Action(op, microbatch, chunk)
 
 
-class TpDecisionTimeout(RuntimeError):
+class TpDecisionError(RuntimeError):
+    """A follower could not get its leader's next decision."""
+
+
+class TpDecisionTimeout(TpDecisionError):
     """A follower waited too long for its leader's next decision."""
+
+
+class TpLeaderDied(TpDecisionError):
+    """The leader's process died while a follower waited for its next decision."""
 
 
 class TpDecisionChannel:
     """Shared decision log of one stage's TP group (leader writes, followers read)."""
 
     def __init__(self, name: str, capacity: int, is_leader: bool, group, description: str) -> None:
-        """Collective over ``group`` (the TP group): every TP rank of the stage must construct it."""
+        """Collective over ``group`` (the TP group): every TP rank of the stage must construct it.
+
+        ``name`` as trainer.names.tp_decision_name spells it (no leading ``/``)."""
         self.is_leader = is_leader
         self.capacity = capacity
         self.description = description
         self._generation = 0
-        size = capacity * 8
+        path = "/" + name
         if is_leader:
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            self._log = _shm_ring.WordLog.create(path, capacity, dist.get_rank())
         dist.barrier(group=group)  # leader's segment exists before followers open it
         if not is_leader:
-            self._shm = shared_memory.SharedMemory(name=name)
-            # Python < 3.13 registers opened segments with the resource tracker, which would
-            # unlink (and warn about) a segment this process does not own at exit.
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
-        self._words = np.ndarray((capacity,), dtype=np.int64, buffer=self._shm.buf)
-        if is_leader:
-            self._words[:] = 0
+            self._log = _shm_ring.WordLog.attach(path)
+            if not self._log.pid_checks_possible:
+                log.warning("%s: TP rank 0 (rank %d) is in another pid namespace: its death is noticed "
+                            "only by timeout", description, self._log.writer_rank)
         dist.barrier(group=group)  # everyone has mapped it: the name is no longer needed
         if is_leader:
-            self._shm.unlink()
+            self._log.unlink()
 
     def begin_step(self) -> None:
         """Advance the generation; every TP rank calls this once per forward_backward call."""
         self._generation = self._generation % _GEN_MASK + 1
 
     def publish(self, index: int, action: Action) -> None:
+        """Write the ``index``-th action of this step and wake the followers waiting for it."""
         assert self.is_leader and index < self.capacity
-        self._words[index] = encode(self._generation, action)
+        self._log.publish(index, encode(self._generation, action))
 
     def read(self, index: int, timeout_s: float) -> Action:
-        """The leader's ``index``-th action of this step, waiting (with backoff, not spinning) up to timeout_s."""
+        """The leader's ``index``-th action of this step, sleeping on the log's futex word up to
+        timeout_s; TpLeaderDied as soon as the leader's process is gone."""
         assert not self.is_leader and index < self.capacity
-        deadline = time.monotonic() + timeout_s
-        pause = 0.0
-        while True:
-            generation, action = decode(int(self._words[index]))
-            if generation == self._generation:
-                return action
-            if time.monotonic() > deadline:
-                raise TpDecisionTimeout(
-                    f"{self.description}: waited {timeout_s:.0f}s for TP rank 0's decision #{index} "
-                    f"of step generation {self._generation}")
-            time.sleep(pause)
-            pause = min(pause * 2 or 1e-5, 1e-3)
+        word = self._log.wait_tag(index, self._generation, _GEN_SHIFT, timeout_s, _LEADER_CHECK_S)
+        if word >= 0:
+            return decode(word)[1]
+        leader = f"TP rank 0 (rank {self._log.writer_rank}, pid {self._log.writer_pid})"
+        if word == _shm_ring.PEER_DEAD:
+            raise TpLeaderDied(f"{self.description}: {leader} died while this rank waited for its decision "
+                               f"#{index} of step generation {self._generation}")
+        raise TpDecisionTimeout(f"{self.description}: waited {timeout_s:.0f}s for {leader}'s decision #{index} "
+                                f"of step generation {self._generation}")
 
     def close(self) -> None:
-        if self._shm is None:
-            return
-        del self._words  # the numpy view pins the buffer; drop it before closing
-        self._shm.close()
-        self._shm = None
+        self._log = None  # unmaps (the name was unlinked at set-up)
