@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from trainer.data.indexed import open_indexed_dataset
+from trainer.problems import raise_if_any
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,7 @@ class BertSampleDataset:
             problems.append(f"masked_lm_prob={masked_lm_prob} must be in (0, 1)")
         if num_samples is not None and num_samples < 1:
             problems.append(f"num_samples={num_samples} must be >= 1 (or None for one epoch)")
-        if problems:
-            raise ValueError("invalid BERT dataset: " + "; ".join(problems))
+        raise_if_any(problems, "invalid BERT dataset")
         self.prefix, self.seq_length, self.seed = str(prefix), seq_length, seed
         self.tokenizer, self.masked_lm_prob, self.binary_head = tokenizer, masked_lm_prob, binary_head
         self.max_tokens = seq_length - specials

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.indexed import open_indexed_dataset
+from trainer.problems import raise_if_any
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ def _check_sizes(what: str, seq_length: int, num_samples: int | None) -> None:
         problems.append(f"seq_length={seq_length} must be >= 1")
     if num_samples is not None and num_samples < 1:
         problems.append(f"num_samples={num_samples} must be >= 1 (or None for one epoch)")
-    if problems:
-        raise ValueError(f"invalid {what}: " + "; ".join(problems))
+    raise_if_any(problems, f"invalid {what}")
 
 
 class GPTSampleDataset:

@@ -36,6 +36,7 @@ import numpy as np
 from trainer.data.sentence_splitter import DEFAULT_PUNKT_PARAMS, load_sentence_splitter
 from trainer.data.tokenizer import build_tokenizer
 from trainer.names import FILE_TOKENIZERS
+from trainer.problems import raise_if_any
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,7 @@ class PreprocessConfig:
             problems.append(f"log_interval={self.log_interval} must be >= 1")
         if not self.output_prefix:
             problems.append("output_prefix must not be empty")
-        if problems:
-            raise ValueError("invalid preprocessing config: " + "; ".join(problems))
+        raise_if_any(problems, "invalid preprocessing config")
 
     @property
     def output_paths(self) -> dict[str, tuple[str, str]]:

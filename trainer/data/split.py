@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from trainer.problems import raise_if_any
+
 MEGATRON_DEFAULT_SPLIT = "969,30,1"
 """Megatron-LM's default --split, used when validation is asked for without one."""
 
@@ -57,8 +59,7 @@ class SampleSplit:
         if text is None:
             return cls()
         weights, problems = parse_split(text)
-        if problems:
-            raise ValueError("; ".join(problems))
+        raise_if_any(problems)
         return cls(weights)  # type: ignore[arg-type]
 
     def index(self, split: str, k: int) -> int:
