@@ -846,8 +846,6 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
         f"--hidden-dropout 0 --attention-dropout 0 (got {m.hidden_dropout}, {m.attention_dropout}): captured "
         "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
-        "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
-            not cfg.data.variable_seq_lengths,
         "no --overlap-grad-reduce (a replayed backward runs no gradient hooks, which launch its reduction)":
             not par.overlap_grad_reduce,
     }

@@ -382,6 +382,7 @@ class TrainingSession:
 
     def _capture_graphs(self) -> dict:
         """--dpp-cuda-graphs: one graph pair per activation slot the policy may hold on this stage."""
+        from trainer.data.varlen import bucket_lengths
         from trainer.model.build import params_dtype
         from trainer.pipeline.cuda_graphs import GraphShapes, capture_chunk_graphs
         from trainer.schedule.core import PipelineShape
@@ -391,10 +392,11 @@ class TrainingSession:
         shape = PipelineShape(topo.pipeline_parallel, self.num_microbatches, topo.virtual_pipeline)
         slots = getattr(self.dpp_context.policy, "cap", None) or one_f_one_b_cap(shape, topo.pp_rank)
         mbs, seq = cfg.optim.micro_batch_size, cfg.model.seq_length
+        lengths = bucket_lengths(cfg.data.seq_length_divisible_by, seq) if cfg.data.variable_seq_lengths else (seq,)
         shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
-                             tokens=(mbs, seq))
-        return capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes,
-                                    causal_mask(seq, self.device), self.device)
+                             tokens=(mbs, seq), lengths=lengths)
+        masks = {n: causal_mask(n, self.device) for n in lengths}
+        return capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device)
 
     def _gpu_timer(self):
         """Per-op GPU times in the trace (CUDA events) when tracing on CUDA; None otherwise."""

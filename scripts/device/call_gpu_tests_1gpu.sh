@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU: run the named GPU test files (default: megatron-core checkpoints on CUDA and the two
 # CUDA-graph equivalence tests), each bounded, keeping their logs under $OUT.
-#   scripts/device/call_gpu_tests_1gpu.sh SECONDS_PER_FILE [tests/gpu/test_x.py ...]
+#   scripts/device/call_gpu_tests_1gpu.sh SECONDS_PER_FILE [TEST_FILE ...]
 set -u
 source scripts/device/env.sh || exit 1
 per=${1:-280}; shift || true

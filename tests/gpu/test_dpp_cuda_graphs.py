@@ -39,12 +39,17 @@ def _run(out: Path, extra: list[str]) -> tuple[list, dict]:
     return train(out, 2, ["--dump-grads", "2", "--", *args], last_rank=1)
 
 
+VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length-divisible-by", "32"]
+
+
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("chunks", [1, 2], ids=["v1", "v2"])
-def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int) -> None:
+@pytest.mark.parametrize("chunks, varlen", [(1, False), (2, False), (1, True)], ids=["v1", "v2", "v1-varlen"])
+def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool) -> None:
+    """v1-varlen: microbatches of 32/64/96/128 tokens, each slot holding a graph pair per length."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     layout = [] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"]
+    layout += VARLEN if varlen else []
     _, eager = _run(tmp_path / "eager", layout)
     results, graphed = _run(tmp_path / "graphed", [*layout, "--dpp-cuda-graphs"])
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}

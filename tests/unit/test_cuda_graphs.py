@@ -71,14 +71,15 @@ class _TinyGPT(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
 
 
-def _uncaptured(module, sample_args, allow_unused_input=False):
-    return module
+def _uncaptured(call, shapes, masks, device):
+    """capture_slot's contract without CUDA: one callable(x, attention_mask) per captured length."""
+    return {n: call for n in shapes.captured_lengths()}
 
 
-def _graphs(chunk, first: bool, slots: int = 2) -> ChunkGraphs:
-    shapes = GraphShapes(activation=(S, B, H), activation_dtype=torch.float32, tokens=(B, S))
-    return ChunkGraphs(chunk, first, slots, shapes, torch.ones(1, 1, S, S, dtype=torch.bool),
-                       torch.device("cpu"), capture=_uncaptured)
+def _graphs(chunk, first: bool, slots: int = 2, lengths: tuple[int, ...] = ()) -> ChunkGraphs:
+    shapes = GraphShapes(activation=(S, B, H), activation_dtype=torch.float32, tokens=(B, S), lengths=lengths)
+    masks = {n: torch.ones(1, 1, n, n, dtype=torch.bool) for n in shapes.captured_lengths()}
+    return ChunkGraphs(chunk, first, slots, shapes, masks, torch.device("cpu"), capture=_uncaptured)
 
 
 def _batch():
@@ -169,6 +170,42 @@ def test_slots_are_taken_by_forwards_and_given_back_by_backwards() -> None:
         _graphs(_TinyGPT(pre_process=False), first=False, slots=0)
 
 
+def test_variable_lengths_replay_their_own_length_and_share_the_slot() -> None:
+    """--variable-seq-lengths: a slot holds one replay per bucket length; a microbatch takes the slot
+    and replays its length's pair, and an uncaptured length runs eagerly."""
+    seen = []
+
+    def capture(call, shapes, masks, device):
+        seen.append(shapes.captured_lengths())
+        return {n: (n, call) for n in shapes.captured_lengths()}  # tagged, to see which one is handed out
+
+    shapes = GraphShapes(activation=(S, B, H), activation_dtype=torch.float32, tokens=(B, S), lengths=(2, 4, S))
+    masks = {n: torch.ones(1, 1, n, n, dtype=torch.bool) for n in (2, 4, S)}
+    later = ChunkGraphs(_TinyGPT(pre_process=False), False, 2, shapes, masks, torch.device("cpu"), capture=capture)
+    assert seen == [(S, 4, 2)] * 2  # longest first: its capture sizes the slot's pool, the others reuse it
+    assert later.take(0, torch.zeros(4, B, H))[0] == 4
+    assert later.take(1, torch.zeros(S, B, H))[0] == S
+    assert later.take(2, torch.zeros(2, B, H)) is None  # both slots taken
+    assert later.give_back(0) and later.take(2, torch.zeros(2, B, H))[0] == 2
+    assert later.take(3, torch.zeros(3, B, H)) is None and later.give_back(1)
+    assert later.take(4, torch.zeros(3, B, H)) is None  # free slot, but 3 was not captured: eager
+    assert later.take(5, torch.zeros(4, B + 1, H)) is None  # another batch size neither
+    first = ChunkGraphs(_TinyGPT(pre_process=True), True, 1, shapes, masks, torch.device("cpu"), capture=capture)
+    assert first.take(0, torch.zeros(B, 4, dtype=torch.long))[0] == 4  # the first stage reads tokens [b, s]
+    with pytest.raises(ValueError, match=r"no attention mask for captured length\(s\) \[4\]"):
+        ChunkGraphs(_TinyGPT(pre_process=False), False, 1, shapes, {2: masks[2], S: masks[S]},
+                    torch.device("cpu"), capture=capture)
+
+
+def test_bucket_lengths_are_every_length_a_microbatch_can_have() -> None:
+    from trainer.data.varlen import bucket_length, bucket_lengths
+
+    for multiple, seq in ((64, 1024), (64, 100), (128, 128), (3, 10), (16, 8)):
+        got = bucket_lengths(multiple, seq)
+        assert got == tuple(sorted({bucket_length([n], multiple, seq) for n in range(1, seq + 1)})), (multiple, seq)
+    assert bucket_lengths(64, 1024)[:3] == (64, 128, 192) and bucket_lengths(64, 100) == (64, 100)
+
+
 GOOD = ["--mock-data", "--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
         "--global-batch-size", "4", "--pipeline-model-parallel-size", "2", "--device", "cuda", "--use-dpp",
@@ -177,13 +214,15 @@ GOOD = ["--mock-data", "--num-layers", "4", "--hidden-size", "16", "--num-attent
 
 def test_graphs_config_is_accepted_where_it_can_run() -> None:
     assert parse_config(GOOD, world_size=2).parallel.dpp_cuda_graphs
+    varlen = parse_config(GOOD + ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5",
+                                 "--seq-length-divisible-by", "4"], world_size=2)
+    assert varlen.parallel.dpp_cuda_graphs and varlen.data.variable_seq_lengths
 
 
 @pytest.mark.parametrize("extra, needle", [
     (["--device", "cpu"], "--device cuda (got cpu)"),
     (["--dpp-policy", "dpp-zb"], "--dpp-policy dpp (a graph's backward is one piece; got dpp-zb)"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout 0 --attention-dropout 0 (got 0.1, 0.0)"),
-    (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5"], "a fixed sequence length"),
     (["--model", "bert"], "--model gpt (got bert)"),
 ])
 def test_graphs_refuse_what_they_cannot_capture(extra, needle) -> None:
@@ -224,7 +263,6 @@ def test_benchmark_lists_megatron_graphs_as_not_run_under_a_pipeline() -> None:
 @pytest.mark.parametrize("extra, needle", [
     (["--use-dpp"], "megatron-core's schedules (not --use-dpp"),
     (["--device", "cpu"], "--device cuda (got cpu)"),
-    (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5"], "a fixed sequence length"),
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1 (got 2"),
 ])
 def test_megatron_graphs_refuse_what_they_cannot_run(extra, needle) -> None:
@@ -239,9 +277,10 @@ def test_megatron_graphs_name_the_implementations_offered() -> None:
 
 
 def test_benchmark_lists_the_graphs_line_as_not_run_where_it_cannot() -> None:
-    cuda = plan(BenchConfig(), ["dpp-graphs"], ["a", "b"], ("dpp",))
-    assert [type(x).__name__ for x in cuda] == ["Line", "NotRun"]
-    assert "varies the sequence length" in cuda[1].reason
+    cuda = plan(BenchConfig(), ["dpp-graphs", "megatron-1f1b-graphs"], ["a", "b"], ("dpp",))
+    assert [type(x).__name__ for x in cuda] == ["Line", "NotRun", "Line", "NotRun"]
+    assert "--variable-seq-lengths" in cuda[2].args  # scenario (b) graphs every bucket length
+    assert "capture one sequence length" in cuda[3].reason or "pipeline schedule" in cuda[3].reason
     cpu = plan(BenchConfig(device="cpu"), ["dpp-graphs"], ["a"], ("dpp",))
     assert isinstance(cpu[0], NotRun) and cpu[0].reason == "CUDA graphs need CUDA"
     assert "--dpp-cuda-graphs" in cuda[0].args

@@ -84,6 +84,12 @@ def bucket_length(lengths: Sequence[int], multiple: int, seq_length: int) -> int
     return min(seq_length, -(-longest // multiple) * multiple)
 
 
+def bucket_lengths(multiple: int, seq_length: int) -> tuple[int, ...]:
+    """Every length :func:`bucket_length` can return, ascending: the multiples of ``multiple`` below
+    ``seq_length``, and ``seq_length``."""
+    return tuple(sorted({min(seq_length, k * multiple) for k in range(1, -(-seq_length // multiple) + 1)}))
+
+
 def bucket_samples(samples: Sequence[Mapping[str, Any]], multiple: int, seq_length: int
                    ) -> list[dict[str, Any]]:
     """Cut every per-position array of each sample to the microbatch's shared length (bucketing)."""

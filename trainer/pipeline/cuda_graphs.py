@@ -20,15 +20,20 @@ call only, for the slot's replay. So the first stage's embedding stays eager (it
 the number of distinct token ids back to the host, which a capture forbids), and so do the last
 stage's output layer and loss; everything megatron does around the block is untouched.
 
+Variable lengths (--variable-seq-lengths): every slot holds one graph pair per bucket length, all in
+the slot's own memory pool (:func:`capture_slot` says why that costs one length's activations, not
+the sum); a microbatch replays its length's pair.
+
 Scope (checked by the config before any process starts): GPT, --use-dpp with --dpp-policy dpp (a
-graph's backward is one piece, so split backward cannot defer its weight GEMMs), TP 1, fixed
-sequence length, dropout 0 (a captured dropout would need megatron's graph-safe RNG tracker; with
-p = 0 no random numbers are drawn, and the tracker's fork is bypassed while capturing).
+graph's backward is one piece, so split backward cannot defer its weight GEMMs), TP 1, dropout 0 (a
+captured dropout would need megatron's graph-safe RNG tracker; with p = 0 no random numbers are
+drawn, and the tracker's fork is bypassed while capturing), no --overlap-grad-reduce.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,11 +94,17 @@ def _block_replayed(decoder: torch.nn.Module, call: torch.nn.Module) -> Iterator
 
 @dataclass(frozen=True)
 class GraphShapes:
-    """What a slot is captured for: the chunk input's shape and dtype, and the microbatch's [b, s]."""
+    """What a slot is captured for: the chunk input's largest shape and dtype, the microbatch's [b, s]
+    at that length, and every sequence length a microbatch may have (one, unless the lengths vary)."""
 
-    activation: tuple[int, ...]  # [s, b, h] of the received activation (later stages)
+    activation: tuple[int, ...]  # [s, b, h] of the received activation at the longest length
     activation_dtype: torch.dtype
-    tokens: tuple[int, int]  # [b, s]
+    tokens: tuple[int, int]  # [b, s] at the longest length
+    lengths: tuple[int, ...] = ()
+    """Captured sequence lengths (--variable-seq-lengths: every bucket length); () = only s."""
+
+    def captured_lengths(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.lengths or (self.activation[0],)), reverse=True))
 
 
 @contextlib.contextmanager
@@ -111,47 +122,154 @@ def _rng_fork_bypassed() -> Iterator[None]:
         tp_random.CudaRNGStatesTracker.fork = original
 
 
+@dataclass
+class _GraphPair:
+    """One slot's forward and backward graph at one sequence length, and the static tensors they read
+    and write: the input ``x`` and output gradient ``grad_out`` (views of the slot's buffers, sized
+    for the longest length), the output ``out`` and the input gradient ``grad_x``."""
+
+    fwd: torch.cuda.CUDAGraph
+    bwd: torch.cuda.CUDAGraph
+    x: torch.Tensor
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    grad_x: torch.Tensor
+
+
+class _Replayed(torch.autograd.Function):
+    """A captured block as one autograd node: forward replays the forward graph, backward the backward
+    graph. The block's parameters are not inputs of this node: their gradients were accumulated into
+    ``main_grad`` inside the backward graph (see :func:`capture_slot`), so autograd never sees them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pair: _GraphPair) -> torch.Tensor:
+        if x.data_ptr() != pair.x.data_ptr():
+            pair.x.copy_(x)
+        pair.fwd.replay()
+        ctx.pair = pair
+        return pair.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pair = ctx.pair
+        if grad.data_ptr() != pair.grad_out.data_ptr():
+            pair.grad_out.copy_(grad)
+        pair.bwd.replay()
+        return pair.grad_x.detach(), None
+
+
+def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device) -> dict:
+    """One slot's graph pairs, one per captured length, as ``{length: callable(x, attention_mask)}``.
+
+    Memory: all of a slot's pairs share one private pool, captured longest first. That is safe because
+    a slot serves one microbatch at a time -- its forward replay, then its backward replay, then the
+    next microbatch's (of any length) -- so a pair only needs its memory from its forward replay to its
+    backward replay; what a pair's capture freed (its activations, once the backward was captured) the
+    next length's capture reuses. A slot costs about its longest length's activations, not the sum.
+
+    Gradients: the backward is captured as ``out.backward(grad)``, so autograd's leaf accumulation and
+    megatron DDP's per-parameter hook (``main_grad += grad; grad = None``) run *inside* the capture and
+    are replayed with it: each weight gradient is added to ``main_grad`` and its memory reused at once,
+    instead of every slot keeping a full set of static weight gradients for autograd to accumulate
+    later. (--overlap-grad-reduce, whose hook also launches communication, is refused with graphs.)"""
+    x_buf = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device)
+    grad_buf = torch.zeros_like(x_buf)
+    params = [p for p in call.parameters() if p.requires_grad]
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.current_stream(device)
+    replays = {}
+    for length in shapes.captured_lengths():
+        x = x_buf[:length].detach().requires_grad_()
+        grad_out = grad_buf[:length]
+        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(fwd, pool=pool, stream=stream):
+            out = call(x, masks[length])
+        # Leaves' .grad must start empty, so autograd hands each new gradient to the hook (no copy).
+        stale = [p for p in params if p.grad is not None]
+        if stale or x.grad is not None:
+            raise RuntimeError(f"--dpp-cuda-graphs: {len(stale)} parameter(s) hold a .grad before capture")
+        with torch.cuda.graph(bwd, pool=pool, stream=stream):
+            out.backward(grad_out)
+        leftover = [p for p in params if p.grad is not None]
+        if leftover:  # no DDP hook consumed them: the replay would not accumulate them anywhere
+            raise RuntimeError(f"--dpp-cuda-graphs: {len(leftover)} parameter gradient(s) were not accumulated "
+                               "into main_grad during capture (is the chunk wrapped in megatron's DDP?)")
+        pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad)
+        x.grad = None
+        del out
+        replays[length] = functools.partial(_replay, pair)
+    return replays
+
+
+def _replay(pair: _GraphPair, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    # The mask was captured with the pair (a causal mask of the pair's length); the given one is that mask.
+    return _Replayed.apply(x, pair)
+
+
+def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device, iters: int = 2) -> None:
+    """Each length's forward and backward run eagerly first (cuBLAS handles and workspaces, autotuned
+    kernels: nothing may initialise lazily inside a capture). torch.autograd.grad, not backward: no
+    gradient reaches a parameter or main_grad."""
+    params = [p for p in call.parameters() if p.requires_grad]
+    for length in shapes.captured_lengths():
+        for _ in range(iters):
+            x = torch.zeros((length, *shapes.activation[1:]), dtype=shapes.activation_dtype, device=device,
+                            requires_grad=True)
+            out = call(x, masks[length])
+            torch.autograd.grad(out, [x, *params], torch.ones_like(out), allow_unused=True)
+
+
 class ChunkGraphs:
     """The graph slots of one model chunk."""
 
     def __init__(self, chunk: torch.nn.Module, first: bool, slots: int, shapes: GraphShapes,
-                 attention_mask: torch.Tensor, device: torch.device, capture=None) -> None:
-        """``capture``: torch.cuda.make_graphed_callables unless given (the CPU tests pass one that
-        returns the module uncaptured, to check everything around the graphs without a GPU)."""
-        capture = capture or torch.cuda.make_graphed_callables
+                 masks: dict, device: torch.device, capture=None) -> None:
+        """``masks``: the attention mask of each captured length. ``capture``: :func:`capture_slot`
+        unless given (the CPU tests pass one that returns the block uncaptured, to check everything
+        around the graphs without a GPU)."""
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
         self.first, self.shapes = first, shapes
+        self.lengths = shapes.captured_lengths()
+        missing = sorted(set(self.lengths) - set(masks))
+        if missing:
+            raise ValueError(f"no attention mask for captured length(s) {missing}")
         self.decoder = _decoder_of(chunk)
-        self.calls = []
         with _rng_fork_bypassed():
-            for _ in range(slots):
-                x = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device,
-                                requires_grad=True)
-                # Each slot its own module object: make_graphed_callables replaces the module's forward.
-                call = capture(_BlockCall(chunk), (x, attention_mask), allow_unused_input=True)
-                self.calls.append(call)
+            if capture is None:
+                _warm_up(_BlockCall(chunk), shapes, masks, device)
+            # Each slot its own module object, as the block's forward is swapped per call.
+            self.slots = [(capture or capture_slot)(_BlockCall(chunk), shapes, masks, device) for _ in range(slots)]
         self._free = list(range(slots))[::-1]
         self._taken: dict[int, int] = {}
         self.replayed = self.eager = 0  # forwards of training steps, for the end-of-run log
 
-    def matches(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` (tokens on the first stage, the activation elsewhere) has the captured shape."""
+    def length_of(self, x: torch.Tensor) -> int | None:
+        """The captured length ``x`` (tokens on the first stage, the activation elsewhere) has, or None."""
         if self.first:
-            return tuple(x.shape) == self.shapes.tokens
-        return tuple(x.shape) == self.shapes.activation and x.dtype == self.shapes.activation_dtype
+            ok = x.dim() == 2 and x.shape[0] == self.shapes.tokens[0]
+            length = x.shape[1] if ok else None
+        else:
+            ok = tuple(x.shape[1:]) == self.shapes.activation[1:] and x.dtype == self.shapes.activation_dtype
+            length = x.shape[0] if ok else None
+        return length if length in self.lengths else None
 
-    def take(self, microbatch: int, x: torch.Tensor) -> torch.nn.Module | None:
-        """A free slot's graphed callable for this microbatch's forward; None = run it eagerly."""
+    def matches(self, x: torch.Tensor) -> bool:
+        return self.length_of(x) is not None
+
+    def take(self, microbatch: int, x: torch.Tensor):
+        """A free slot's replay for this microbatch's forward (called as ``replay(x, attention_mask)``);
+        None = run it eagerly."""
         if not torch.is_grad_enabled():
             return None
-        if not self._free or not self.matches(x):
+        length = self.length_of(x)
+        if not self._free or length is None:
             self.eager += 1
             return None
         self.replayed += 1
         slot = self._free.pop()
         self._taken[microbatch] = slot
-        return self.calls[slot]
+        return self.slots[slot][length]
 
     def give_back(self, microbatch: int) -> bool:
         """After the microbatch's backward was queued: whether it held a slot (False: it ran eagerly)."""
@@ -193,12 +311,16 @@ def run_on_side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int, shapes: GraphShapes,
-                         attention_mask: torch.Tensor, device: torch.device) -> dict[int, ChunkGraphs]:
-    """Graph slots for each chunk of this stage. Runs each block's forward and backward a few times
-    with zero inputs (warm-up and capture, no gradient is accumulated): call it before the first step."""
+                         masks: dict, device: torch.device) -> dict[int, ChunkGraphs]:
+    """Graph slots for each chunk of this stage (``masks``: each captured length's attention mask).
+    Runs each block's forward and backward a few times with zero inputs (warm-up and capture; no
+    gradient is accumulated anywhere): call it before the first step."""
     graphs = {}
+    before = torch.cuda.memory_reserved(device)
     for c, chunk in enumerate(chunks):
-        graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), slots, shapes, attention_mask, device)
+        graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), slots, shapes, masks, device)
     torch.cuda.synchronize(device)
-    log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each", stage, sorted(graphs), slots)
+    log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each, length(s) %s; %.2f GiB reserved for them",
+             stage, sorted(graphs), slots, ",".join(map(str, shapes.captured_lengths())),
+             (torch.cuda.memory_reserved(device) - before) / 2**30)
     return graphs
