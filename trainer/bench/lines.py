@@ -37,6 +37,8 @@ CATALOGUE = {
                        ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "2"], True),
     "dpp-graphs-v2": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs, v=2", 2,
                       ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
+    "dpp-graphs-v2-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25, v=2", 2,
+                             ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.25"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
