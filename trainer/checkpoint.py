@@ -30,6 +30,12 @@ tracker (tmp file + ``os.replace``), so a crash at any moment leaves the previou
 or the new complete one. ``DIR`` must be visible to all ranks (a shared file system on multi-node jobs,
 as Megatron also assumes).
 
+Saves and loads never hang: each runs under a deadline (trainer/checkpoint_watchdog.py; 30 minutes,
+``$MDPP_CHECKPOINT_TIMEOUT_S`` or the ``timeout_s`` argument) past which the rank reports the
+iteration, the folder and the phase it waited in (``SAVE_*``/``LOAD_*`` below) and exits 1. An
+unfinished save leaves ``iter_N.tmp/`` and the tracker naming the previous checkpoint, which a
+resume takes; the next save of that iteration removes the leftover.
+
 ``--load DIR``: a missing or empty ``DIR`` starts fresh; anything else must be a tracker naming a
 complete torch_dist checkpoint written by this trainer, and whatever :func:`find_checkpoint` cannot
 read (a tracker naming a missing folder, Megatron-LM's legacy ``mp_rank_*`` format, this trainer's old
@@ -53,6 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint_watchdog import TimeoutSettingError, Watchdog, checkpoint_timeout_s
 from trainer.early_signals import kept_from_child_processes
 
 log = logging.getLogger(__name__)
@@ -95,6 +102,11 @@ def preflight(load: str | None, save: str | None) -> None:
     """What can fail before any process group starts (and before training ran): an unreadable
     ``--load`` (:func:`find_checkpoint`), and a ``--save`` that megatron-core's writer cannot do."""
     find_checkpoint(load)
+    if load or save:
+        try:
+            checkpoint_timeout_s()  # a bad $MDPP_CHECKPOINT_TIMEOUT_S fails now, not at the first save
+        except TimeoutSettingError as err:
+            raise CheckpointError(str(err)) from None
     if save and importlib.util.find_spec("psutil") is None:
         # megatron-core's torch_dist writer forks worker processes that call psutil first thing; one
         # that fails there never reports, and the parent then waits for it forever.
@@ -355,8 +367,35 @@ def _rng_sharded_object():
 
 
 # ---- save -----------------------------------------------------------------------------------------
-def save_checkpoint(root: str, state: TrainState, model: list, optimizer, scheduler, facts: RunFacts) -> Path:
-    """COLLECTIVE: write ``root/iter_N`` through megatron-core, then the tracker; returns the folder."""
+# The phases a save reports when it overruns its deadline (trainer/checkpoint_watchdog.py).
+SAVE_START = "waiting for the other ranks to begin the save"
+SAVE_COLLECT = "collecting the state"
+SAVE_PLAN = "planning the save with the other ranks"
+SAVE_WRITE = "writing shards"
+SAVE_WAIT = "waiting for the other ranks to finish writing"
+SAVE_FINALISE = "finalising"
+SAVE_DONE = "waiting for the other ranks to finish the save"
+SAVE_COMMIT = "finalising: rename and tracker"
+SAVE_END = "waiting for rank 0 to rename the folder and write the tracker"
+
+
+def save_checkpoint(root: str, state: TrainState, model: list, optimizer, scheduler, facts: RunFacts,
+                    timeout_s: float | None = None) -> Path:
+    """COLLECTIVE: write ``root/iter_N`` through megatron-core, then the tracker; returns the folder.
+
+    Bounded: a rank whose save has not finished ``timeout_s`` after it began (default:
+    :func:`~trainer.checkpoint_watchdog.checkpoint_timeout_s`) reports the iteration, the folder and
+    the phase it waited in and exits 1; the tracker still names the previous checkpoint.
+    """
+    final = iteration_dir(root, state.iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    with Watchdog("save", dist.get_rank(), tmp, state.iteration, timeout_s) as watchdog:
+        _save(root, state, model, optimizer, scheduler, facts, watchdog)
+    return final
+
+
+def _save(root: str, state: TrainState, model: list, optimizer, scheduler, facts: RunFacts,
+          watchdog: Watchdog) -> None:
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -365,7 +404,9 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
+    watchdog.enter(SAVE_START, "barrier: rank 0 prepares the folder")
     dist.barrier()
+    watchdog.enter(SAVE_COLLECT, "model and optimizer sharded state, RNG states all-gathered over DP")
     sharded = _sharded_state_dict(model, optimizer, facts.use_distributed_optimizer, is_loading=False)
     sharded.update({
         "iteration": state.iteration,
@@ -377,31 +418,77 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
                  "use_distributed_optimizer": facts.use_distributed_optimizer},
     })
     with kept_from_child_processes():  # its writer processes must survive Slurm's USR1 (see there)
-        dist_checkpointing.save(sharded, str(tmp), validate_access_integrity=True)
+        watchdog.enter(SAVE_PLAN, "megatron-core: sharding validation, common.pt, save plan; collectives")
+        request = dist_checkpointing.save(sharded, str(tmp), validate_access_integrity=True,
+                                          async_sharded_save=True)
+        _write_in_phases(request, watchdog)
+    watchdog.enter(SAVE_DONE, "barrier after megatron-core's save")
     dist.barrier()
     if rank == 0:
+        watchdog.enter(SAVE_COMMIT, f"renaming {tmp.name} to {final.name}, then writing {TRACKER}")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write_text(Path(root) / TRACKER, f"{state.iteration}\n")
+        _atomic_write_text(Path(root) / TRACKER, f"{state.iteration}\n")  # LAST: names complete checkpoints only
+    watchdog.enter(SAVE_END, "barrier")
     dist.barrier()
-    return final
+
+
+def _write_in_phases(request, watchdog: Watchdog) -> None:
+    """megatron-core's synchronous save, run from its request so the watchdog can tell the phases apart.
+
+    ``dist_checkpointing.save(..., async_sharded_save=True)`` returns what its synchronous path would
+    then run (``AsyncRequest.execute_sync``: the write, a barrier, the finalize functions: gathering
+    the ranks' write results, rank 0 writing .metadata and metadata.json, a barrier); running it here
+    runs the same steps in the same order (megatron-core 0.16 and 0.19 alike), only with the phase
+    marked where the write ends (the barrier that follows waits for the other ranks) and where the
+    finalisation begins.
+    """
+    def write(*args, **kwargs) -> None:
+        request.async_fn(*args, **kwargs)
+        watchdog.enter(SAVE_WAIT, "megatron-core's barrier after the write")
+
+    def finalising() -> None:
+        watchdog.enter(SAVE_FINALISE, "megatron-core gathers the write results, rank 0 writes .metadata "
+                                      "and metadata.json; collectives")
+
+    watchdog.enter(SAVE_WRITE, "megatron-core's writer and the worker processes it forks")
+    if request.async_fn is None:  # nothing to write on this rank
+        watchdog.enter(SAVE_WAIT, "megatron-core's barrier after the write")
+    request._replace(async_fn=write if request.async_fn is not None else None,
+                     finalize_fns=[finalising, *request.finalize_fns]).execute_sync()
 
 
 # ---- load -----------------------------------------------------------------------------------------
+# The phases a load reports when it overruns its deadline (trainer/checkpoint_watchdog.py).
+LOAD_FIND = "reading the tracker and the common state"
+LOAD_COLLECT = "collecting the state to load into"
+LOAD_READ = "reading shards"
+LOAD_RESTORE = "restoring the state"
+
+
 def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFacts,
-                    override: bool = False) -> TrainState | None:
+                    override: bool = False, timeout_s: float | None = None) -> TrainState | None:
     """Restore the state ``root``'s tracker names; None when there is nothing to resume (fresh start).
 
     ValueError when the checkpoint's :func:`run_identity` differs from ``facts.identity`` (unless
-    ``override``); :class:`CheckpointError` for a checkpoint this run cannot read.
+    ``override``); :class:`CheckpointError` for a checkpoint this run cannot read. Bounded like
+    :func:`save_checkpoint` (``timeout_s``): a rank still loading past it reports and exits 1.
     """
+    with Watchdog("load", dist.get_rank(), Path(root), None, timeout_s) as watchdog:
+        return _load(root, model, optimizer, scheduler, facts, override, watchdog)
+
+
+def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, override: bool,
+          watchdog: Watchdog) -> TrainState | None:
     from megatron.core import dist_checkpointing
 
+    watchdog.enter(LOAD_FIND, f"files under {root}")
     found = find_checkpoint(root)
     if found is None:
         return None
     iteration, path = found
+    watchdog.folder, watchdog.iteration = path, iteration
     common = read_common_state(path)
     saved = common["mdpp"]
     differences = identity_differences(saved.get("identity", {}), facts.identity)
@@ -421,13 +508,16 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFact
         raise CheckpointError(f"{path} was saved {with_or_without} --use-distributed-optimizer: resume {with_or_without} "
                               "it (the optimizer state is stored in that optimizer's form)")
     same_layout = saved["layout"] == facts.layout
+    watchdog.enter(LOAD_COLLECT, "model and optimizer sharded state, RNG states all-gathered over DP")
     sharded = _sharded_state_dict(model, optimizer, facts.use_distributed_optimizer, is_loading=True)
     if same_layout:
         sharded["rng_state"] = _rng_sharded_object()
     # raise_unexpected: a tensor this run needs that the checkpoint lacks is an error naming the key
     # before anything is read (not a half-loaded model).
     with kept_from_child_processes():
+        watchdog.enter(LOAD_READ, "megatron-core's load: file reads and collectives")
         loaded = dist_checkpointing.load(sharded, str(path), strict="raise_unexpected")
+    watchdog.enter(LOAD_RESTORE, "into the model, optimizer, scheduler and RNGs")
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(model)
