@@ -6,7 +6,7 @@ Each rank writes ``metrics_rank<R>.json`` when the run closes::
     {"rank", "stage", "world_size", "schedule", "run_name", "device", "layers_per_stage",
      "num_microbatches", "tokens_per_iteration",
      "iterations": [{"iteration": 1, "ms": 512.3, "losses": {"lm loss": 10.9}, "gpu_profiled": false}, ...],
-     "peak_memory_bytes": ..., "gpu_busy": {...} | null, "stalls": {...} | null, "versions": {...}}
+     "peak_memory_bytes": ..., "peak_reserved_bytes": ..., "gpu_busy": {...} | null, "stalls": {...} | null, "versions": {...}}
 
 ``ms`` is the host wall time of the whole step (zero grads, schedule, optimizer, loss all-reduce,
 which waits for the GPU), the figure the log line prints. Iterations with ``gpu_profiled`` ran under
@@ -120,6 +120,10 @@ class RunMeasurement:
             "tokens_per_iteration": self.cfg.optim.global_batch_size * self.cfg.model.seq_length,
             "iterations": self.records,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if on_cuda else None,
+            # What the process holds on the GPU (allocated + cached + CUDA-graph pools). A graph replays
+            # into its pool's memory while no tensor is allocated there, so for graphed runs the allocated
+            # peak undercounts; this is the figure to compare across schedules (it decides OOM).
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if on_cuda else None,
             "gpu_busy": self.gpu_busy.result if self.gpu_busy is not None and self.gpu_busy.result else None,
             "stalls": None if self.stalls is None else {
                 "spec": run.inject_stalls, "delayed_ops": len(self.stalls.delayed),

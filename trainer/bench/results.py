@@ -34,6 +34,9 @@ class LineResult:
     """With --rounds: this line's median in each round (timed_ms pools every round's iterations)."""
     tokens_per_iteration: int = 0
     peak_gib: float | None = None
+    """Peak allocated memory, max over ranks (torch.cuda.max_memory_allocated)."""
+    reserved_gib: float | None = None
+    """Peak reserved memory, max over ranks (max_memory_reserved: cache and CUDA-graph pools included)."""
     busy_ms: dict[int, float] = field(default_factory=dict)
     """Stage -> busy time per iteration."""
     busy_source: str = ""
@@ -119,6 +122,8 @@ def line_result(key: str, name: str, scenario: str, label: str, folder: Path, sk
     result.tokens_per_iteration = documents[0]["tokens_per_iteration"]
     peaks = [d["peak_memory_bytes"] for d in documents if d.get("peak_memory_bytes") is not None]
     result.peak_gib = max(peaks) / 2**30 if peaks else None
+    reserved = [d["peak_reserved_bytes"] for d in documents if d.get("peak_reserved_bytes") is not None]
+    result.reserved_gib = max(reserved) / 2**30 if reserved else None
     result.busy_ms = _gpu_busy(documents)
     result.busy_source = "GPU kernels (torch.profiler)" if result.busy_ms else ""
     if not result.busy_ms:
