@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from trainer.bench.lines import (
     BenchConfig,
     Line,
@@ -90,3 +92,35 @@ def test_report_pairs_rounds_so_host_drift_between_rounds_cancels(tmp_path) -> N
     write_report(report, BenchConfig(device="cpu"), [LineResult("a-dpp", "dpp", "a", "d", timed_ms=[1.0],
                                                                 round_medians=[1.0])], [], {}, {}, 1.0)
     assert "Per round" not in report.read_text()
+
+
+def test_scenario_d_reads_the_corpus_with_variable_lengths(tmp_path) -> None:
+    """Scenario (d): the same lines on a real GPT-2-tokenized corpus instead of mock documents; the
+    tokens the report counts are the corpus pieces the trainer reads (here a tiny preprocessed corpus)."""
+    import json
+    import subprocess
+    import sys
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": "word " * n}) + "\n" for n in (3, 40, 90, 7, 200, 15, 60, 33)))
+    prefix = tmp_path / "corpus"
+    repo = Path(__file__).resolve().parents[2]
+    vocab, merges = str(repo / "datasets/gpt2/vocab.json"), str(repo / "datasets/gpt2/merges.txt")
+    subprocess.run([sys.executable, "-m", "trainer.preprocess", "--input", str(docs), "--output-prefix", str(prefix),
+                    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
+                    "--append-eod"], check=True, capture_output=True, cwd=repo)
+    corpus = f"{prefix}_text_document"
+    cfg = BenchConfig(corpus=corpus, seq_length=64, num_microbatches=4, micro_batch_size=2, train_iters=2,
+                      seq_length_divisible_by=16, vocab_file=vocab, merge_file=merges)
+    planned = plan(cfg, ["megatron-1f1b-best", "dpp-graphs", "direct-megatron"], ["d"], ("dpp",))
+    lines = [p for p in planned if isinstance(p, Line)]
+    assert [ln.name for ln in lines] == ["megatron-1f1b-best", "dpp-graphs"]
+    assert "reads a corpus" in next(p.reason for p in planned if isinstance(p, NotRun))
+    for line in lines:
+        assert "--mock-data" not in line.args and line.args[line.args.index("--data-path") + 1] == corpus
+        assert "--variable-seq-lengths" in line.args and "--mock-seq-len-dist" not in line.args
+        parse_config(line.args, world_size=cfg.pipeline_parallel)
+    real, padded = variable_length_tokens(cfg, "d")
+    assert 0 < real <= padded <= cfg.global_batch_size * cfg.seq_length
+    no_corpus = plan(BenchConfig(), ["dpp"], ["d"], ("dpp",))
+    assert isinstance(no_corpus[0], NotRun) and "needs --corpus" in no_corpus[0].reason

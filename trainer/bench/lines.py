@@ -47,7 +47,8 @@ CATALOGUE = {
 DEFAULT_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2", "dpp", "dpp-graphs",
                  "dpp-graphs-cf1.5", "dpp-zb",
                  "dpp-zb-v2", "direct-megatron")
-SCENARIOS = {"a": "uniform", "b": "variable sequence lengths", "c": "transient stalls"}
+SCENARIOS = {"a": "uniform", "b": "variable sequence lengths", "c": "transient stalls",
+             "d": "variable sequence lengths of a real corpus"}
 SEED = 1234
 """--seed of every line (initialisation and mock data)."""
 MEGATRON_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-1f1b-graphs", "megatron-interleaved-v2")
@@ -98,6 +99,16 @@ class BenchConfig:
     """``--mock-seq-len-dist`` of scenario (b): mock document lengths, seeded by --seed and sample index."""
     seq_length_divisible_by: int = 64
     """Scenario (b): each microbatch's length is its longest document rounded up to this (capped at seq_length)."""
+    corpus: str = ""
+    """Scenario (d): a GPT-2-tokenized indexed corpus prefix read with --variable-seq-lengths (one
+    document, or piece of a long one, per sample), e.g. the sample corpus after ``python -m
+    trainer.preprocess --input datasets/python-docs.jsonl.xz --output-prefix runs/data/gpt2/corpus
+    --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt2/vocab.json --merge-file
+    datasets/gpt2/merges.txt --append-eod``: runs/data/gpt2/corpus_text_document."""
+    vocab_file: str = "datasets/gpt2/vocab.json"
+    """Scenario (d): the corpus's GPT-2 vocabulary."""
+    merge_file: str = "datasets/gpt2/merges.txt"
+    """Scenario (d): the corpus's GPT-2 merges."""
     extra: tuple[str, ...] = ()
     """More trainer flags for every line (e.g. ``--transport nccl``)."""
 
@@ -174,16 +185,30 @@ def variable_length_args(cfg: BenchConfig) -> list[str]:
             "--seq-length-divisible-by", str(cfg.seq_length_divisible_by)]
 
 
-def variable_length_tokens(cfg: BenchConfig) -> tuple[float, float]:
-    """Scenario (b)'s mean tokens per iteration over the run: (real tokens, tokens after bucketing,
-    padding included). Computed from the same seeded mock samples the lines train on."""
+def corpus_args(cfg: BenchConfig) -> list[str]:
+    """Trainer flags of scenario (d): the real corpus, each microbatch as long as its documents."""
+    return ["--data-path", cfg.corpus, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", cfg.vocab_file,
+            "--merge-file", cfg.merge_file, "--variable-seq-lengths",
+            "--seq-length-divisible-by", str(cfg.seq_length_divisible_by)]
+
+
+def variable_length_tokens(cfg: BenchConfig, scenario: str = "b") -> tuple[float, float]:
+    """Scenario (b)'s or (d)'s mean tokens per iteration over the run: (real tokens, tokens after
+    bucketing, padding included). Computed from the same samples the lines train on: the seeded mock
+    documents (b), or the corpus's pieces in the trainer's order (d)."""
     from trainer.data.varlen import LENGTH_KEY, Bucketing, parse_length_distribution
     from trainer.model.batches import mock_sample_source
 
-    dist, problems = parse_length_distribution(cfg.seq_len_dist)
-    if dist is None:
-        raise ValueError("; ".join(problems))
-    source = mock_sample_source("gpt", SEED, cfg.seq_length, cfg.vocab_size, dist)
+    if scenario == "d":
+        from trainer.data.gpt_dataset import GPTDocumentDataset
+
+        dataset = GPTDocumentDataset(cfg.corpus, cfg.seq_length, SEED, num_samples=cfg.train_iters * cfg.global_batch_size)
+        source = dataset.__getitem__
+    else:
+        dist, problems = parse_length_distribution(cfg.seq_len_dist)
+        if dist is None:
+            raise ValueError("; ".join(problems))
+        source = mock_sample_source("gpt", SEED, cfg.seq_length, cfg.vocab_size, dist)
     bucketing = Bucketing(cfg.seq_length_divisible_by, cfg.seq_length)
     real = padded = 0
     mbs = cfg.micro_batch_size
@@ -212,6 +237,8 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
                 continue
             split = _split_for(cfg, vp) if balanced else None
             args = common_args(cfg) + flags
+            if scenario == "d":  # the corpus instead of mock tokens; its tokenizer gives the vocabulary
+                args = [a for a in args if a != "--mock-data"] + corpus_args(cfg)
             if vp > 1:
                 args += ["--num-virtual-stages-per-pipeline-rank", str(vp)]
             if split is not None:
@@ -242,6 +269,10 @@ def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policie
     if "--cuda-graph-impl" in flags and cfg.pipeline_parallel > 1:
         return ("megatron-core's local CUDA graphs failed to build under its pipeline schedule (0.19.2 without "
                 "Transformer Engine, 4xH100: assert in _create_cudagraphs); the trainer refuses them at PP > 1")
+    if scenario == "d" and not cfg.corpus:
+        return "scenario (d) needs --corpus PREFIX (a GPT-2-tokenized indexed corpus, e.g. the sample corpus)"
+    if scenario == "d" and name == "direct-megatron":
+        return "trainer.bench.direct builds mock microbatches only; scenario (d) reads a corpus"
     if name == "direct-megatron" and cfg.device != "cuda":
         return "megatron-core's schedules need CUDA (its P2P allocates on the GPU); no CPU stand-in for this line"
     if "--dpp-policy" in flags:

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lines", default=",".join(DEFAULT_LINES),
                         help=f"comma-separated, from: {', '.join(CATALOGUE)}")
     parser.add_argument("--scenarios", default="a,b,c", help="comma-separated, from a (uniform), "
-                        "b (variable lengths), c (transient stalls)")
+                        "b (variable lengths), c (transient stalls), d (variable lengths of --corpus)")
     parser.add_argument("--out", type=Path, required=True, help="folder for each line's metrics, logs, traces")
     parser.add_argument("--report", type=Path, required=True, help="markdown report to write; PNGs go beside it")
     parser.add_argument("--line-timeout", type=float, default=300.0, help="seconds before a line is killed")
@@ -92,6 +92,13 @@ def _available_policies() -> tuple[str, ...]:
 def _problems(args: argparse.Namespace) -> list[str]:
     p = [f"--lines: unknown line {n!r}" for n in args.lines.split(",") if n not in CATALOGUE]
     p += [f"--scenarios: unknown scenario {s!r}" for s in args.scenarios.split(",") if s not in SCENARIOS]
+    if "d" in args.scenarios.split(","):
+        if not args.corpus:
+            p.append("--scenarios d needs --corpus PREFIX (a GPT-2-tokenized indexed corpus)")
+        elif not (Path(args.corpus + ".bin").is_file() and Path(args.corpus + ".idx").is_file()):
+            p.append(f"--corpus {args.corpus}: no {args.corpus}.bin / .idx (preprocess it first, see --help)")
+        p += [f"--{k}-file {v}: not found" for k, v in (("vocab", args.vocab_file), ("merge", args.merge_file))
+              if not Path(v).is_file()]
     if "b" in args.scenarios.split(","):
         from trainer.data.varlen import parse_length_distribution
 
@@ -111,8 +118,8 @@ def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace) -> LineRes
     run = run_ranks(line.module, line.args + extra, cfg.pipeline_parallel, folder, cfg.device,
                     args.line_timeout, args.threads)
     result = line_result(line.key, line.name, line.scenario, line.label, folder, cfg.skip_iters)
-    if line.scenario == "b":  # the trainer counts batch x --seq-length; count the documents' real tokens
-        result.tokens_per_iteration = round(variable_length_tokens(cfg)[0])
+    if line.scenario in ("b", "d"):  # the trainer counts batch x --seq-length; count the documents' real tokens
+        result.tokens_per_iteration = round(variable_length_tokens(cfg, line.scenario)[0])
     if run.returncode != 0:
         why = "timed out" if run.timed_out else f"exit {run.returncode}"
         result.status = f"FAILED ({why} after {run.seconds:.0f} s); log tail:\n{run.tail()}"

@@ -100,6 +100,18 @@ def _variable_length_note(cfg: BenchConfig) -> list[str]:
             f"({padded / full:.0%}); tokens/s counts real tokens.", ""]
 
 
+def _corpus_note(cfg: BenchConfig) -> list[str]:
+    real, padded = variable_length_tokens(cfg, "d")
+    full = cfg.global_batch_size * cfg.seq_length
+    return [f"`--data-path {cfg.corpus} --variable-seq-lengths --seq-length-divisible-by "
+            f"{cfg.seq_length_divisible_by}` for every line: one document (or piece of a long one, at most "
+            f"{cfg.seq_length} tokens) of the corpus per sample, in the trainer's seeded order, each microbatch "
+            f"cut to its longest sample rounded up to {cfg.seq_length_divisible_by}; megatron-core lines run with "
+            f"variable_seq_lengths=True, GPT's loss averaged per token. Per iteration, on average, {real:,.0f} "
+            f"real tokens ({real / full:.0%} of batch x seq) and {padded:,.0f} after bucketing ({padded / full:.0%}); "
+            "tokens/s counts real tokens.", ""]
+
+
 def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_run: list[NotRun],
                  commands: dict[str, str], pictures: dict[str, str], wall_s: float) -> None:
     versions = next((r.versions for r in results if r.versions), {})
@@ -129,6 +141,8 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
             continue
         if scenario == "b":
             lines += _variable_length_note(cfg)
+        if scenario == "d":
+            lines += _corpus_note(cfg)
         if scenario == "c":
             lines += [f"`--inject-stalls {cfg.stall}` (RANK:FRACTION:MS:SEED) for every line: the same forward "
                       "ops of that rank delayed (a GPU spin kernel on CUDA); backwards are not delayed.", ""]
