@@ -62,11 +62,11 @@ from trainer.model.batches import (
     mock_sample_source,
 )
 from trainer.model.prefetch import MicrobatchPrefetcher
-from trainer.names import tp_decision_name
+from trainer.pipeline.runtime import PipelineRuntime
+from trainer.pipeline.runtime import link_options as link_options  # re-exported: callers import it from here
 from trainer.run_metrics import RunMeasurement
 from trainer.run_token import agreed_run_token
 from trainer.topology import Topology
-from trainer.transport.factory import LinkOptions
 
 log = logging.getLogger("trainer.train")
 
@@ -129,7 +129,8 @@ class TrainingSession:
         self.preempt = PreemptionFlag()
         self.preempt.install()  # first thing: a signal during set-up must still mean "checkpoint"
         self.stopped_with_checkpoint = False
-        self.shims = self.links = self.tracer = self.tp_channel = self.dpp_context = None
+        self.shims = None
+        self.runtime: PipelineRuntime | None = None  # links, TP channel, tracer: our runtime's schedules only
         self.measure: RunMeasurement | None = None
         # Megatron-LM's per-log-interval counters: optimizer steps skipped (fp16 overflow) and, of
         # those, steps whose loss was inf/nan; printed and reset by each iteration line.
@@ -204,9 +205,9 @@ class TrainingSession:
                                      self._checkpoint_facts(), cfg.checkpoint.override_checkpoint_config)
             if loaded is not None:
                 self.state = loaded
-        if cfg.parallel.dpp_cuda_graphs and self.dpp_context is not None:
+        if cfg.parallel.dpp_cuda_graphs and self.runtime is not None:
             # Last in set-up: the graphs hold the parameters' storage, which a checkpoint load could replace.
-            self.dpp_context.graphs = self._capture_graphs()
+            self.runtime.capture_graphs()
         self._log_layout(chunks, vocab_size)
 
     def _seed(self) -> None:
@@ -322,7 +323,7 @@ class TrainingSession:
             return "hook"
         if self._uses_megatron_schedule():
             return "megatron-core " + ("interleaved" if self.topology.virtual_pipeline > 1 else "1f1b")
-        return f"runtime {self.dpp_context.policy.name}"
+        return f"runtime {self.runtime.context.policy.name}"
 
     def _uses_megatron_schedule(self) -> bool:
         """megatron-core's own schedule runs CUDA jobs without --use-dpp, except over gloo: its P2P
@@ -331,92 +332,16 @@ class TrainingSession:
         return not par.use_dpp and self.cfg.run.device == "cuda" and par.distributed_backend != "gloo"
 
     def _schedule(self) -> Callable[..., list]:
-        cfg, topo = self.cfg, self.topology
         if self._uses_megatron_schedule():
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
             return get_forward_backward_func()
-        from trainer.pipeline import DppContext, make_forward_backward_func
-        from trainer.profiling.tracer import make_tracer
-        from trainer.schedule.core import PipelineShape
-        from trainer.schedule.registry import make_policy
-
-        shape = PipelineShape(topo.pipeline_parallel, self.num_microbatches, topo.virtual_pipeline)
-        par = cfg.parallel
-        if par.use_dpp and par.dpp_policy != "zb-h1":
-            name, options = par.dpp_policy, {"max_inflight": par.dpp_max_inflight, "cap_factor": par.dpp_cap_factor}
-        elif par.dpp_policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
-            name, options = "zb-h1", {}
-        else:
-            name, options = ("interleaved" if topo.virtual_pipeline > 1 else "1f1b"), {}
-        policy = make_policy(name, shape, topo.pp_rank, **options)
-        split = None
-        if policy.split_backward:
-            from trainer.pipeline.split_backward import install_split_backward
-
-            # Before the links and shared-memory channels exist: an unsupported model fails cleanly.
-            split = install_split_backward(self.model)
-        if topo.pipeline_parallel > 1:
-            from trainer.transport.factory import make_stage_links
-
-            self.links = make_stage_links(topo, cfg.parallel.transport, self.device,
-                                          timeout_s=cfg.parallel.dpp_timeout_s, job_id=self.run_token,
-                                          options=link_options(cfg, shape))
-        if topo.tensor_parallel > 1:
-            self.tp_channel = self._tp_channel(shape)
-        self.tracer = make_tracer(cfg.run.profile_dir, topo.rank, {
-            "stage": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank,
-            "world_size": topo.world_size, "pipeline_parallel": topo.pipeline_parallel,
-            "num_chunks": topo.virtual_pipeline, "num_microbatches": self.num_microbatches,
-            "schedule": name, "run_name": cfg.run.run_name, "run_id": self.run_token})
-        if self.tracer.enabled:
-            from trainer.profiling.clock import measure_clock_offset
-
-            self.tracer.set_clock_offset(measure_clock_offset())
-        self.dpp_context = DppContext(topology=topo, policy=policy, links=self.links,
-                                      timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self._microbatch,
-                                      tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split,
-                                      gpu_timer=self._gpu_timer(),
-                                      microbatch_costs=self._microbatch_costs if cfg.data.variable_seq_lengths else None)
-        return make_forward_backward_func(self.dpp_context)
-
-    def _capture_graphs(self) -> dict:
-        """--dpp-cuda-graphs: one graph pair per activation slot the policy may hold on this stage."""
-        from trainer.data.varlen import bucket_lengths
-        from trainer.model.build import params_dtype
-        from trainer.pipeline.cuda_graphs import GraphShapes, capture_chunk_graphs
-        from trainer.schedule.core import PipelineShape
-        from trainer.schedule.dynamic import one_f_one_b_cap
-
-        cfg, topo = self.cfg, self.topology
-        shape = PipelineShape(topo.pipeline_parallel, self.num_microbatches, topo.virtual_pipeline)
-        slots = getattr(self.dpp_context.policy, "cap", None) or one_f_one_b_cap(shape, topo.pp_rank)
-        mbs, seq = cfg.optim.micro_batch_size, cfg.model.seq_length
-        lengths = bucket_lengths(cfg.data.seq_length_divisible_by, seq) if cfg.data.variable_seq_lengths else (seq,)
-        shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
-                             tokens=(mbs, seq), lengths=lengths)
-        masks = {n: causal_mask(n, self.device) for n in lengths}
-        return capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device)
-
-    def _gpu_timer(self):
-        """Per-op GPU times in the trace (CUDA events) when tracing on CUDA; None otherwise."""
-        if not (self.tracer.enabled and self.device.type == "cuda"):
-            return None
-        from trainer.profiling.gpu_spans import GpuOpTimer
-
-        return GpuOpTimer(self.device)
-
-    def _tp_channel(self, shape):
-        from megatron.core import parallel_state
-
-        from trainer.pipeline.tp_decision import TpDecisionChannel
-
-        topo = self.topology
-        name = tp_decision_name(self.run_token, topo.pp_rank, topo.dp_rank)
-        return TpDecisionChannel(name, capacity=3 * shape.num_microbatches * shape.num_chunks,
-                                 is_leader=topo.tp_rank == 0,
-                                 group=parallel_state.get_tensor_model_parallel_group(),
-                                 description=f"stage {topo.pp_rank} rank {topo.rank} (TP rank {topo.tp_rank})")
+        runtime = PipelineRuntime(self.cfg, self.topology, self.device, self.run_token, self.num_microbatches,
+                                  self.model, microbatch_data=self._microbatch,
+                                  microbatch_costs=self._microbatch_costs if self.cfg.data.variable_seq_lengths
+                                  else None)
+        self.runtime = runtime.open()  # closes what it opened before raising, should a step fail
+        return self.runtime.forward_backward
 
     def _checkpoint_facts(self) -> RunFacts:
         t = self.topology
@@ -510,10 +435,8 @@ class TrainingSession:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.prefetcher.begin_step(self.num_microbatches)  # reads state.consumed_samples: this step's data
-        if self.dpp_context is not None:
-            self.dpp_context.iteration = state.iteration
-        if self.tracer is not None:
-            self.tracer.set_iteration(state.iteration)
+        if self.runtime is not None:
+            self.runtime.begin_step(state.iteration)
         with _sync_debug(cfg.run.cuda_sync_debug if self.device.type == "cuda" else None):
             losses = self._forward_backward()
         if self.hooks.after_backward is not None:
@@ -554,7 +477,7 @@ class TrainingSession:
         try:
             with torch.no_grad():
                 for step in range(cfg.run.eval_iters):
-                    if step and self.dpp_context is not None:
+                    if step and self.runtime is not None:
                         # Forward-only steps have no optimizer step or loss reduction between them:
                         # without a barrier stage s could send step i+1's activations before stage
                         # s+1 has finished step i, whose runtime would take them for its own.
@@ -573,7 +496,7 @@ class TrainingSession:
         return self.forward_backward(
             forward_step_func=self._eval_forward_step if forward_only else self.forward_step,
             # The DPP runtime fetches microbatch m by index itself; Megatron's schedules want iterators.
-            data_iterator=None if self.dpp_context is not None else self._data_iterators(), model=self.model,
+            data_iterator=None if self.runtime is not None else self._data_iterators(), model=self.model,
             num_microbatches=self.num_microbatches, seq_length=cfg.model.seq_length,
             micro_batch_size=cfg.optim.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
             forward_only=forward_only)
@@ -706,15 +629,14 @@ class TrainingSession:
 
     def flush_traces(self) -> None:
         """Best effort on a crash: write the trace this rank has so far (aggregation reads what exists)."""
-        if self.tracer is not None:
-            with contextlib.suppress(Exception):
-                self.tracer.close()
+        if self.runtime is not None:
+            self.runtime.flush_traces()
 
     # ---- tear-down -------------------------------------------------------------------------
     def close(self) -> None:
         self.preempt.restore()
         self.manual_gc.stop()
-        for c, graphs in ((self.dpp_context.graphs or {}) if self.dpp_context is not None else {}).items():
+        for c, graphs in ((self.runtime.context.graphs or {}) if self.runtime is not None else {}).items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      self.topology.pp_rank, c, graphs.replayed, graphs.eager)
         if self.cfg.parallel.cuda_graph_impl == "local":
@@ -729,10 +651,9 @@ class TrainingSession:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
-        for resource in (self.tracer, self.tp_channel, self.links):
-            if resource is not None:
-                resource.close()
-        self.tracer = self.tp_channel = self.links = None
+        if self.runtime is not None:  # tracer, TP channel, links, in that order
+            runtime, self.runtime = self.runtime, None
+            runtime.__exit__(None, None, None)
         shutdown()
         if self.shims is not None:
             self.shims.remove()
@@ -740,28 +661,6 @@ class TrainingSession:
 
 
 # ---- command line ------------------------------------------------------------------------------
-def link_options(cfg: TrainConfig, shape) -> LinkOptions:
-    """Credits and slot size for this run's stage links.
-
-    Credits >= the largest in-flight activation cap of any stage: the activations (and gradients)
-    waiting unconsumed on one edge never outnumber what the sending stage may hold, so a send never
-    waits for a credit the policy itself withholds, whatever ``--dpp-max-inflight`` says. Slots are
-    sized to one activation (seq x mbs x hidden in the pipeline dtype, seq / TP with
-    ``--sequence-parallel``), so a message is one copy.
-    """
-    from trainer.schedule.dynamic import scaled_cap
-
-    cap = max(cfg.parallel.dpp_max_inflight or 0, scaled_cap(shape, 0, cfg.parallel.dpp_cap_factor))
-    itemsize = cfg.pipeline_itemsize
-    default = LinkOptions()
-    if cfg.run.workload is not None:  # the prototype's per-copy share: slots of N elements (64-byte aligned)
-        return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=-(-cfg.run.workload * itemsize // 64) * 64)
-    # --sequence-parallel: each TP rank sends its 1/TP of the sequence (its own links to its peer).
-    seq = cfg.model.seq_length // (cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1)
-    activation = seq * cfg.optim.micro_batch_size * cfg.model.hidden_size * itemsize
-    return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=max(4096, -(-activation // 4096) * 4096))
-
-
 @contextlib.contextmanager
 def _sync_debug(mode: str | None):
     """``torch.cuda.set_sync_debug_mode(mode)`` for the duration of the block (None: unchanged)."""

@@ -1,0 +1,218 @@
+"""One rank's pipeline runtime: the stage links, the TP decision channel, the tracer (with its clock
+offset) and the :class:`DppContext` over them, owned by one context manager (issue 19).
+
+Why one owner: these are opened by collectives in a fixed order and hold shared memory, receiver
+threads and trace files; the training session used to keep each on itself for its ``close()`` to
+know about. Here they are opened in one place, in the order every rank must follow, and closed in
+the reverse order -- also when opening fails halfway, so a failed set-up leaves no ring, segment or
+thread behind. The training session keeps only the loop.
+
+Opening order (COLLECTIVE, identical on every rank): policy and split backward (local, before any
+channel exists, so an unsupported model fails cleanly), stage links (all ranks, when PP > 1), the
+TP decision channel (the stage's TP group, when TP > 1), the tracer (local), the clock offset (all
+ranks, when tracing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.names import tp_decision_name
+from trainer.pipeline.dpp import DppContext, MicrobatchData, make_forward_backward_func
+from trainer.schedule.core import PipelineShape
+from trainer.topology import Topology
+from trainer.transport.factory import LinkOptions
+
+log = logging.getLogger(__name__)
+
+TracerFactory = Callable[[Any, int, dict[str, Any]], Any]
+"""(profile dir or None, rank, trace metadata) -> Tracer/NullTracer (trainer.profiling.tracer.make_tracer)."""
+
+
+def link_options(cfg: TrainConfig, shape: PipelineShape) -> LinkOptions:
+    """Credits and slot size for this run's stage links.
+
+    Credits >= the largest in-flight activation cap of any stage: the activations (and gradients)
+    waiting unconsumed on one edge never outnumber what the sending stage may hold, so a send never
+    waits for a credit the policy itself withholds, whatever ``--dpp-max-inflight`` says. Slots are
+    sized to one activation (seq x mbs x hidden in the pipeline dtype, seq / TP with
+    ``--sequence-parallel``), so a message is one copy.
+    """
+    from trainer.schedule.dynamic import scaled_cap
+
+    cap = max(cfg.parallel.dpp_max_inflight or 0, scaled_cap(shape, 0, cfg.parallel.dpp_cap_factor))
+    itemsize = cfg.pipeline_itemsize
+    default = LinkOptions()
+    if cfg.run.workload is not None:  # the prototype's per-copy share: slots of N elements (64-byte aligned)
+        return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=-(-cfg.run.workload * itemsize // 64) * 64)
+    # --sequence-parallel: each TP rank sends its 1/TP of the sequence (its own links to its peer).
+    seq = cfg.model.seq_length // (cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1)
+    activation = seq * cfg.optim.micro_batch_size * cfg.model.hidden_size * itemsize
+    return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=max(4096, -(-activation // 4096) * 4096))
+
+
+def policy_choice(cfg: TrainConfig, topology: Topology) -> tuple[str, dict[str, Any]]:
+    """(policy name, its options) for this run: --dpp-policy under --use-dpp, zb-h1 whenever asked
+    for, else the static 1f1b (interleaved with VP) that CPU and gloo runs use in megatron's place."""
+    par = cfg.parallel
+    if par.use_dpp and par.dpp_policy != "zb-h1":
+        return par.dpp_policy, {"max_inflight": par.dpp_max_inflight, "cap_factor": par.dpp_cap_factor}
+    if par.dpp_policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
+        return "zb-h1", {}
+    return ("interleaved" if topology.virtual_pipeline > 1 else "1f1b"), {}
+
+
+class PipelineRuntime:
+    """Context manager: ``with PipelineRuntime(...) as runtime:`` opens everything (see the module
+    docstring for the order); ``runtime.forward_backward`` is called like megatron-core's schedules.
+    :meth:`open` / :meth:`close` are the same two halves for an owner whose lifetime is not a block."""
+
+    _OWNED = ("links", "tp_channel", "tracer")  # opening order; closed in reverse
+
+    def __init__(self, cfg: TrainConfig, topology: Topology, device: torch.device, run_token: str,
+                 num_microbatches: int, model: list, microbatch_data: MicrobatchData,
+                 microbatch_costs: Callable[[], Sequence[float] | None] | None = None,
+                 tracer_factory: TracerFactory | None = None) -> None:
+        self.cfg, self.topology, self.device, self.run_token = cfg, topology, device, run_token
+        self.model, self.microbatch_data, self.microbatch_costs = model, microbatch_data, microbatch_costs
+        self.shape = PipelineShape(topology.pipeline_parallel, num_microbatches, topology.virtual_pipeline)
+        self.tracer_factory = tracer_factory
+        self.links = self.tp_channel = self.tracer = None
+        self.context: DppContext | None = None
+        self.forward_backward: Callable[..., list] | None = None
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def __enter__(self) -> PipelineRuntime:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> PipelineRuntime:
+        """Open everything in order; on any failure close what was opened, then re-raise the original error."""
+        try:
+            self._open()
+        except BaseException:
+            try:
+                self.close()
+            except Exception:  # the set-up error is the one to report; this one only goes to the log
+                log.exception("rank %d: closing the pipeline runtime after its set-up failed also failed",
+                              self.topology.rank)
+            raise
+        return self
+
+    def close(self) -> None:
+        """Close in reverse opening order (tracer, TP channel, links); every one is closed even if an
+        earlier close raises, and the first such error is re-raised. Idempotent."""
+        first: Exception | None = None
+        for name in reversed(self._OWNED):
+            resource = getattr(self, name)
+            setattr(self, name, None)
+            if resource is None:
+                continue
+            try:
+                resource.close()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def flush_traces(self) -> None:
+        """Best effort on a crash: write the trace this rank has so far (aggregation reads what exists)."""
+        if self.tracer is not None:
+            with contextlib.suppress(Exception):
+                self.tracer.close()
+
+    def begin_step(self, iteration: int) -> None:
+        """Tag the coming step's decisions and trace events with ``iteration``."""
+        self.context.iteration = iteration
+        if self.tracer is not None:
+            self.tracer.set_iteration(iteration)
+
+    # ---- opening -------------------------------------------------------------------------------
+    def _open(self) -> None:
+        from trainer.schedule.registry import make_policy
+
+        cfg, topo = self.cfg, self.topology
+        name, options = policy_choice(cfg, topo)
+        policy = make_policy(name, self.shape, topo.pp_rank, **options)
+        split = None
+        if policy.split_backward:
+            from trainer.pipeline.split_backward import install_split_backward
+
+            # Before the links and shared-memory channels exist: an unsupported model fails cleanly.
+            split = install_split_backward(self.model)
+        if topo.pipeline_parallel > 1:
+            from trainer.transport.factory import make_stage_links
+
+            self.links = make_stage_links(topo, cfg.parallel.transport, self.device,
+                                          timeout_s=cfg.parallel.dpp_timeout_s, job_id=self.run_token,
+                                          options=link_options(cfg, self.shape))
+        if topo.tensor_parallel > 1:
+            self.tp_channel = self._tp_channel()
+        self.tracer = self._tracer(name)
+        if self.tracer.enabled:
+            from trainer.profiling.clock import measure_clock_offset
+
+            self.tracer.set_clock_offset(measure_clock_offset())
+        self.context = DppContext(topology=topo, policy=policy, links=self.links,
+                                  timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self.microbatch_data,
+                                  tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split,
+                                  gpu_timer=self._gpu_timer(), microbatch_costs=self.microbatch_costs)
+        self.forward_backward = make_forward_backward_func(self.context)
+
+    def _tp_channel(self):
+        from megatron.core import parallel_state
+
+        from trainer.pipeline.tp_decision import TpDecisionChannel
+
+        topo = self.topology
+        name = tp_decision_name(self.run_token, topo.pp_rank, topo.dp_rank)
+        return TpDecisionChannel(name, capacity=3 * self.shape.num_microbatches * self.shape.num_chunks,
+                                 is_leader=topo.tp_rank == 0,
+                                 group=parallel_state.get_tensor_model_parallel_group(),
+                                 description=f"stage {topo.pp_rank} rank {topo.rank} (TP rank {topo.tp_rank})")
+
+    def _tracer(self, schedule: str):
+        factory = self.tracer_factory
+        if factory is None:
+            from trainer.profiling.tracer import make_tracer as factory
+        cfg, topo = self.cfg, self.topology
+        return factory(cfg.run.profile_dir, topo.rank, {
+            "stage": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank,
+            "world_size": topo.world_size, "pipeline_parallel": topo.pipeline_parallel,
+            "num_chunks": topo.virtual_pipeline, "num_microbatches": self.shape.num_microbatches,
+            "schedule": schedule, "run_name": cfg.run.run_name, "run_id": self.run_token})
+
+    def _gpu_timer(self):
+        """Per-op GPU times in the trace (CUDA events) when tracing on CUDA; None otherwise."""
+        if not (self.tracer.enabled and self.device.type == "cuda"):
+            return None
+        from trainer.profiling.gpu_spans import GpuOpTimer
+
+        return GpuOpTimer(self.device)
+
+    # ---- after set-up --------------------------------------------------------------------------
+    def capture_graphs(self) -> None:
+        """--dpp-cuda-graphs: one graph pair per activation slot the policy may hold on this stage.
+        Call last in set-up: the graphs hold the parameters' storage, which a checkpoint load could replace."""
+        from trainer.data.varlen import bucket_lengths
+        from trainer.model.batches import causal_mask
+        from trainer.model.build import params_dtype
+        from trainer.pipeline.cuda_graphs import GraphShapes, capture_chunk_graphs
+        from trainer.schedule.dynamic import one_f_one_b_cap
+
+        cfg, topo, shape = self.cfg, self.topology, self.shape
+        slots = getattr(self.context.policy, "cap", None) or one_f_one_b_cap(shape, topo.pp_rank)
+        mbs, seq = cfg.optim.micro_batch_size, cfg.model.seq_length
+        lengths = bucket_lengths(cfg.data.seq_length_divisible_by, seq) if cfg.data.variable_seq_lengths else (seq,)
+        shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
+                             tokens=(mbs, seq), lengths=lengths)
+        masks = {n: causal_mask(n, self.device) for n in lengths}
+        self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device)
