@@ -106,7 +106,9 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
                            "reserve_owed": bool(rng.choice([True, False])),
                            "microbatch_order": str(rng.choice(["cost", "index"]))}
                 if name == "dpp-zb":
-                    options["weight_order"] = str(rng.choice(["oldest", "youngest"]))
+                    order = rng.choice(["oldest", "youngest", "default"])  # default: by v
+                    if order != "default":
+                        options["weight_order"] = str(order)
             elif name != "interleaved" or m_count % p == 0:
                 options = {"microbatch_order": str(rng.choice(["cost", "index"]))}
             costs = CostModel(forward=float(rng.uniform(0.3, 2)), input_grad=float(rng.uniform(0.3, 2)),

@@ -78,7 +78,8 @@ def make_policy(name: str, shape: PipelineShape, stage: int, **options: Any) -> 
     Dynamic options: ``max_inflight`` (int cap on held activations, chunk units), ``cap_factor``
     (x 1F1B's bound, default 1.0), ``priority`` ("forward" | "backward"), ``chunk_order``
     ("depth" | "breadth"), ``microbatch_order`` ("cost": by ``StageState.microbatch_costs`` when
-    given | "index"), ``weight_order`` (dpp-zb: "oldest" | "youngest"). Static schedules take
+    given | "index"), ``weight_order`` (dpp-zb: "oldest" | "youngest"; default youngest at v = 1, oldest
+    above). Static schedules take
     ``microbatch_order`` too (default "index": Megatron's). ``interleaved`` takes ``group_size`` (Megatron's
     ``microbatch_group_size_per_vp_stage``). Raises ValueError naming any bad name, option or size.
     """

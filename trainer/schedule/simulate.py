@@ -97,8 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--static-microbatch-order", choices=MICROBATCH_ORDERS, default="index",
         help="static schedules: Megatron's index order (default) or the dynamic policies' cost"
         " order (as if the data loader sorted each step's microbatches)")
-    add("--weight-order", choices=WEIGHT_ORDERS, default="oldest",
-        help="dpp-zb: which deferred weight gradient fills idle time first (default oldest)")
+    add("--weight-order", choices=WEIGHT_ORDERS, default=None,
+        help="dpp-zb: which deferred weight gradient fills idle time first (default youngest at"
+        " v=1, oldest at v>1)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
     add("--cap-sweep", default=None,
@@ -201,7 +202,7 @@ def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
     options = {"cap_factor": cap_factor, "priority": args.priority, "chunk_order": args.chunk_order,
                "backward_chunk_order": args.backward_chunk_order,
                "microbatch_order": args.microbatch_order}
-    if args.weight_order != "oldest":
+    if args.weight_order is not None:
         options["weight_order"] = args.weight_order
     if args.cap_basis is not None:
         options["cap_basis"] = args.cap_basis
