@@ -420,7 +420,7 @@ def _save(root: str, state: TrainState, model: list, optimizer, scheduler, facts
     with kept_from_child_processes():  # its writer processes must survive Slurm's USR1 (see there)
         watchdog.enter(SAVE_PLAN, "megatron-core: sharding validation, common.pt, save plan; collectives")
         request = dist_checkpointing.save(sharded, str(tmp), validate_access_integrity=True,
-                                          async_sharded_save=True)
+                                          async_sharded_save=True, **_builtin_async_strategy(dist_checkpointing.save))
         _write_in_phases(request, watchdog)
     watchdog.enter(SAVE_DONE, "barrier after megatron-core's save")
     dist.barrier()
@@ -432,6 +432,16 @@ def _save(root: str, state: TrainState, model: list, optimizer, scheduler, facts
         _atomic_write_text(Path(root) / TRACKER, f"{state.iteration}\n")  # LAST: names complete checkpoints only
     watchdog.enter(SAVE_END, "barrier")
     dist.barrier()
+
+
+def _builtin_async_strategy(save) -> dict:
+    """megatron-core's own writer for the request: from 0.19 ``save(..., async_sharded_save=True)``
+    defaults to ``async_strategy="nvrx"``, which needs nvidia-resiliency-ext (not installed, and not
+    what megatron-core's synchronous save uses: that is ``"mcore"``); 0.16 has no such argument.
+    Found on 4xH100 with 0.19.2: "A compatible `nvidia-resiliency-ext` installation is required"."""
+    import inspect
+
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
 
 
 def _write_in_phases(request, watchdog: Watchdog) -> None:
