@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.layer_split import split_problems
+from trainer.problems import raise_if_any
 
 CATALOGUE = {
     # name: (what it is, v, extra trainer flags, uses the balanced split)
@@ -206,8 +207,7 @@ def variable_length_tokens(cfg: BenchConfig, scenario: str = "b") -> tuple[float
         source = dataset.__getitem__
     else:
         dist, problems = parse_length_distribution(cfg.seq_len_dist)
-        if dist is None:
-            raise ValueError("; ".join(problems))
+        raise_if_any(problems if dist is None else [])
         source = mock_sample_source("gpt", SEED, cfg.seq_length, cfg.vocab_size, dist)
     bucketing = Bucketing(cfg.seq_length_divisible_by, cfg.seq_length)
     real = padded = 0
