@@ -833,6 +833,11 @@ def _sequence_parallel_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
+MAX_GRAPHED_LENGTHS = 32
+"""--dpp-cuda-graphs with --variable-seq-lengths: most bucket lengths captured per slot (capture time
+and each length's static input/output buffers grow with the count; 16 at seq 1024 / 64)."""
+
+
 def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
     """What rules out --dpp-cuda-graphs (trainer/pipeline/cuda_graphs.py says why each is needed)."""
     par, m = cfg.parallel, cfg.model
@@ -848,6 +853,12 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
         "no --overlap-grad-reduce (a replayed backward runs no gradient hooks, which launch its reduction)":
             not par.overlap_grad_reduce,
+        f"at most {MAX_GRAPHED_LENGTHS} sequence lengths to capture with --variable-seq-lengths (each slot holds a "
+        f"graph pair per length; --seq-length {m.seq_length} / --seq-length-divisible-by "
+        f"{cfg.data.seq_length_divisible_by} gives {-(-m.seq_length // cfg.data.seq_length_divisible_by)}: "
+        "raise --seq-length-divisible-by)":
+            not cfg.data.variable_seq_lengths
+            or -(-m.seq_length // cfg.data.seq_length_divisible_by) <= MAX_GRAPHED_LENGTHS,
     }
     return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
 

@@ -224,6 +224,9 @@ def test_graphs_config_is_accepted_where_it_can_run() -> None:
     (["--dpp-policy", "dpp-zb"], "--dpp-policy dpp (a graph's backward is one piece; got dpp-zb)"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout 0 --attention-dropout 0 (got 0.1, 0.0)"),
     (["--model", "bert"], "--model gpt (got bert)"),
+    (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5", "--seq-length-divisible-by", "1",
+      "--seq-length", "64", "--max-position-embeddings", "64"],
+     "at most 32 sequence lengths to capture with --variable-seq-lengths"),
 ])
 def test_graphs_refuse_what_they_cannot_capture(extra, needle) -> None:
     with pytest.raises(ConfigError) as err:
