@@ -31,6 +31,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -197,6 +198,19 @@ int create_segment(const std::string& name, size_t bytes) {
     return fd;
 }
 
+// Opens existing segment `name` to attach to it and returns its descriptor and size; a segment
+// shorter than `min_bytes` is not a `what` (closed, and an error naming both).
+std::pair<int, size_t> open_segment(const std::string& name, size_t min_bytes, const std::string& what) {
+    int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    if (fd < 0) throw os_error("shm_open(attach)", name);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < min_bytes) {
+        close(fd);
+        throw std::runtime_error("shared-memory segment " + name + " is not a " + what + " (too small)");
+    }
+    return {fd, static_cast<size_t>(st.st_size)};
+}
+
 // Maps `size` bytes of the segment behind `fd` and closes `fd` (the mapping keeps it alive).
 // MAP_POPULATE: fault the page tables in now, not on the first copy of the hot path.
 void* map_segment(int fd, size_t size, const std::string& name) {
@@ -298,14 +312,8 @@ class Ring {
 
     // Sender end: map an existing segment, announce ourselves, and unlink the name.
     static Ring* attach(const std::string& name) {
-        int fd = shm_open(name.c_str(), O_RDWR, 0600);
-        if (fd < 0) throw os_error("shm_open(attach)", name);
-        struct stat st;
-        if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < sizeof(Control)) {
-            close(fd);
-            throw std::runtime_error("shared-memory segment " + name + " is not a ring (too small)");
-        }
-        Ring* ring = new Ring(name, fd, static_cast<size_t>(st.st_size), /*is_sender=*/true);
+        auto [fd, size] = open_segment(name, sizeof(Control), "ring");
+        Ring* ring = new Ring(name, fd, size, /*is_sender=*/true);
         Control* c = ring->control();
         if (c->magic != kMagic || c->version != kVersion || c->total_bytes != ring->size_) {
             delete ring;
@@ -476,14 +484,8 @@ class WordLog {
         return log;
     }
     static WordLog* attach(const std::string& name) {
-        int fd = shm_open(name.c_str(), O_RDWR, 0600);
-        if (fd < 0) throw os_error("shm_open(attach)", name);
-        struct stat st;
-        if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < words_offset()) {
-            close(fd);
-            throw std::runtime_error("shared-memory segment " + name + " is not a word log (too small)");
-        }
-        WordLog* log = new WordLog(name, fd, static_cast<size_t>(st.st_size));
+        auto [fd, size] = open_segment(name, words_offset(), "word log");
+        WordLog* log = new WordLog(name, fd, size);
         WordLogControl* c = log->control();
         if (c->magic != kMagic || c->version != kVersion || words_offset() + c->capacity * sizeof(uint64_t) > log->size_) {
             delete log;
