@@ -4,14 +4,12 @@
 # (d) the same two DPP/megatron lines on the sample corpus's real document lengths.
 set -u
 source scripts/device/env.sh || exit 1
-python3 -m trainer.preprocess --input datasets/python-docs.jsonl.xz --output-prefix /tmp/corpus/gpt2 \
-    --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt2/vocab.json --merge-file datasets/gpt2/merges.txt \
-    --append-eod --workers 4 2>&1 | tail -1
+source scripts/device/corpus.sh
 B="--pipeline-parallel 2 --num-layers 8 --num-microbatches 16 --train-iters 8 --threads 4 --line-timeout 60"
 timeout 95 python3 -m trainer.bench.pipeline --out /tmp/bench-mem2 --report "$OUT/benchmarks-pp2-mem.md" \
     --scenarios a $B --lines megatron-1f1b-best,dpp-graphs,dpp-graphs-cf1.5 2>&1 | grep "^\[bench\]"
 timeout 65 python3 -m trainer.bench.pipeline --out /tmp/bench-mem2 --report "$OUT/benchmarks-pp2-d.md" \
-    --scenarios d $B --corpus /tmp/corpus/gpt2_text_document --lines megatron-1f1b-best,dpp-graphs-cf1.5 \
+    --scenarios d $B --corpus "$CORPUS" --lines megatron-1f1b-best,dpp-graphs-cf1.5 \
     2>&1 | grep "^\[bench\]"
 grep -h "reserved for them" /tmp/bench-mem2/*-dpp-graphs*/*.log 2>/dev/null | sed 's/.*INFO//' | sort -u
 rm -f "$OUT"/timeline-*.png; ls "$OUT"

@@ -5,11 +5,9 @@
 # the extra slots (the set-up log prints each stage's graph pools).
 set -u
 source scripts/device/env.sh || exit 1
-python3 -m trainer.preprocess --input datasets/python-docs.jsonl.xz --output-prefix /tmp/corpus/gpt2 \
-    --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt2/vocab.json --merge-file datasets/gpt2/merges.txt \
-    --append-eod --workers 4 2>&1 | tail -1
+source scripts/device/corpus.sh
 B="--pipeline-parallel 4 --num-layers 16 --num-microbatches 32 --train-iters 8 --threads 4 --line-timeout 70"
 timeout 185 python3 -m trainer.bench.pipeline --out /tmp/bench-mem --report "$OUT/benchmarks-mem.md" --scenarios a,d \
-    $B --corpus /tmp/corpus/gpt2_text_document --lines megatron-1f1b-best,dpp-graphs-cf1.5 2>&1 | grep "^\[bench\]"
+    $B --corpus "$CORPUS" --lines megatron-1f1b-best,dpp-graphs-cf1.5 2>&1 | grep "^\[bench\]"
 grep -h "reserved for them" /tmp/bench-mem/*-dpp-graphs*/*.log 2>/dev/null | sed 's/.*INFO//' | sort -u
 rm -f "$OUT"/timeline-a-*.png; ls "$OUT"

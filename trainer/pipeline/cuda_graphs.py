@@ -267,9 +267,6 @@ class ChunkGraphs:
             length = x.shape[0] if ok else None
         return length if length in self.lengths else None
 
-    def matches(self, x: torch.Tensor) -> bool:
-        return self.length_of(x) is not None
-
     def take(self, microbatch: int, x: torch.Tensor):
         """A free slot's replay for this microbatch's forward (called as ``replay(x, attention_mask)``);
         None = run it eagerly."""
