@@ -400,7 +400,7 @@ class TrainingSession:
         """Megatron-style iterators (one per chunk) over this step's microbatches, by index. Lazy: a
         microbatch is fetched when its forward asks for it (the prefetcher keeps two ahead), so the
         schedule's first forward is queued at once instead of after all M microbatches were built
-        and copied (~10 ms at M=32 on a launch-bound host, added to the pipeline's fill)."""
+        and copied (host work added to the pipeline's fill on a launch-bound stage 0; not measured)."""
         return [(self._microbatch(m, c) for m in range(self.num_microbatches))
                 for c in range(self.topology.virtual_pipeline)]
 
