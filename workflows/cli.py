@@ -1,24 +1,15 @@
-"""Shared pieces of the workflows command lines: one-line errors, exit codes."""
+"""Shared pieces of the workflows command lines: one-line errors, exit codes, KEY=VALUE arguments.
+
+The parser class and ``fail`` are trainer.cli's, the one parser of every command line of the project
+(re-exported here so that workflows modules keep one import)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import NoReturn
 
-EXIT_BAD_INPUT = 2  # the argparse convention: the user's input is wrong, nothing was done
+from trainer.cli import EXIT_BAD_INPUT, OneLineParser, fail
 
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports bad input in one line (no usage dump) and exits 2."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(message, prog=self.prog)
-
-
-def fail(message: str, prog: str) -> NoReturn:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+__all__ = ["EXIT_BAD_INPUT", "OneLineParser", "fail", "parse_assignment"]
 
 
 def parse_assignment(text: str) -> tuple[str, str]:
