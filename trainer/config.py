@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.cli import OneLineParser
 from trainer.data.megatron_datasets import parse_blend
 from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
@@ -1016,7 +1017,7 @@ def field_docs(section: type) -> dict[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags named like Megatron-LM's (plus the DPP ones); defaults come from the dataclasses."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m trainer.train",
         description="Train megatron-core GPT/BERT under DP x TP x PP (x VP), optionally with --use-dpp.",
         # No prefix matching: "--lr-warmup 3" silently became --lr-warmup-iters, and a Megatron-LM flag
