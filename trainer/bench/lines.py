@@ -21,6 +21,9 @@ CATALOGUE = {
     "megatron-1f1b-graphs": ("megatron-core 1F1B, balanced split, --no-batch-p2p-sync, --cuda-graph-impl local "
                              "(megatron-core's per-layer CUDA graphs, recorded in step 1: capture stays out of the timed window)", 1,
                              ["--no-batch-p2p-sync", "--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "1"], True),
+    "megatron-1f1b-best-rc": ("megatron-core 1F1B, balanced split, --no-batch-p2p-sync, --recompute-activations "
+                              "(what the same recompute costs and saves megatron: a reference, not its best)", 1,
+                              ["--no-batch-p2p-sync", "--recompute-activations"], True),
     "megatron-interleaved-v2": ("megatron-core interleaved 1F1B v=2, overlapped P2P, balanced split", 2,
                                 ["--no-batch-p2p-sync"], True),
     "dpp": ("--use-dpp --dpp-policy dpp (greedy)", 1, ["--use-dpp", "--dpp-policy", "dpp"], True),
@@ -36,6 +39,19 @@ CATALOGUE = {
                           ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.75"], True),
     "dpp-graphs-cf2": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 2 (8/6/4/2 at PP=4)", 1,
                        ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "2"], True),
+    "dpp-graphs-rc": ("--use-dpp --dpp-cuda-graphs --recompute-activations (1F1B caps; core attention recomputed "
+                      "inside the backward graphs)", 1,
+                      ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--recompute-activations"], True),
+    "dpp-graphs-rc-cf1.5": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.5 --recompute-activations (core attention "
+                            "recomputed inside the backward graphs: a slot holds ~55% of its activations, so 1.5x the "
+                            "slots fit megatron's 1F1B memory)", 1,
+                            ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.5",
+                             "--recompute-activations"], True),
+    "dpp-graphs-rc-cf2": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 2 --recompute-activations", 1,
+                          ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "2",
+                           "--recompute-activations"], True),
+    "dpp-graphs-v2-rc": ("--use-dpp --dpp-cuda-graphs --recompute-activations, v=2", 2,
+                         ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--recompute-activations"], True),
     "dpp-graphs-v2": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs, v=2", 2,
                       ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-graphs-v2-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25, v=2", 2,
@@ -52,7 +68,8 @@ SCENARIOS = {"a": "uniform", "b": "variable sequence lengths", "c": "transient s
              "d": "variable sequence lengths of a real corpus"}
 SEED = 1234
 """--seed of every line (initialisation and mock data)."""
-MEGATRON_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-1f1b-graphs", "megatron-interleaved-v2")
+MEGATRON_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-1f1b-best-rc", "megatron-1f1b-graphs",
+                  "megatron-interleaved-v2")
 """The trainer's megatron-core lines: the best of them is the bar every ratio is taken against."""
 
 

@@ -30,19 +30,21 @@ def _fmt(value: float | None, pattern: str = "{:.1f}") -> str:
 def _table(results: list[LineResult], scenario: str) -> list[str]:
     bar = best_megatron(results, scenario)
     rows = ["| line | layers/stage | ms/iter median | min–max | IQR | tokens/s | peak reserved GiB (max rank) | "
-            f"peak allocated GiB | vs best megatron{f' ({bar.name})' if bar else ''} | GPU busy ms/iter per stage | "
-            "stalled ops |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"peak allocated GiB | vs best megatron{f' ({bar.name})' if bar else ''} | reserved / its reserved | "
+            "GPU busy ms/iter per stage | stalled ops |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in results if r.scenario == scenario):
         if not r.ok:
-            rows.append(f"| {r.name} | | {r.status.splitlines()[0]} | | | | | | | | |")
+            rows.append(f"| {r.name} | | {r.status.splitlines()[0]} | | | | | | | | | |")
             continue
         lo, hi = r.iqr_ms
         ratio = f"{bar.median_ms / r.median_ms:.3f}x" if bar else "n/a"
+        memory = (f"{r.reserved_gib / bar.reserved_gib:.3f}x" if bar and r.reserved_gib and bar.reserved_gib
+                  else "n/a")
         busy = " / ".join(f"{ms:.0f}" for ms in r.busy_ms.values()) or "n/a"
         rows.append(f"| {r.name} | {'/'.join(map(str, r.layers_per_stage))} | {r.median_ms:.1f} | "
                     f"{min(r.timed_ms):.1f}–{max(r.timed_ms):.1f} | {lo:.1f}–{hi:.1f} | {r.tokens_per_s:,.0f} | "
-                    f"{_fmt(r.reserved_gib, '{:.2f}')} | {_fmt(r.peak_gib, '{:.2f}')} | {ratio} | {busy} | "
+                    f"{_fmt(r.reserved_gib, '{:.2f}')} | {_fmt(r.peak_gib, '{:.2f}')} | {ratio} | {memory} | {busy} | "
                     f"{'' if r.delayed_ops is None else r.delayed_ops} |")
     return rows
 

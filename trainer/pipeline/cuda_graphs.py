@@ -28,6 +28,12 @@ Scope (checked by the config before any process starts): GPT, --use-dpp with --d
 graph's backward is one piece, so split backward cannot defer its weight GEMMs), TP 1, dropout 0 (a
 captured dropout would need megatron's graph-safe RNG tracker; with p = 0 no random numbers are
 drawn, and the tracker's fork is bypassed while capturing), no --overlap-grad-reduce.
+
+Selective recompute (--recompute-activations / --recompute-granularity selective) works inside the
+graphs: the forward graph keeps only the core attention's inputs, and the backward graph recomputes
+the attention into the stage's shared backward pool. That is how a slot gets cheaper: on the issue-12
+model the attention probabilities (fp32 softmax output and its bf16 copy, [b, heads, s, s] per layer)
+are most of a layer's saved activations, so more slots fit in the memory megatron's 1F1B uses.
 """
 
 from __future__ import annotations
@@ -108,18 +114,24 @@ class GraphShapes:
 
 
 @contextlib.contextmanager
-def _rng_fork_bypassed() -> Iterator[None]:
-    """megatron's CUDA RNG tracker saves and restores the generator around attention dropout; setting a
-    generator's state is not allowed while a graph is being captured. With dropout 0 nothing is drawn
-    in between, so the fork is skipped for the capture (replays never run Python)."""
+def _rng_state_bypassed() -> Iterator[None]:
+    """megatron saves and restores the CUDA generator's state around attention dropout (its RNG
+    tracker's fork) and around a recomputed block (selective recompute's checkpoint saves every RNG
+    state in the forward and restores it for the recompute in the backward). Reading or setting a
+    generator's state is not allowed while a graph is being captured. With dropout 0 (required) nothing
+    random is drawn in between, so for warm-up and capture the fork is skipped and the checkpoint's
+    save/restore is a no-op (replays never run Python)."""
     from megatron.core.tensor_parallel import random as tp_random
 
-    original = tp_random.CudaRNGStatesTracker.fork
+    saved = (tp_random.CudaRNGStatesTracker.fork, tp_random._get_all_rng_states, tp_random._set_all_rng_states)
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    tp_random._get_all_rng_states = lambda: (None, None, None)
+    tp_random._set_all_rng_states = lambda *states: None
     try:
         yield
     finally:
-        tp_random.CudaRNGStatesTracker.fork = original
+        (tp_random.CudaRNGStatesTracker.fork, tp_random._get_all_rng_states,
+         tp_random._set_all_rng_states) = saved
 
 
 @dataclass
@@ -218,15 +230,20 @@ def _replay(pair: _GraphPair, x: torch.Tensor, attention_mask: torch.Tensor | No
 
 def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device, iters: int = 2) -> None:
     """Each length's forward and backward run eagerly first (cuBLAS handles and workspaces, autotuned
-    kernels: nothing may initialise lazily inside a capture). torch.autograd.grad, not backward: no
-    gradient reaches a parameter or main_grad."""
+    kernels: nothing may initialise lazily inside a capture). A full ``backward``, as the capture
+    runs it (selective recompute's checkpoint refuses ``torch.autograd.grad``); what it adds to the
+    parameters' ``main_grad`` is zeroed again here (every step zeroes the grad buffers anyway)."""
     params = [p for p in call.parameters() if p.requires_grad]
     for length in shapes.captured_lengths():
         for _ in range(iters):
             x = torch.zeros((length, *shapes.activation[1:]), dtype=shapes.activation_dtype, device=device,
                             requires_grad=True)
             out = call(x, masks[length])
-            torch.autograd.grad(out, [x, *params], torch.ones_like(out), allow_unused=True)
+            out.backward(torch.ones_like(out))
+    for p in params:
+        p.grad = None
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad.zero_()
 
 
 class ChunkGraphs:
@@ -246,7 +263,7 @@ class ChunkGraphs:
         if missing:
             raise ValueError(f"no attention mask for captured length(s) {missing}")
         self.decoder = _decoder_of(chunk)
-        with _rng_fork_bypassed():
+        with _rng_state_bypassed():
             if capture is None:
                 _warm_up(_BlockCall(chunk), shapes, masks, device)
             # Each slot its own module object, as the block's forward is swapped per call.
@@ -332,6 +349,9 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int, shapes: Gr
         graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), slots, shapes, masks, device,
                                 backward_pool=backward_pool)
     torch.cuda.synchronize(device)
+    # The warm-up's eager blocks stay cached in the ordinary pool; hand them back so the run's reserved
+    # peak is graphs + what the eager ops really need, not graphs + the largest warm-up.
+    torch.cuda.empty_cache()
     log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each, length(s) %s; %.2f GiB reserved for them",
              stage, sorted(graphs), slots, ",".join(map(str, shapes.captured_lengths())),
              (torch.cuda.memory_reserved(device) - before) / 2**30)
