@@ -36,6 +36,7 @@ from trainer.bench.lines import (
 )
 from trainer.bench.report import plot_kernel_timeline, plot_trace_timeline, write_report
 from trainer.bench.results import LineResult, line_result
+from trainer.cli import OneLineParser
 from trainer.config import field_docs
 from trainer.local_ranks import run_ranks
 from trainer.problems import problems_text
@@ -46,9 +47,9 @@ def _pair(text: str) -> tuple[int, int]:
     return int(first), int(last)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer.bench.pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m trainer.bench.pipeline", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     docs = field_docs(BenchConfig)
     for f in dataclasses.fields(BenchConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -136,11 +137,11 @@ def _picture(result: LineResult, folder: Path, report_dir: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     problems = _problems(args)
     if problems:
-        print(problems_text(problems, "error"), file=sys.stderr)
-        return 2
+        return parser.report(problems_text(problems))
     cfg = _config(args)
     planned = plan(cfg, args.lines.split(","), args.scenarios.split(","), _available_policies())
     lines = [p for p in planned if isinstance(p, Line)]
