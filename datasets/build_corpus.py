@@ -19,7 +19,6 @@ Usage (needs the network only to fetch the .deb; everything else is offline and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import lzma
 import re
@@ -28,6 +27,8 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from trainer.cli import OneLineParser
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUTPUT = HERE / "python-docs.jsonl.xz"
@@ -178,7 +179,7 @@ def extract_sources(deb: Path | None, workdir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python3 datasets/build_corpus.py", description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--deb", type=Path, help="a downloaded python3.11-doc .deb")
     group.add_argument("--sources", type=Path, help="an extracted html/_sources directory")

@@ -16,7 +16,6 @@ hash-map order, so a rebuilt bert/vocab.txt may order a few tied pieces differen
 
 from __future__ import annotations
 
-import argparse
 import json
 import lzma
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 from nltk.tokenize.punkt import PunktTrainer
 from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
 
+from trainer.cli import OneLineParser
 from trainer.data.sentence_splitter import punkt_params_to_json
 
 HERE = Path(__file__).resolve().parent
@@ -72,7 +72,7 @@ def train_punkt(corpus: Path, out_file: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python3 datasets/build_tokenizers.py", description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--output-dir", type=Path, default=HERE)
     parser.add_argument("--gpt2-vocab-size", type=int, default=8192)

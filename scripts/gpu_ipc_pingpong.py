@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
+
+from trainer.cli import OneLineParser
 
 
 def _side(rank: int, conn, device: int, rounds: int, mode: str, events_q, result_q) -> None:
@@ -74,17 +77,19 @@ def measure(mode: str, devices: tuple[int, int], rounds: int) -> float:
     return value
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python scripts/gpu_ipc_pingpong.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--peer-device", type=int, default=None, help="default: the same GPU")
     parser.add_argument("--rounds", type=int, default=2000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     devices = (args.device, args.device if args.peer_device is None else args.peer_device)
     print(f"{torch.cuda.get_device_name(devices[0])}, devices {devices}, median of {args.rounds}")
     for mode in ("host", "gpu"):
         print(f"  {mode:5s} one-way latency: {measure(mode, devices, args.rounds):8.1f} us")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,7 +16,6 @@ address is found on that node (workflows.netinfo) through one `srun` task per no
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shlex
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workflows import netinfo, slurm
+from workflows.cli import OneLineParser
 from workflows.slurm import SlurmError
 
 log = logging.getLogger(__name__)
@@ -373,8 +373,8 @@ def _shell_exports(env: dict[str, str]) -> str:
 # Command line
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workflows.nodes", description=__doc__.split("\n\n")[0])
+def _build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m workflows.nodes", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     hostnames = commands.add_parser("hostnames", help="expand a node list, one host per line")
     hostnames.add_argument("nodelist", help="e.g. 'node[01-04],gpu[1-2]' (use -- before a list starting with '-')")

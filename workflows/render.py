@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import sys
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 import jinja2
 
 from workflows import jobs, recipes, shell
+from workflows.cli import OneLineParser
 from workflows.jobs import Job, Knob
 from workflows.recipes import Recipe
 
@@ -170,7 +170,7 @@ def write(rendered: dict[str, str], directory: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workflows.render", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m workflows.render", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on drift")
     parser.add_argument("--output-dir", type=Path, default=SBATCH_DIR, help="default: sbatch/")
     args = parser.parse_args(argv)

@@ -33,6 +33,7 @@ from typing import IO
 
 import numpy as np
 
+from trainer.cli import OneLineParser
 from trainer.data.sentence_splitter import DEFAULT_PUNKT_PARAMS, load_sentence_splitter
 from trainer.data.tokenizer import build_tokenizer
 from trainer.names import FILE_TOKENIZERS
@@ -320,8 +321,8 @@ def _write_document(doc: EncodedDocument, writers: dict[str, _AtomicIndexedDatas
     stats.documents += 1
 
 
-def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_arg_parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="python -m trainer.preprocess",
         description="Tokenize a JSONL corpus into Megatron-Core indexed datasets (.bin/.idx), offline.",
     )
@@ -351,7 +352,8 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: prints a summary table; bad input -> one ``error:`` line on stderr, exit code 1."""
+    """CLI entry: prints a summary table. A bad flag -> the parser's one line on stderr, exit code 2;
+    bad input (files, values) -> one ``error:`` line on stderr, exit code 1."""
     args = build_arg_parser().parse_args(argv)
     # INFO for our own progress lines only; megatron-core logs chatter about FSDP/TE at import time.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.cli import OneLineParser
 from trainer.profiling.loading import load_rank_traces, read_trace_file
 from trainer.profiling.merge import merge_traces
 from trainer.profiling.plot import plot_timeline
@@ -25,9 +26,9 @@ from trainer.profiling.tracer import write_json_atomic
 from trainer.profiling.validate import validate_trace
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer.profiling.aggregate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m trainer.profiling.aggregate", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--benchmark_dir", "--benchmark-dir", required=True, type=Path,
                         help="folder holding the run's trace_rank*.json files (the run's --profile-dir)")
     parser.add_argument("--out", type=Path, default=None,

@@ -15,6 +15,7 @@ import timeit
 from collections.abc import Callable
 from types import MappingProxyType
 
+from trainer.cli import OneLineParser
 from trainer.profiling.tracer import NullTracer, make_tracer, now_us
 
 BENCH_METADATA = MappingProxyType({"stage": 0, "world_size": 1, "pipeline_parallel": 1, "num_chunks": 1,
@@ -59,7 +60,8 @@ def measure(calls: int = 200_000) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m trainer.profiling.overhead", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200_000, help="calls per timing repeat")
     args = parser.parse_args(argv)
     if args.calls < 1:

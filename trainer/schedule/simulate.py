@@ -18,6 +18,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from trainer.cli import OneLineParser
 from trainer.problems import problems_text
 from trainer.schedule.compare import ScheduleSpec, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
@@ -30,8 +31,8 @@ ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 """Run with one chunk per stage whatever --vp says (the classic forms being compared against)."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="python -m trainer.schedule.simulate",
         description=__doc__.split("\n\n")[0] + " Times are in cost units (1 unit = one forward "
         "of one microbatch through one whole stage, written as 1 ms in traces).",
@@ -309,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             for path in _write_traces(args, specs, costs):
                 print(f"trace written: {path}")
     except ValueError as error:  # e.g. interleaved with M not a multiple of p
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return parser.report(str(error))
     return 0
 
 

@@ -28,7 +28,6 @@ prints one line per round and fails on the first error or timeout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainer.cli import OneLineParser
 from trainer.local_ranks import check_all_ok, run_processes
 from trainer.problems import raise_if_any
 from trainer.topology import Topology
@@ -417,7 +417,7 @@ def run(config: BenchConfig) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.transport.bench", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m trainer.transport.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64K,1M,8M,64M,256M", help="comma-separated, K/M/G binary units")
     parser.add_argument("--transports", default=None, help="default: shm,gloo on cpu; shm,nccl on cuda (shm on one GPU)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
