@@ -104,7 +104,7 @@ def test_workload_is_the_prototypes_integer_and_sizes_the_shm_slots() -> None:
                                   "minimum (give at least 2048)"]
     with pytest.raises(ConfigError, match="--workload=0 must be >= 1"):
         parse_config(BASE + ["--workload", "0"], world_size=1)
-    with pytest.raises(SystemExit):  # no longer a name: argparse refuses a non-integer (exit 2, usage)
+    with pytest.raises(SystemExit):  # no longer a name: the parser refuses a non-integer (exit 2, one line)
         parse_config(BASE + ["--workload", "gpt16"], world_size=1)
 
 
