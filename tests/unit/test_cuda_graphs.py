@@ -287,3 +287,26 @@ def test_benchmark_lists_the_graphs_line_as_not_run_where_it_cannot() -> None:
     cpu = plan(BenchConfig(device="cpu"), ["dpp-graphs"], ["a"], ("dpp",))
     assert isinstance(cpu[0], NotRun) and cpu[0].reason == "CUDA graphs need CUDA"
     assert "--dpp-cuda-graphs" in cuda[0].args
+
+
+def test_capture_skips_megatrons_rng_save_and_restore_and_puts_it_back() -> None:
+    """Selective recompute's checkpoint saves every RNG state in its forward and restores it for the
+    recompute (a capture forbids both); inside the bypass those are no-ops, outside megatron's own."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    from trainer.pipeline.cuda_graphs import _rng_state_bypassed
+
+    originals = (tp_random._get_all_rng_states, tp_random._set_all_rng_states, tp_random.CudaRNGStatesTracker.fork)
+    with _rng_state_bypassed():
+        assert tp_random._get_all_rng_states() == (None, None, None)
+        assert tp_random._set_all_rng_states(None, None, None) is None
+        with tp_random.get_cuda_rng_tracker().fork():  # no tracker state is needed: nothing is drawn
+            pass
+        assert tp_random._get_all_rng_states is not originals[0]
+    assert (tp_random._get_all_rng_states, tp_random._set_all_rng_states,
+            tp_random.CudaRNGStatesTracker.fork) == originals
+
+
+def test_recompute_with_graphs_is_accepted() -> None:
+    cfg = parse_config([*GOOD, "--recompute-activations"], world_size=2)
+    assert cfg.parallel.dpp_cuda_graphs and cfg.model.recompute == "selective"
