@@ -18,5 +18,13 @@ if [[ $what == *d* ]]; then
     timeout 120 python3 -m trainer.bench.pipeline --out /tmp/bench-rc4 --report "$OUT/benchmarks-pp4-rc-d.md" \
         --scenarios d $B --corpus "$CORPUS" --lines megatron-1f1b-best,dpp-graphs-rc-cf1.5 2>&1 | grep "^\[bench\]"
 fi
+# Peak reserved per line, max over ranks, from the metrics the ranks wrote (survives a cut-off bench).
+python3 - <<'PY'
+import glob, json, os
+for d in sorted(glob.glob("/tmp/bench-rc4/*/")):
+    peaks = [json.load(open(f)).get("peak_reserved_bytes") or 0 for f in glob.glob(d + "metrics_rank*.json")]
+    if peaks:
+        print(f"{os.path.basename(d.rstrip('/'))}: peak reserved {max(peaks) / 2**30:.2f} GiB (max of {len(peaks)} ranks)")
+PY
 grep -h "reserved for them" /tmp/bench-rc4/*-dpp-graphs*/*.log 2>/dev/null | sed 's/.*INFO//' | sort -u
 ls "$OUT"
