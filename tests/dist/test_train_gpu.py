@@ -1,5 +1,6 @@
 """On 4 GPUs: GPT (16 layers, hidden 2048, seq 1024, mbs 2, bf16, PP=4, 32 microbatches) trains with
-``--use-dpp`` and its first 10 losses match megatron-core's own 1F1B from the same seed within bf16
+``--use-dpp`` under each DPP policy (``dpp``, ``dpp-zb``, and graphs with selective recompute at cap
+factor 1.5) and its first 10 losses match megatron-core's own 1F1B from the same seed within bf16
 noise. Skipped without CUDA; run on a 4-GPU machine with::
 
     pytest -m gpu tests/dist/test_train_gpu.py -s
@@ -32,21 +33,36 @@ def _losses(out: Path, extra: list[str]) -> dict[str, float]:
     return {it: v["lm loss"] for it, v in json.loads((out / "losses_rank3.json").read_text()).items()}
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(1200)
-def test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus(tmp_path: Path) -> None:
+DPP_POLICIES = {
+    "dpp": ["--use-dpp"],
+    "dpp-zb": ["--use-dpp", "--dpp-policy", "dpp-zb"],
+    # The fastest configuration of docs/benchmarks.md: graphs, selective recompute, cap factor 1.5.
+    "dpp-graphs-rc-cf1.5": ["--use-dpp", "--dpp-cuda-graphs", "--recompute-activations", "--dpp-cap-factor", "1.5"],
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_1f1b(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """megatron-core's own 1F1B, once for every policy compared against it."""
     import torch
 
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
-    dpp = _losses(tmp_path / "dpp", ["--use-dpp", "--run-name", "gpt16-dpp"])
-    megatron = _losses(tmp_path / "1f1b", ["--run-name", "gpt16-1f1b"])
-    print("iteration  dpp  megatron-1f1b")
-    for it in sorted(megatron, key=int):
-        print(it, dpp[it], megatron[it])
+    return _losses(tmp_path_factory.mktemp("1f1b"), ["--run-name", "gpt16-1f1b"])
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("policy", list(DPP_POLICIES))
+def test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus(tmp_path: Path, megatron_1f1b: dict[str, float],
+                                                            policy: str) -> None:
+    dpp = _losses(tmp_path / policy, [*DPP_POLICIES[policy], "--run-name", f"gpt16-{policy}"])
+    print(f"iteration  {policy}  megatron-1f1b")
+    for it in sorted(megatron_1f1b, key=int):
+        print(it, dpp[it], megatron_1f1b[it])
     assert sorted(dpp, key=int) == [str(i) for i in range(1, ITERS + 1)]
-    for it, value in megatron.items():
-        assert dpp[it] == pytest.approx(value, rel=BF16_RTOL), f"iteration {it}"
+    for it, value in megatron_1f1b.items():
+        assert dpp[it] == pytest.approx(value, rel=BF16_RTOL), f"{policy}, iteration {it}"
 
 
 GPT_8L_ONE_GPU = ["--device", "cuda", "--mock-data", "--num-layers", "8", "--hidden-size", "1024",
