@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU: the graphed-recompute equivalence test, then each rank's peak reserved memory of DPP variants
-# of the PP=2 memory configuration (two ranks sharing the GPU; scripts/device/mem_1gpu.py).
-#   [SKIP_TEST=1] scripts/device/call_mem_1gpu.sh [--pp4] [VARIANT ...]
+# One GPU: the graphed-recompute equivalence test, then each rank's peak reserved memory of the pipeline
+# benchmark's DPP lines, the ranks sharing the GPU (scripts/device/mem_1gpu.py says how).
+#   [SKIP_TEST=1] scripts/device/call_mem_1gpu.sh [--pp4] [LINE ...]   e.g. --pp4 dpp dpp-graphs-rc-cf1.5
 set -u
 source scripts/device/env.sh || exit 1
 [ "${SKIP_TEST:-0}" = 1 ] || timeout 200 python3 -m pytest -x -q -s -m gpu -p no:cacheprovider -k recompute tests/gpu/test_dpp_cuda_graphs.py 2>&1 \

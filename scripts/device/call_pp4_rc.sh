@@ -20,11 +20,13 @@ if [[ $what == *d* ]]; then
 fi
 # Peak reserved per line, max over ranks, from the metrics the ranks wrote (survives a cut-off bench).
 python3 - <<'PY'
-import glob, json, os
-for d in sorted(glob.glob("/tmp/bench-rc4/*/")):
-    peaks = [json.load(open(f)).get("peak_reserved_bytes") or 0 for f in glob.glob(d + "metrics_rank*.json")]
-    if peaks:
-        print(f"{os.path.basename(d.rstrip('/'))}: peak reserved {max(peaks) / 2**30:.2f} GiB (max of {len(peaks)} ranks)")
+import glob
+from pathlib import Path
+from trainer.bench.results import line_result
+for d in sorted(Path(p) for p in glob.glob("/tmp/bench-rc4/*/")):
+    r = line_result(d.name, d.name, d.name[0], "", d, 2)
+    if r.reserved_gib is not None:
+        print(f"{d.name}: peak reserved {r.reserved_gib:.2f} GiB (max of {len(r.metrics)} ranks; {r.status})")
 PY
 grep -h "reserved for them" /tmp/bench-rc4/*-dpp-graphs*/*.log 2>/dev/null | sed 's/.*INFO//' | sort -u
 ls "$OUT"
