@@ -33,15 +33,16 @@ class OneLineParser(argparse.ArgumentParser):
     def report(self, message: str) -> int:
         """Bad input found after parsing, for a ``main`` that returns its status: the same line as a
         parse error; returns the status to return."""
-        _print_error(message, self.prog)
+        print_error(message, self.prog)
         return EXIT_BAD_INPUT
 
 
 def fail(message: str, prog: str) -> NoReturn:
     """Bad input found after parsing: the same one line and exit status as a parse error."""
-    _print_error(message, prog)
+    print_error(message, prog)
     sys.exit(EXIT_BAD_INPUT)
 
 
-def _print_error(message: str, prog: str) -> None:
+def print_error(message: str, prog: str) -> None:
+    """The one error line, for a ``main`` whose bad input is found before or without a parser."""
     print(f"{prog}: error: {message}", file=sys.stderr)

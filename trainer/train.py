@@ -41,7 +41,7 @@ from trainer.checkpoint import (
     run_identity,
     save_checkpoint,
 )
-from trainer.cli import EXIT_BAD_INPUT
+from trainer.cli import EXIT_BAD_INPUT, print_error
 from trainer.config import ConfigError, TrainConfig, parse_config
 from trainer.data.varlen import LENGTH_KEY, Bucketing, bucket_length, parse_length_distribution
 from trainer.distributed import (
@@ -710,8 +710,7 @@ def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> 
         launch = read_launch_env(node_ips=cfg.run.node_ips, num_gpus=cfg.run.num_gpus)
         _check_gpus_per_node(cfg)
     except (ConfigError, LaunchError) as err:
-        # The shared command-line error form (trainer/cli.py): program name, then every problem.
-        print(f"python -m trainer.train: error: {err}", file=sys.stderr)
+        print_error(str(err), "python -m trainer.train")
         return EXIT_BAD_INPUT
     _setup_logging(launch.rank)
     session = TrainingSession(cfg, launch, hooks or TrainHooks())
