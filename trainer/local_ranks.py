@@ -13,9 +13,9 @@ Two ways, both bounded by a deadline past which every rank still running is kill
   (trainer/transport/bench.py) and the transport tests run so.
 
 Not test tooling: both benchmarks are user commands that start their own ranks. It sits beside the
-trainer's leaves (it imports only trainer.ports, and torch only inside a forked rank), so the two
-benchmarks, which nothing else in trainer imports, can share it and the import graph stays a tree;
-the training runtime never imports it.
+trainer's leaves (it imports only trainer.ports and trainer.cpu_binding, and torch only inside a
+forked rank), so the two benchmarks, which nothing else in trainer imports, can share it and the
+import graph stays a tree; the training runtime never imports it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.cpu_binding import format_cpu_list, numa_cpu_sets
 from trainer.ports import free_port
 
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -76,10 +77,10 @@ class Ranks:
 
 def start_ranks(module_args: list[str], world_size: int, folder: Path, *, run_id: str,
                 env: dict[str, str] | None = None, local_world_size: int | None = None,
-                cwd: Path | None = None) -> Ranks:
+                cwd: Path | None = None, cpu_sets: list[list[int]] | None = None) -> Ranks:
     """Start ``python -m <module_args>`` on ``world_size`` ranks with torchrun's variables (RANK,
     WORLD_SIZE, LOCAL_*, MASTER_* on a free loopback port, TORCHELASTIC_RUN_ID ``<run_id><port>``);
-    ``env`` goes on top of those."""
+    ``env`` goes on top of those. ``cpu_sets[r]``: the CPUs rank r may run on (set before it starts)."""
     folder.mkdir(parents=True, exist_ok=True)
     port, started = free_port(), time.monotonic()
     procs, logs = [], []
@@ -90,9 +91,14 @@ def start_ranks(module_args: list[str], world_size: int, folder: Path, *, run_id
                     "PYTHONWARNINGS": "ignore", **(env or {})}
         log = folder / f"rank{rank}.log"
         logs.append(log)
+        cpus = cpu_sets[rank] if cpu_sets else None
         with open(log, "w") as out:
+            if cpus:
+                out.write(f"[launcher] rank {rank} bound to CPUs {format_cpu_list(cpus)}\n")
+                out.flush()
             procs.append(subprocess.Popen([sys.executable, "-m", *module_args], cwd=cwd, env=rank_env,
-                                          stdout=out, stderr=subprocess.STDOUT))
+                                          stdout=out, stderr=subprocess.STDOUT,
+                                          preexec_fn=(lambda c=cpus: os.sched_setaffinity(0, c)) if cpus else None))
     return Ranks(procs, logs, started)
 
 
@@ -114,13 +120,15 @@ class LineRun:
 
 
 def run_ranks(module: str, args: list[str], world_size: int, folder: Path, device: str,
-              timeout_s: float, threads: int) -> LineRun:
+              timeout_s: float, threads: int, cpu_bind: str = "none") -> LineRun:
     """One benchmark line: ``python -m module args`` on ``world_size`` ranks; waits for all of them,
-    the deadline, or FAILURE_GRACE_S after a rank failed."""
+    the deadline, or FAILURE_GRACE_S after a rank failed. ``cpu_bind="numa"``: each rank on the cores
+    of its GPU's NUMA node (trainer.cpu_binding; written at the top of each rank's log)."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     if device == "cuda":
         env |= {key: os.environ.get(key, value) for key, value in CUDA_ENV.items()}
-    ranks = start_ranks([module, *args], world_size, folder, run_id="bench", env=env)
+    cpu_sets = numa_cpu_sets(world_size, device)[0] if cpu_bind == "numa" else None
+    ranks = start_ranks([module, *args], world_size, folder, run_id="bench", env=env, cpu_sets=cpu_sets)
     timed_out = ranks.wait(timeout_s, FAILURE_GRACE_S)
     bad = [p.returncode for p in ranks.procs if p.returncode != 0]
     return LineRun(bad[0] if bad else 0, time.monotonic() - ranks.started, ranks.logs, timed_out)

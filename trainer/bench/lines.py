@@ -129,6 +129,9 @@ class BenchConfig:
     """Scenario (d): the corpus's GPT-2 merges."""
     extra: tuple[str, ...] = ()
     """More trainer flags for every line (e.g. ``--transport nccl``)."""
+    cpu_bind: str = "numa"
+    """CPUs of each rank, the same for every line: numa (the cores of its GPU's NUMA node, shared
+    among the ranks there; an even split where the node is unknown; trainer.cpu_binding) or none."""
 
     @property
     def global_batch_size(self) -> int:

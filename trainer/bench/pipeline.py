@@ -38,6 +38,7 @@ from trainer.bench.report import plot_kernel_timeline, plot_trace_timeline, writ
 from trainer.bench.results import LineResult, line_result
 from trainer.cli import OneLineParser
 from trainer.config import field_docs
+from trainer.cpu_binding import numa_cpu_sets
 from trainer.local_ranks import run_ranks
 from trainer.problems import problems_text
 
@@ -106,6 +107,8 @@ def _problems(args: argparse.Namespace) -> list[str]:
         p += parse_length_distribution(args.seq_len_dist)[1]
         if args.seq_length_divisible_by < 1:
             p.append(f"--seq-length-divisible-by={args.seq_length_divisible_by} must be >= 1")
+    if args.cpu_bind not in ("numa", "none"):
+        p.append(f"--cpu-bind={args.cpu_bind!r} must be numa or none")
     if args.device not in ("cuda", "cpu"):
         p.append(f"--device={args.device!r} must be cuda or cpu")
     return p
@@ -117,7 +120,7 @@ def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace) -> LineRes
     if cfg.device == "cpu" and line.module == "trainer.train":
         extra += ["--profile-dir", str(folder / "traces")]  # CPU: no kernels, so our span tracer draws it
     run = run_ranks(line.module, line.args + extra, cfg.pipeline_parallel, folder, cfg.device,
-                    args.line_timeout, args.threads)
+                    args.line_timeout, args.threads, cpu_bind=cfg.cpu_bind)
     result = line_result(line.key, line.name, line.scenario, line.label, folder, cfg.skip_iters)
     if line.scenario in ("b", "d"):  # the trainer counts batch x --seq-length; count the documents' real tokens
         result.tokens_per_iteration = round(variable_length_tokens(cfg, line.scenario)[0])
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_plan:
         print("\n".join(f"{key}: {command}" for key, command in commands.items()))
         return 0
+    if cfg.cpu_bind == "numa":
+        print(f"[bench] CPU binding: {numa_cpu_sets(cfg.pipeline_parallel, cfg.device)[1]}", flush=True)
     start = time.monotonic()
     results: dict[str, LineResult] = {}
     pictures: dict[str, str] = {}

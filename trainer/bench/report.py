@@ -126,7 +126,7 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
         f"Model: GPT {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, seq "
         f"{cfg.seq_length}, vocab {cfg.vocab_size} (mock data), mbs {cfg.micro_batch_size}, M={cfg.num_microbatches}, "
         f"PP={cfg.pipeline_parallel}, {'bf16' if cfg.bf16 else 'fp32'}, optimizer {cfg.optimizer}, dropout 0, "
-        f"{cfg.train_iters} iterations per line. Timings: iterations {cfg.skip_iters + 1}+"
+        f"{cfg.train_iters} iterations per line, CPU binding {cfg.cpu_bind}. Timings: iterations {cfg.skip_iters + 1}+"
         + (f" except the last {cfg.gpu_busy_iters} (run under the kernel profiler for the GPU busy column)"
            if cfg.device == "cuda" and cfg.gpu_busy_iters else "") + "; per iteration the "
         "slowest rank's host step time (the step ends with the loss all-reduce, which waits for the GPU). "
