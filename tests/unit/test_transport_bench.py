@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from trainer.transport.bench import BenchConfig, _round_messages, format_size, format_table, parse_size
 
@@ -50,3 +51,26 @@ def test_random_rounds_are_reproducible_and_within_credits():
     assert plans == [_round_messages(config, r) for r in range(20)]
     assert all(len(sizes) <= 3 and set(sizes) <= {4096, 1 << 20} for p in plans for sizes in p.values())
     assert len({str(p) for p in plans}) > 1
+
+
+def test_round_trip_receive_waits_for_the_payload_not_only_the_header() -> None:
+    """The bench's receive must read ``msg.tensor``: that first read queues the stream's wait for the
+    payload (trainer/transport/base.py). A receive that only releases the message times headers."""
+    from trainer.transport.base import Message
+    from trainer.transport.bench import _LinksPair
+    from trainer.transport.tensors import header_for
+
+    waited, released = [], []
+    payload = torch.zeros(4)
+
+    class Links:
+        def wait_any(self, timeout: float) -> Message:
+            message = Message(header_for(payload, "act", 0, 0), payload, source_rank=1)
+            message.wait_when_used(lambda: waited.append(True))
+            return message
+
+        def release(self, message: Message) -> None:
+            released.append(bool(waited))  # the wait came before the slot went back
+
+    _LinksPair(Links(), timeout_s=1.0).recv(payload)
+    assert waited == [True] and released == [True]

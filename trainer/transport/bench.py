@@ -163,7 +163,12 @@ class _LinksPair:
         self.links.send(direction, tensor, header_for(tensor, kind, 0, 0))
 
     def recv(self, like: torch.Tensor) -> None:
-        self.links.release(self.links.wait_any(self.timeout_s))
+        message = self.links.wait_any(self.timeout_s)
+        # Read the tensor: Message.tensor queues the stream's wait for the payload at the first read
+        # (base.py). Without it neither the reply nor rank 0's clock waits for the data, and a
+        # "round trip" times the headers only (the 4xH100 figures of 2026-11-26 evening did).
+        message.tensor  # noqa: B018
+        self.links.release(message)
 
 
 class _DistPair:
