@@ -207,6 +207,11 @@ class ParallelConfig:
     gives 6/4/3/1. Headroom on the early stages hides the stage-to-stage round trip (a stage at
     1F1B's cap must wait for its oldest microbatch's gradient before the next forward) at the
     memory of the extra activations; the last stage keeps 1F1B's cap (its F and B are adjacent)."""
+    dpp_max_queued_ops: int = 0
+    """How many of its queued ops a DPP stage's host may have unfinished on the GPU before it decides
+    the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
+    instead of at host time, so a forward whose input is still being computed upstream does not
+    hold back a ready backward on the stream. 0 = unbounded (the default). CUDA only in effect."""
     dpp_policy: Literal["dpp", "dpp-zb", "zb-h1"] = "dpp"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
@@ -264,6 +269,10 @@ class ParallelConfig:
     def _dpp_problems(self) -> list[str]:
         """The DPP runtime's own knobs: policy, caps."""
         p: list[str] = []
+        if self.dpp_max_queued_ops < 0:
+            p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} must be >= 0")
+        elif self.dpp_max_queued_ops and not self.use_dpp:
+            p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} applies to --use-dpp")
         if not (math.isfinite(self.dpp_cap_factor) and self.dpp_cap_factor >= 1.0):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} must be a finite number >= 1")
         elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:

@@ -43,19 +43,22 @@ VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--s
 
 
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("chunks, varlen, recompute", [(1, False, False), (2, False, False), (1, True, False),
-                                                      (1, False, True)],
-                         ids=["v1", "v2", "v1-varlen", "v1-recompute"])
-def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool, recompute: bool) -> None:
+@pytest.mark.parametrize("chunks, varlen, extra", [(1, False, []), (2, False, []), (1, True, []),
+                                                  (1, False, ["--recompute-activations"]),
+                                                  (1, False, ["--dpp-max-queued-ops", "1"])],
+                         ids=["v1", "v2", "v1-varlen", "v1-recompute", "v1-queued1"])
+def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool, extra: list[str]) -> None:
     """v1-varlen: microbatches of 32/64/96/128 tokens, each slot holding a graph pair per length.
     v1-recompute: the graphed run recomputes the core attention in its backward graphs
-    (--recompute-activations); the eager run does not -- recompute must change no number."""
+    (--recompute-activations); the eager run does not -- recompute must change no number.
+    v1-queued1: the graphed run's hosts decide with at most one op unfinished on their GPU
+    (--dpp-max-queued-ops 1): a timing change only, so no number may move."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     layout = [] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"]
     layout += VARLEN if varlen else []
     _, eager = _run(tmp_path / "eager", layout)
-    graph_flags = ["--dpp-cuda-graphs", *(["--recompute-activations"] if recompute else [])]
+    graph_flags = ["--dpp-cuda-graphs", *extra]
     results, graphed = _run(tmp_path / "graphed", [*layout, *graph_flags])
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
     print("replayed/eager forwards per (stage, chunk):", counts)

@@ -57,6 +57,15 @@ CATALOGUE = {
     "dpp-graphs-v2-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25, v=2", 2,
                              ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.25"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
+    # Decisions near GPU time (trainer/pipeline/run_ahead.py): the host queues at most 2 unfinished ops.
+    "dpp-graphs-q2": ("--use-dpp --dpp-cuda-graphs --dpp-max-queued-ops 2", 1,
+                      ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-max-queued-ops", "2"], True),
+    "dpp-graphs-rc-cf1.5-q2": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.5 --recompute-activations "
+                               "--dpp-max-queued-ops 2", 1,
+                               ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.5",
+                                "--recompute-activations", "--dpp-max-queued-ops", "2"], True),
+    "dpp-zb-q2": ("--use-dpp --dpp-policy dpp-zb --dpp-max-queued-ops 2", 1,
+                  ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-max-queued-ops", "2"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
                         "1F1B, balanced split, no batch sync", 1, ["--no-batch-p2p-sync"], True),

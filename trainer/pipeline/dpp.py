@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from trainer.pipeline.grad_sync import GradSync
+from trainer.pipeline.run_ahead import RunAheadBound
 from trainer.pipeline.split_backward import SplitBackward
 from trainer.pipeline.stall import DppStallError, describe_wait
 from trainer.pipeline.tp_decision import TpDecisionChannel
@@ -78,6 +79,8 @@ class DppContext:
     graphs: dict | None = None
     """chunk index -> trainer.pipeline.cuda_graphs.ChunkGraphs (--dpp-cuda-graphs): that chunk's
     forwards and backwards replay CUDA graphs while a slot is free; None = every op eager."""
+    run_ahead: RunAheadBound | None = None
+    """--dpp-max-queued-ops: how far the host may run ahead of its GPU; None = unbounded."""
     peak_inflight: int = field(default=0, init=False)
     """Largest number of held activations seen in the last step (for logs/benchmarks)."""
 
@@ -194,14 +197,21 @@ class _Step:
         grad_sync = GradSync(self.config, self.chunks, self.shape.num_microbatches, self.forward_only)
         if ctx.gpu_timer is not None:
             ctx.gpu_timer.begin_step()
+        run_ahead = ctx.run_ahead
+        if run_ahead is not None:
+            run_ahead.begin_step()
         with grad_sync:
             while not self._finished():
+                if run_ahead is not None:
+                    run_ahead.before_decide()  # decide near GPU time: see trainer/pipeline/run_ahead.py
                 self._drain()
                 action = self._decide()
                 if action is None:
                     self._wait_for_arrival()
                     continue
                 self._execute(action, grad_sync)
+                if run_ahead is not None:
+                    run_ahead.after_op(str(action))
         self._check_clean()
         ctx.peak_inflight = self.state.peak_inflight
         if not self.forward_only and self.config.finalize_model_grads_func is not None:

@@ -164,7 +164,8 @@ class PipelineRuntime:
         self.context = DppContext(topology=topo, policy=policy, links=self.links,
                                   timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self.microbatch_data,
                                   tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split,
-                                  gpu_timer=self._gpu_timer(), microbatch_costs=self.microbatch_costs)
+                                  gpu_timer=self._gpu_timer(), microbatch_costs=self.microbatch_costs,
+                                  run_ahead=self._run_ahead())
         self.forward_backward = make_forward_backward_func(self.context)
 
     def _tp_channel(self):
@@ -189,6 +190,14 @@ class PipelineRuntime:
             "world_size": topo.world_size, "pipeline_parallel": topo.pipeline_parallel,
             "num_chunks": topo.virtual_pipeline, "num_microbatches": self.shape.num_microbatches,
             "schedule": schedule, "run_name": cfg.run.run_name, "run_id": self.run_token})
+
+    def _run_ahead(self):
+        """--dpp-max-queued-ops K > 0 on CUDA: the host decides only with <= K of its ops unfinished."""
+        from trainer.pipeline.run_ahead import RunAheadBound
+
+        par = self.cfg.parallel
+        bound = RunAheadBound.for_device(par.dpp_max_queued_ops, self.topology.rank, par.dpp_timeout_s, self.device)
+        return bound if bound.active else None
 
     def _gpu_timer(self):
         """Per-op GPU times in the trace (CUDA events) when tracing on CUDA; None otherwise."""

@@ -9,6 +9,7 @@ the reported figure is their median over seeds.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,10 +54,14 @@ class Summary:
     """Per-stage caps as "held/live" in chunk units ("-" for static schedules)."""
 
 
+Simulator = Callable[..., SimResult]
+"""``simulate`` (decisions at GPU time) or a partial of ``host_ahead.simulate_host_ahead``."""
+
+
 def run_once(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
-             seed: int, record: bool = False) -> SimResult:
+             seed: int, record: bool = False, simulator: Simulator = simulate) -> SimResult:
     shape, policies = spec.policies(num_stages, num_microbatches)
-    return simulate(shape, policies, costs.draw(shape, np.random.default_rng(seed)), record=record)
+    return simulator(shape, policies, costs.draw(shape, np.random.default_rng(seed)), record=record)
 
 
 def describe_caps(policies: list[Policy]) -> str:
@@ -70,20 +75,21 @@ def describe_caps(policies: list[Policy]) -> str:
 
 
 def compare(specs: list[ScheduleSpec], num_stages: int, num_microbatches: int, costs: CostModel,
-            seeds: list[int]) -> tuple[Summary, list[Summary]]:
-    """(1F1B baseline, one summary per spec), all over the same ``seeds``."""
+            seeds: list[int], simulator: Simulator = simulate) -> tuple[Summary, list[Summary]]:
+    """(1F1B baseline, one summary per spec), all over the same ``seeds`` and ``simulator``."""
     if not seeds:
         raise ValueError("need at least one seed")
     baseline_spec = ScheduleSpec("1f1b")
-    base_steps = [run_once(baseline_spec, num_stages, num_microbatches, costs, s).step_time for s in seeds]
-    results = [_summarise(baseline_spec, num_stages, num_microbatches, costs, seeds, base_steps)]
-    results += [_summarise(spec, num_stages, num_microbatches, costs, seeds, base_steps) for spec in specs]
+    base_steps = [run_once(baseline_spec, num_stages, num_microbatches, costs, s, simulator=simulator).step_time
+                  for s in seeds]
+    results = [_summarise(baseline_spec, num_stages, num_microbatches, costs, seeds, base_steps, simulator)]
+    results += [_summarise(spec, num_stages, num_microbatches, costs, seeds, base_steps, simulator) for spec in specs]
     return results[0], results[1:]
 
 
 def _summarise(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
-               seeds: list[int], base_steps: list[float]) -> Summary:
-    runs = [run_once(spec, num_stages, num_microbatches, costs, s) for s in seeds]
+               seeds: list[int], base_steps: list[float], simulator: Simulator) -> Summary:
+    runs = [run_once(spec, num_stages, num_microbatches, costs, s, simulator=simulator) for s in seeds]
     _, policies = spec.policies(num_stages, num_microbatches)
     return Summary(
         spec=spec,

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
 from trainer.cli import OneLineParser
 from trainer.problems import problems_text
-from trainer.schedule.compare import ScheduleSpec, Summary, compare, run_once
+from trainer.schedule.compare import ScheduleSpec, Simulator, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
 from trainer.schedule.dynamic import CAP_BASES, CHUNK_ORDERS, MICROBATCH_ORDERS, PRIORITIES, WEIGHT_ORDERS
+from trainer.schedule.host_ahead import simulate_host_ahead
 from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, split_of
 from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
+from trainer.schedule.simulator import simulate
 from trainer.schedule.trace import write_trace
 
 ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -101,6 +104,16 @@ def _parser() -> OneLineParser:
     add("--weight-order", choices=WEIGHT_ORDERS, default=None,
         help="dpp-zb: which deferred weight gradient fills idle time first (default youngest at"
         " v=1, oldest at v>1)")
+    add("--host-ahead", action="store_true",
+        help="decide at host time as the runtime does (trainer/schedule/host_ahead.py): an input is"
+        " ready when its header arrives (posted when the producer is queued), each GPU runs its ops"
+        " in decision order, waiting for input data; --hop-latency is then the data's delay")
+    add("--launch-cost", type=float, default=0.02, help="with --host-ahead: host time to queue one op (default 0.02)")
+    add("--header-latency", type=float, default=0.05,
+        help="with --host-ahead: a header's host-to-host delay (default 0.05)")
+    add("--max-queued-ops", type=int, default=0,
+        help="with --host-ahead: decide only with at most this many queued ops unfinished on the GPU"
+        " (the runtime's --dpp-max-queued-ops; default 0 = unbounded)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
     add("--cap-sweep", default=None,
@@ -242,7 +255,7 @@ def _format_table(baseline: Summary, rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-def _cap_sweep(args, parser, costs: CostModel, seeds: list[int]) -> str:
+def _cap_sweep(args, parser, costs: CostModel, seeds: list[int], simulator: Simulator = simulate) -> str:
     try:
         factors = [float(f) for f in args.cap_sweep.split(",")]
         chunk_counts = [int(v) for v in args.sweep_vp.split(",")]
@@ -253,7 +266,7 @@ def _cap_sweep(args, parser, costs: CostModel, seeds: list[int]) -> str:
     for name in names:
         for v in chunk_counts:
             specs = [ScheduleSpec(name, v, _dynamic_options(args, f)) for f in factors]
-            _, rows = compare(specs, args.pp, args.microbatches, costs, seeds)
+            _, rows = compare(specs, args.pp, args.microbatches, costs, seeds, simulator)
             cells = [f"{r.speedup - 1:+.1%} @{r.peak_activations:.2f}" for r in rows]
             lines.append(f"{name:<8} {v:>2} " + " ".join(f"{c:>15}" for c in cells))
     lines.append("(speedup = median over seeds of 1F1B step / schedule step - 1; @ = peak activations"
@@ -262,12 +275,12 @@ def _cap_sweep(args, parser, costs: CostModel, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _write_traces(args, specs: list[ScheduleSpec], costs: CostModel) -> list[Path]:
+def _write_traces(args, specs: list[ScheduleSpec], costs: CostModel, simulator: Simulator = simulate) -> list[Path]:
     target = Path(args.trace)
     written = []
     for spec in specs:
         path = target if len(specs) == 1 else target.with_name(f"{target.stem}.{spec.name}{target.suffix}")
-        result = run_once(spec, args.pp, args.microbatches, costs, args.seed, record=True)
+        result = run_once(spec, args.pp, args.microbatches, costs, args.seed, record=True, simulator=simulator)
         written.append(write_trace(path, result))
     return written
 
@@ -281,6 +294,18 @@ def _resplits(costs: LayerCosts, args: argparse.Namespace) -> list[LayerSplit]:
     return splits
 
 
+def _simulator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Simulator:
+    """GPU-time decisions (the default) or, with --host-ahead, the runtime's host-time decisions."""
+    if not args.host_ahead:
+        return simulate
+    bad = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in ("launch_cost", "header_latency", "max_queued_ops")
+           if getattr(args, n) < 0]
+    if bad:
+        parser.error(problems_text(bad, "must be >= 0"))
+    return functools.partial(simulate_host_ahead, launch=args.launch_cost, header_latency=args.header_latency,
+                             max_queued_ops=args.max_queued_ops or None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -289,25 +314,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problems_text(bad, "must be >= 1"))
     args.split_layers = _initial_split(args, parser)
     costs = _parse_costs(args, parser)
+    simulator = _simulator(args, parser)
     seeds = list(range(args.seed, args.seed + args.seeds))
     try:
         if args.cap_sweep:
-            print(_cap_sweep(args, parser, costs, seeds))
+            print(_cap_sweep(args, parser, costs, seeds, simulator))
             return 0
         specs = _specs(args, parser)
         if args.split_layers is not None:
             layer_costs = _layer_costs(args, parser)
             print(f"layer split: {split_of(layer_costs, args.split_layers).describe()}")
-        baseline, rows = compare(specs, args.pp, args.microbatches, costs, seeds)
+        baseline, rows = compare(specs, args.pp, args.microbatches, costs, seeds, simulator)
         print(_format_table(baseline, rows))
         if args.resplit:
             for split in _resplits(layer_costs, args):
                 print(f"\nre-split: {split.describe()}")
                 resplit_costs = dataclasses.replace(costs, stage_scale=_stage_scale(args, parser, split.layers))
-                baseline, rows = compare(specs, args.pp, args.microbatches, resplit_costs, seeds)
+                baseline, rows = compare(specs, args.pp, args.microbatches, resplit_costs, seeds, simulator)
                 print(_format_table(baseline, rows))
         if args.trace:
-            for path in _write_traces(args, specs, costs):
+            for path in _write_traces(args, specs, costs, simulator):
                 print(f"trace written: {path}")
     except ValueError as error:  # e.g. interleaved with M not a multiple of p
         return parser.report(str(error))

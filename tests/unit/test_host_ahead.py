@@ -1,0 +1,95 @@
+"""trainer.schedule.host_ahead: the simulator with host-time decisions (the runtime's way) against the
+GPU-time simulator, its invariants over random draws, and the CLI flags that select it."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from tests.unit.test_simulator import _dependencies_respected
+from trainer.schedule import PipelineShape, make_policy
+from trainer.schedule.compare import ScheduleSpec, run_once
+from trainer.schedule.costs import CostModel
+from trainer.schedule.host_ahead import simulate_host_ahead
+from trainer.schedule.simulate import main as simulate_main
+from trainer.schedule.simulator import simulate
+
+
+def _host(**kw):
+    return functools.partial(simulate_host_ahead, **kw)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "dpp", "zb-h1"])
+def test_free_launches_and_headers_give_the_gpu_time_result_on_uniform_costs(name: str) -> None:
+    """With zero launch and header time the host's order is the one the GPU-time simulator picks on
+    deterministic costs, and so is the step."""
+    costs = CostModel(edge_transfer=(0.1, 0.1, 0.1, 0.1))
+    gpu = run_once(ScheduleSpec(name), 4, 16, costs, seed=0)
+    host = run_once(ScheduleSpec(name), 4, 16, costs, seed=0, simulator=_host(launch=0.0, header_latency=0.0))
+    assert host.step_time == pytest.approx(gpu.step_time)
+    assert host.busy == pytest.approx(gpu.busy)
+
+
+@pytest.mark.parametrize("name,v,queued", [("1f1b", 1, None), ("dpp", 1, None), ("dpp", 1, 1), ("dpp-zb", 1, 2),
+                                           ("dpp-zb", 2, None), ("interleaved", 2, 1), ("zb-h1", 1, 3)])
+def test_every_op_runs_once_after_its_inputs_and_in_decision_order(name: str, v: int, queued: int | None) -> None:
+    costs = CostModel(jitter=0.5, seq_len_sigma=0.4, edge_transfer=(0.05, 0.4, 0.05, 0.2))
+    m_count = 8
+    result = run_once(ScheduleSpec(name, v), 4, m_count, costs, seed=3, record=True,
+                      simulator=_host(launch=0.05, header_latency=0.1, max_queued_ops=queued))
+    _dependencies_respected(result)
+    for stage in range(4):  # one stream per stage: no two ops overlap, each starts after the last ended
+        ops = [r for r in result.timeline if r.stage == stage]
+        assert all(b.start >= a.end - 1e-9 for a, b in zip(ops, ops[1:], strict=False))
+
+
+def test_launch_cost_bounds_a_host_bound_stage() -> None:
+    """A launch longer than the op makes the host the bottleneck: the step is at least M x 2 launches
+    per stage (F and B), whatever the GPU could do."""
+    costs = CostModel(forward=0.1, input_grad=0.1, weight_grad=0.1)
+    result = run_once(ScheduleSpec("dpp"), 2, 16, costs, seed=0, simulator=_host(launch=1.0, header_latency=0.0))
+    assert result.step_time >= 2 * 16 * 1.0
+
+
+def test_no_deadlock_and_caps_hold_over_random_draws() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(150):
+        name = str(rng.choice(["1f1b", "dpp", "dpp-zb", "zb-h1"]))
+        p = int(rng.choice([2, 3, 4]))
+        v = int(rng.choice([1, 2])) if name in ("dpp", "dpp-zb") else 1
+        m_count = int(rng.integers(p, 6 * p + 1))
+        options = {"cap_factor": float(rng.choice([1.0, 1.5, 2.0]))} if name in ("dpp", "dpp-zb") else {}
+        shape = PipelineShape(p, m_count, v)
+        policies = [make_policy(name, shape, s, **options) for s in range(p)]
+        costs = CostModel(jitter=float(rng.uniform(0, 0.6)), edge_transfer=tuple(rng.uniform(0, 1, p).tolist()))
+        queued = rng.choice([0, 1, 2, 4])
+        result = simulate_host_ahead(shape, policies, costs.draw(shape, rng), launch=float(rng.uniform(0, 0.3)),
+                                     header_latency=float(rng.uniform(0, 0.5)),
+                                     max_queued_ops=int(queued) or None)
+        assert result.step_time > 0
+        if name in ("dpp", "dpp-zb"):
+            assert all(peak <= pol.cap for peak, pol in zip(result.peak_inflight, policies, strict=True))
+
+
+def test_bad_options_are_refused() -> None:
+    shape = PipelineShape(2, 4)
+    policies = [make_policy("1f1b", shape, s) for s in range(2)]
+    table = CostModel().draw(shape, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="max_queued_ops=0 must be >= 1"):
+        simulate_host_ahead(shape, policies, table, max_queued_ops=0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        simulate_host_ahead(shape, policies, table, launch=-1)
+    with pytest.raises(ValueError, match="one policy per stage"):
+        simulate_host_ahead(shape, policies[:1], table)
+    assert simulate(shape, policies, table).step_time > 0
+
+
+def test_cli_runs_host_ahead_and_names_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert simulate_main(["--pp", "4", "--vp", "1", "--microbatches", "8", "--schedules", "dpp", "--host-ahead",
+                          "--max-queued-ops", "2", "--hop-latency", "0.1"]) == 0
+    assert "dpp" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        simulate_main(["--host-ahead", "--launch-cost", "-1"])
+    assert "--launch-cost=-1.0" in capsys.readouterr().err

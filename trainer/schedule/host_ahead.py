@@ -1,0 +1,143 @@
+"""The simulator with a host in front of each GPU: policies decide at *host* time, as the runtime does.
+
+:func:`trainer.schedule.simulator.simulate` lets a stage decide when its GPU is idle, on the
+outputs its neighbours' GPUs have finished: decisions at GPU time. The runtime differs in two ways
+that matter once the host runs ahead of its GPU (CUDA graphs: one replay launch per op):
+
+- an input counts as arrived when its **header** arrives, and the sender posts the header when it
+  *queues* the producing op, long before that op has run on its GPU;
+- the GPU runs the ops of a stage **in decision order** on one stream, each waiting for its input
+  data on the GPU. A forward decided on an early header holds back every op behind it until its
+  activation exists (head-of-line blocking), although a backward whose gradient is there could run.
+
+Here each stage has a host clock and a GPU clock. A decision at host time ``h`` sees the headers
+that arrived by ``h``; the op is queued (``h += launch``), runs on the GPU from
+``max(GPU free, h, its input data on this GPU)`` for its drawn duration, posts its header at
+``h + header_latency`` and its data at ``end + edge transfer``. ``max_queued_ops = K`` is the
+runtime's ``--dpp-max-queued-ops``: the host decides only once at most K of its queued ops are
+unfinished on the GPU (K = None: unbounded, the runtime's default). Policies are the same objects
+the runtime and the GPU-time simulator use. Static schedules are unaffected in their order (they
+do not look at arrivals beyond readiness) but pay the same stream waits.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from trainer.schedule.core import Action, Op, PipelineShape, Policy, StageState
+from trainer.schedule.costs import CostTable
+from trainer.schedule.simulator import DeadlockError, OpRecord, SimResult, _describe_deadlock
+
+_ACTIVATION, _GRADIENT, _WAKE = 0, 1, 2
+
+
+def simulate_host_ahead(
+    shape: PipelineShape, policies: Sequence[Policy], costs: CostTable, *, launch: float = 0.02,
+    header_latency: float = 0.05, max_queued_ops: int | None = None, record: bool = False,
+) -> SimResult:
+    """One step of ``policies`` with host-time decisions (see the module docstring); time units as
+    ``costs``. ``launch``: host time to queue one op; ``header_latency``: header's host-to-host
+    delay; the edge transfer of ``costs`` is the data's GPU-to-GPU delay."""
+    p = shape.num_stages
+    _check(p, policies, launch, header_latency, max_queued_ops)
+    states = [StageState(shape, s, split_backward=pol.split_backward, microbatch_costs=costs.microbatch_cost)
+              for s, pol in enumerate(policies)]
+    durations, edge = costs.durations, costs.edge_transfer
+    host = [0.0] * p
+    gpu_free = [0.0] * p
+    ends: list[list[float]] = [[] for _ in range(p)]
+    busy = [0.0] * p
+    data_at: dict[tuple[int, int, int, int], float] = {}  # (stage, kind, m, c) -> data usable on its GPU
+    grad_done_at: dict[tuple[int, int, int], float] = {}  # (stage, m, c) -> end of its I (W waits on it)
+    wake_pending = [False] * p
+    timeline: list[OpRecord] | None = [] if record else None
+    events: list[tuple[float, int, int, int, int, int]] = []
+    seq = 0
+
+    def push(time: float, kind: int, stage: int, m: int = 0, c: int = 0) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (time, kind, seq, stage, m, c))
+
+    def wake(stage: int, time: float) -> None:
+        if not wake_pending[stage]:
+            wake_pending[stage] = True
+            push(max(time, host[stage]), _WAKE, stage)
+
+    for s in range(p):
+        wake(s, 0.0)
+    while events:
+        now, kind, _, s, m, c = heapq.heappop(events)
+        state = states[s]
+        if kind != _WAKE:  # a header: the input counts as arrived for the host from now on
+            (state.mark_activation_arrived if kind == _ACTIVATION else state.mark_grad_arrived)(m, c)
+            wake(s, now)
+            continue
+        wake_pending[s] = False
+        t = max(now, host[s])
+        queued = ends[s]
+        if max_queued_ops is not None and len(queued) > max_queued_ops:
+            bound = queued[len(queued) - 1 - max_queued_ops]  # one stream: ops finish in queue order
+            if bound > t:
+                wake_pending[s] = True
+                push(bound, _WAKE, s)
+                continue
+        action = policies[s].choose(state)
+        if action is None:
+            continue  # the next header for this stage wakes it
+        state.mark_done(action)
+        host[s] = t + launch
+        start = max(gpu_free[s], host[s], _input_ready(shape, s, action, data_at, grad_done_at))
+        end = start + durations[action.op][s][action.chunk][action.microbatch]
+        gpu_free[s] = end
+        queued.append(end)
+        busy[s] += end - start
+        if action.op in (Op.B, Op.I):
+            grad_done_at[(s, action.microbatch, action.chunk)] = end
+        if timeline is not None:
+            timeline.append(OpRecord(s, action, start, end, state.inflight))
+        _post(shape, s, action, host[s] + header_latency, end, edge, data_at, push)
+        wake(s, host[s])
+    stuck = [st for st in states if not st.finished]
+    if stuck:
+        raise DeadlockError(_describe_deadlock(policies, stuck))
+    return SimResult(schedule=policies[0].name, shape=shape, step_time=max(gpu_free), busy=busy,
+                     peak_inflight=[st.peak_inflight for st in states], timeline=timeline, edge_transfer=list(edge))
+
+
+def _check(p: int, policies: Sequence[Policy], launch: float, header_latency: float,
+           max_queued_ops: int | None) -> None:
+    if len(policies) != p:
+        raise ValueError(f"need one policy per stage: got {len(policies)} for num_stages={p}")
+    if max_queued_ops is not None and max_queued_ops < 1:
+        raise ValueError(f"max_queued_ops={max_queued_ops} must be >= 1 (or None: unbounded)")
+    if launch < 0 or header_latency < 0:
+        raise ValueError(f"launch={launch} and header_latency={header_latency} must be >= 0")
+
+
+def _input_ready(shape: PipelineShape, stage: int, action: Action, data_at: dict,
+                 grad_done_at: dict) -> float:
+    """When the data ``action`` reads is on this stage's GPU (0: none from a neighbour)."""
+    m, c = action.microbatch, action.chunk
+    if action.op is Op.F:
+        return data_at.get((stage, _ACTIVATION, m, c), 0.0)
+    if action.op is Op.W:
+        return grad_done_at.get((stage, m, c), 0.0)  # same stream: already ordered, kept explicit
+    return data_at.get((stage, _GRADIENT, m, c), 0.0)
+
+
+def _post(shape: PipelineShape, stage: int, action: Action, header_at: float, end: float, edge: list[float],
+          data_at: dict, push) -> None:
+    """Header to the consumer at ``header_at`` (host), data usable there at ``end`` + transfer (GPU)."""
+    m, c = action.microbatch, action.chunk
+    if action.op is Op.F:
+        target = shape.downstream(stage, c)
+        if target is not None:
+            data_at[(target[0], _ACTIVATION, m, target[1])] = end + edge[stage]
+            push(header_at, _ACTIVATION, target[0], m, target[1])
+    elif action.op in (Op.B, Op.I):
+        source = shape.upstream(stage, c)
+        if source is not None:
+            data_at[(source[0], _GRADIENT, m, source[1])] = end + edge[source[0]]
+            push(header_at, _GRADIENT, source[0], m, source[1])
