@@ -211,7 +211,8 @@ class ParallelConfig:
     """How many of its queued ops a DPP stage's host may have unfinished on the GPU before it decides
     the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
     instead of at host time, so a forward whose input is still being computed upstream does not
-    hold back a ready backward on the stream. 0 = unbounded (the default). CUDA only in effect."""
+    hold back a ready backward on the stream. 0 = unbounded (the default). CUDA only in effect.
+    Experimental: the host-time simulator predicts no gain (docs/schedules.md)."""
     dpp_policy: Literal["dpp", "dpp-zb", "zb-h1"] = "dpp"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for

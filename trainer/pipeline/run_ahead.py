@@ -9,6 +9,10 @@ already there (head-of-line blocking). On a 4×H100 host where megatron-core's e
 launch-bound, DPP's stages idled between ops in the second half of every step (docs/benchmarks.md,
 sixth session). The simulator, which decides at GPU time, does not see this.
 
+Experimental, off by default: the host-time simulator (trainer/schedule/host_ahead.py) predicts no
+gain from it at the runtime's latencies, and a loss for dpp-zb (docs/schedules.md); it exists so a
+GPU run can check that prediction (bench lines ``*-q2``).
+
 With K > 0 the host decides only once at most K of the ops it queued have not finished on the GPU,
 so decisions are taken close to GPU time (K ops of 3–10 ms each still hide the launch of the next
 one). K = 0 keeps the host unbounded (the behaviour before this option). CPU ops are synchronous:
