@@ -6,7 +6,7 @@
 # simulator prefers, which lost on GPUs by deciding on host-time readiness). Prints the launch probe.
 set -u
 source scripts/device/env.sh >/dev/null || exit 1
-python3 scripts/device/launch_probe.py
+python3 -m trainer.bench.launch_probe
 B="--pipeline-parallel 4 --num-layers 16 --num-microbatches 32 --train-iters 10 --threads 4 --line-timeout 75"
 timeout 500 python3 -m trainer.bench.pipeline --out /tmp/bench-q --report "$OUT/benchmarks-queued.md" \
     --scenarios a $B --rounds 1 \

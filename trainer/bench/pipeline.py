@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.bench.launch_probe import probe_in_subprocess
 from trainer.bench.lines import (
     CATALOGUE,
     DEFAULT_LINES,
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_plan:
         print("\n".join(f"{key}: {command}" for key, command in commands.items()))
         return 0
+    host = probe_in_subprocess() if cfg.device == "cuda" else ""
+    if host:
+        print(f"[bench] host: {host}", flush=True)
     if cfg.cpu_bind == "numa":
         print(f"[bench] CPU binding: {numa_cpu_sets(cfg.pipeline_parallel, cfg.device)[1]}", flush=True)
     start = time.monotonic()
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 pictures[line.key] = picture
             # Rewritten after every line: a call cut off by its time limit still leaves a report.
             write_report(args.report, cfg, list(results.values()), not_run, commands, pictures,
-                         time.monotonic() - start)
+                         time.monotonic() - start, host)
     print(f"[bench] wrote {args.report} and {len(pictures)} timeline(s)", flush=True)
     return 0 if all(r.ok for r in results.values()) else 1
 

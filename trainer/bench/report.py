@@ -115,14 +115,15 @@ def _corpus_note(cfg: BenchConfig) -> list[str]:
 
 
 def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_run: list[NotRun],
-                 commands: dict[str, str], pictures: dict[str, str], wall_s: float) -> None:
+                 commands: dict[str, str], pictures: dict[str, str], wall_s: float, host: str = "") -> None:
+    """``host``: the launch probe's line (trainer.bench.launch_probe), printed under the card."""
     versions = next((r.versions for r in results if r.versions), {})
     lines = [
         "# Pipeline benchmark", "",
         f"Written by `python -m trainer.bench.pipeline` in {wall_s:.0f} s. Card: **{versions.get('device_name', '?')}**"
         f" × {cfg.pipeline_parallel} ({cfg.device}); torch {versions.get('torch', '?')}, megatron-core "
         f"{versions.get('megatron_core', '?')}, NCCL {versions.get('nccl', 'n/a')}, CUDA {versions.get('cuda', 'n/a')}, "
-        f"Python {versions.get('python', '?')}.", "",
+        f"Python {versions.get('python', '?')}." + (f" Host: {host}." if host else ""), "",
         f"Model: GPT {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, seq "
         f"{cfg.seq_length}, vocab {cfg.vocab_size} (mock data), mbs {cfg.micro_batch_size}, M={cfg.num_microbatches}, "
         f"PP={cfg.pipeline_parallel}, {'bf16' if cfg.bf16 else 'fp32'}, optimizer {cfg.optimizer}, dropout 0, "
