@@ -92,6 +92,12 @@ def test_report_pairs_rounds_so_host_drift_between_rounds_cancels(tmp_path) -> N
     write_report(report, BenchConfig(device="cpu"), [LineResult("a-dpp", "dpp", "a", "d", timed_ms=[1.0],
                                                                 round_medians=[1.0])], [], {}, {}, 1.0)
     assert "Per round" not in report.read_text()
+    # The host's launch rate and the CPU binding are stated with the card (calls on other hosts differ).
+    write_report(report, BenchConfig(device="cpu", cpu_bind="none"), [meg], [], {}, {}, 1.0,
+                 host="10.00 µs per eager kernel launch on NVIDIA H100 80GB HBM3 (host side)")
+    text = report.read_text()
+    assert "Host: 10.00 µs per eager kernel launch on NVIDIA H100 80GB HBM3 (host side)." in text
+    assert "CPU binding none" in text
 
 
 def test_scenario_d_reads_the_corpus_with_variable_lengths(tmp_path) -> None:
