@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.cpu_binding import format_cpu_list, numa_cpu_sets
+from trainer.cpu_binding import format_cpu_list
 from trainer.ports import free_port
 
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -120,14 +120,13 @@ class LineRun:
 
 
 def run_ranks(module: str, args: list[str], world_size: int, folder: Path, device: str,
-              timeout_s: float, threads: int, cpu_bind: str = "none") -> LineRun:
+              timeout_s: float, threads: int, cpu_sets: list[list[int]] | None = None) -> LineRun:
     """One benchmark line: ``python -m module args`` on ``world_size`` ranks; waits for all of them,
-    the deadline, or FAILURE_GRACE_S after a rank failed. ``cpu_bind="numa"``: each rank on the cores
-    of its GPU's NUMA node (trainer.cpu_binding; written at the top of each rank's log)."""
+    the deadline, or FAILURE_GRACE_S after a rank failed. ``cpu_sets[r]``: the CPUs of rank r
+    (trainer.cpu_binding.numa_cpu_sets; written at the top of each rank's log); None: unbound."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     if device == "cuda":
         env |= {key: os.environ.get(key, value) for key, value in CUDA_ENV.items()}
-    cpu_sets = numa_cpu_sets(world_size, device)[0] if cpu_bind == "numa" else None
     ranks = start_ranks([module, *args], world_size, folder, run_id="bench", env=env, cpu_sets=cpu_sets)
     timed_out = ranks.wait(timeout_s, FAILURE_GRACE_S)
     bad = [p.returncode for p in ranks.procs if p.returncode != 0]

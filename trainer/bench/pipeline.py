@@ -115,13 +115,14 @@ def _problems(args: argparse.Namespace) -> list[str]:
     return p
 
 
-def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace) -> LineResult:
+def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace,
+              cpu_sets: list[list[int]] | None) -> LineResult:
     folder = args.out / line.key
     extra = ["--metrics-dir", str(folder)]
     if cfg.device == "cpu" and line.module == "trainer.train":
         extra += ["--profile-dir", str(folder / "traces")]  # CPU: no kernels, so our span tracer draws it
     run = run_ranks(line.module, line.args + extra, cfg.pipeline_parallel, folder, cfg.device,
-                    args.line_timeout, args.threads, cpu_bind=cfg.cpu_bind)
+                    args.line_timeout, args.threads, cpu_sets=cpu_sets)
     result = line_result(line.key, line.name, line.scenario, line.label, folder, cfg.skip_iters)
     if line.scenario in ("b", "d"):  # the trainer counts batch x --seq-length; count the documents' real tokens
         result.tokens_per_iteration = round(variable_length_tokens(cfg, line.scenario)[0])
@@ -159,14 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     host = probe_in_subprocess() if cfg.device == "cuda" else ""
     if host:
         print(f"[bench] host: {host}", flush=True)
-    if cfg.cpu_bind == "numa":
-        print(f"[bench] CPU binding: {numa_cpu_sets(cfg.pipeline_parallel, cfg.device)[1]}", flush=True)
+    cpu_sets = None
+    if cfg.cpu_bind == "numa":  # one plan for every line of the call
+        cpu_sets, account = numa_cpu_sets(cfg.pipeline_parallel, cfg.device)
+        print(f"[bench] CPU binding: {account}", flush=True)
     start = time.monotonic()
     results: dict[str, LineResult] = {}
     pictures: dict[str, str] = {}
     for round_ in range(args.rounds):
         for line in lines:
-            result = _run_line(line, cfg, args)
+            result = _run_line(line, cfg, args, cpu_sets)
             if result.ok:
                 result.round_medians = [result.median_ms]
             if round_ and line.key in results and results[line.key].ok and result.ok:

@@ -49,7 +49,6 @@ def simulate_host_ahead(
     ends: list[list[float]] = [[] for _ in range(p)]
     busy = [0.0] * p
     data_at: dict[tuple[int, int, int, int], float] = {}  # (stage, kind, m, c) -> data usable on its GPU
-    grad_done_at: dict[tuple[int, int, int], float] = {}  # (stage, m, c) -> end of its I (W waits on it)
     wake_pending = [False] * p
     timeline: list[OpRecord] | None = [] if record else None
     events: list[tuple[float, int, int, int, int, int]] = []
@@ -88,13 +87,11 @@ def simulate_host_ahead(
             continue  # the next header for this stage wakes it
         state.mark_done(action)
         host[s] = t + launch
-        start = max(gpu_free[s], host[s], _input_ready(shape, s, action, data_at, grad_done_at))
+        start = max(gpu_free[s], host[s], _input_ready(s, action, data_at))
         end = start + durations[action.op][s][action.chunk][action.microbatch]
         gpu_free[s] = end
         queued.append(end)
         busy[s] += end - start
-        if action.op in (Op.B, Op.I):
-            grad_done_at[(s, action.microbatch, action.chunk)] = end
         if timeline is not None:
             timeline.append(OpRecord(s, action, start, end, state.inflight))
         _post(shape, s, action, host[s] + header_latency, end, edge, data_at, push)
@@ -116,15 +113,14 @@ def _check(p: int, policies: Sequence[Policy], launch: float, header_latency: fl
         raise ValueError(f"launch={launch} and header_latency={header_latency} must be >= 0")
 
 
-def _input_ready(shape: PipelineShape, stage: int, action: Action, data_at: dict,
-                 grad_done_at: dict) -> float:
-    """When the data ``action`` reads is on this stage's GPU (0: none from a neighbour)."""
+def _input_ready(stage: int, action: Action, data_at: dict) -> float:
+    """When the neighbour's data ``action`` reads is on this stage's GPU (0: none). A W reads only
+    its own I's output, queued earlier on the same stream, so ``gpu_free`` already orders it."""
     m, c = action.microbatch, action.chunk
-    if action.op is Op.F:
-        return data_at.get((stage, _ACTIVATION, m, c), 0.0)
     if action.op is Op.W:
-        return grad_done_at.get((stage, m, c), 0.0)  # same stream: already ordered, kept explicit
-    return data_at.get((stage, _GRADIENT, m, c), 0.0)
+        return 0.0
+    kind = _ACTIVATION if action.op is Op.F else _GRADIENT
+    return data_at.get((stage, kind, m, c), 0.0)
 
 
 def _post(shape: PipelineShape, stage: int, action: Action, header_at: float, end: float, edge: list[float],
