@@ -222,6 +222,14 @@ class ParallelConfig:
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
     the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
     --dpp-policy dpp, TP 1, a fixed sequence length and dropout 0; costs GPU memory per slot."""
+    dpp_recompute_slots: tuple[int, ...] = ()
+    """With --dpp-cuda-graphs: how many of a stage's graph slots recompute the core attention in their
+    backward graph (selective recompute, per slot), listed per stage from stage 0, comma-separated;
+    stages not listed: none (``--dpp-recompute-slots 1`` = one slot of stage 0's). A recomputing slot
+    holds ~55% of a slot's activations on the issue-12 model for a share of the recompute's GPU time, so
+    the stage that decides peak memory can give up memory where it costs least; forwards take a
+    slot that keeps its activations when one is free. --recompute-activations recomputes in every slot
+    and every eager op instead; the two are exclusive."""
     cuda_graph_impl: Literal["none", "local"] = "none"
     """megatron-core's own CUDA graphs for its schedules, as Megatron-LM's ``--cuda-graph-impl local``:
     every transformer layer's forward and backward recorded per in-flight microbatch during the first
@@ -787,6 +795,7 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
     p.extend(_variable_length_problems(cfg))
     p.extend(_bert_data_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
+    p.extend(_recompute_slot_problems(cfg))
     p.extend(_megatron_graph_problems(cfg))
     p.extend(attention_backend_problems(cfg))
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
@@ -872,6 +881,26 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
             or -(-m.seq_length // cfg.data.seq_length_divisible_by) <= MAX_GRAPHED_LENGTHS,
     }
     return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
+
+
+def _recompute_slot_problems(cfg: TrainConfig) -> list[str]:
+    """--dpp-recompute-slots: per-slot selective recompute inside the DPP graphs."""
+    par, given = cfg.parallel, cfg.parallel.dpp_recompute_slots
+    if not given:
+        return []
+    flag = "--dpp-recompute-slots " + ",".join(map(str, given))
+    p = []
+    if not par.dpp_cuda_graphs:
+        p.append(f"{flag} needs --dpp-cuda-graphs (it picks which graph slots recompute)")
+    if any(n < 0 for n in given):
+        p.append(f"{flag}: every count must be >= 0")
+    if len(given) > par.pipeline_model_parallel_size:
+        p.append(f"{flag} lists {len(given)} stages; --pipeline-model-parallel-size is "
+                 f"{par.pipeline_model_parallel_size}")
+    if cfg.model.recompute is not None:
+        p.append(f"{flag} and --recompute-granularity {cfg.model.recompute} (or --recompute-activations): give "
+                 "one (per-slot selective recompute, or recompute in every slot and eager op)")
+    return p
 
 
 def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
@@ -1049,12 +1078,22 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, action="store_true", **kwargs)
             elif f.name == "data_path":  # Megatron-LM's nargs='*': a prefix or WEIGHT PREFIX pairs
                 group.add_argument(flag, nargs="+", type=str, metavar="[WEIGHT] PREFIX", **kwargs)
+            elif f.name == "dpp_recompute_slots":
+                group.add_argument(flag, type=_int_list, metavar="N[,N...]", **kwargs)
             elif f.name == "node_ips":
                 group.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), metavar="IP,IP,...",
                                    **kwargs)
             else:
                 group.add_argument(flag, type=_parse_type(f.type), metavar=f.name.upper(), **kwargs)
     return parser
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``1,0,2`` -> (1, 0, 2); argparse turns the ValueError into an error naming the value."""
+    return tuple(int(x) for x in text.split(","))
+
+
+_int_list.__name__ = "comma-separated integer list"  # argparse names the type in its error
 
 
 def _looks_like_number(token: str) -> bool:

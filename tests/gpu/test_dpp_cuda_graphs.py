@@ -45,14 +45,17 @@ VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--s
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("chunks, varlen, extra", [(1, False, []), (2, False, []), (1, True, []),
                                                   (1, False, ["--recompute-activations"]),
-                                                  (1, False, ["--dpp-max-queued-ops", "1"])],
-                         ids=["v1", "v2", "v1-varlen", "v1-recompute", "v1-queued1"])
+                                                  (1, False, ["--dpp-max-queued-ops", "1"]),
+                                                  (1, False, ["--dpp-recompute-slots", "1,1"])],
+                         ids=["v1", "v2", "v1-varlen", "v1-recompute", "v1-queued1", "v1-recompute-slot"])
 def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool, extra: list[str]) -> None:
     """v1-varlen: microbatches of 32/64/96/128 tokens, each slot holding a graph pair per length.
     v1-recompute: the graphed run recomputes the core attention in its backward graphs
     (--recompute-activations); the eager run does not -- recompute must change no number.
     v1-queued1: the graphed run's hosts decide with at most one op unfinished on their GPU
-    (--dpp-max-queued-ops 1): a timing change only, so no number may move."""
+    (--dpp-max-queued-ops 1): a timing change only, so no number may move.
+    v1-recompute-slot: one graph slot per stage recomputes the core attention, the other keeps it
+    (--dpp-recompute-slots 1,1: stage 0 has 2 slots, stage 1 one) -- again no number may move."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     layout = [] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"]
@@ -64,6 +67,9 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
     print("replayed/eager forwards per (stage, chunk):", counts)
     # Every training forward of every chunk replays (a stage's in-flight cap is each chunk's number of slots).
     assert counts == {(s, c): (ITERS * M, 0) for s in range(2) for c in range(chunks)}, counts
+    if "--dpp-recompute-slots" in extra:
+        logs = "".join(r.output for r in results)
+        assert "2 slot(s) each (1 recomputing" in logs and "1 slot(s) each (1 recomputing" in logs, logs[-3000:]
     assert_same_losses(eager, graphed)
     assert len(grad_dumps(tmp_path / "eager")) == 4  # 2 ranks x 2 iterations (--dump-grads 2)
     assert_same_grads(tmp_path / "eager", tmp_path / "graphed")

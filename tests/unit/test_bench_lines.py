@@ -9,6 +9,7 @@ from trainer.bench.lines import (
     Line,
     NotRun,
     balanced_split,
+    line_entry,
     plan,
     variable_length_args,
     variable_length_tokens,
@@ -44,6 +45,18 @@ def test_plan_gives_every_line_the_same_model_and_names_what_cannot_run() -> Non
     for line in lines:  # every trainer line is a valid trainer configuration on PP ranks
         if line.module == "trainer.train":
             parse_config(line.args, world_size=cfg.pipeline_parallel)
+
+
+def test_queued_suffix_derives_a_bounded_variant_of_any_dpp_line_only() -> None:
+    what, vp, flags, balanced = line_entry("dpp-graphs-rc-cf1.5-q3")
+    assert flags[-2:] == ["--dpp-max-queued-ops", "3"] and "--recompute-activations" in flags
+    assert vp == 1 and balanced and what.endswith("--dpp-max-queued-ops 3")
+    assert line_entry("dpp-graphs-v2-q1")[1] == 2
+    for bad in ("megatron-1f1b-best-q2", "dpp-graphs-q0", "dpp-graphs-q2-q2", "nope-q2", "dpp-graphs-qx"):
+        assert line_entry(bad) is None, bad
+    line = next(p for p in plan(BenchConfig(), ["dpp-zb-q2"], ["a"], ("dpp", "dpp-zb")) if isinstance(p, Line))
+    cfg = parse_config(line.args, world_size=4)
+    assert cfg.parallel.dpp_max_queued_ops == 2
 
 
 def test_variable_length_tokens_count_real_and_bucketed_tokens() -> None:

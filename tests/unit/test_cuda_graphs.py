@@ -9,6 +9,7 @@ graph. tests/gpu/test_dpp_cuda_graphs.py checks the graphs themselves against ea
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -310,3 +311,62 @@ def test_capture_skips_megatrons_rng_save_and_restore_and_puts_it_back() -> None
 def test_recompute_with_graphs_is_accepted() -> None:
     cfg = parse_config([*GOOD, "--recompute-activations"], world_size=2)
     assert cfg.parallel.dpp_cuda_graphs and cfg.model.recompute == "selective"
+
+
+class _Attention(torch.nn.Module):
+    """megatron-core's Attention reads checkpoint_core_attention on every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpoint_core_attention = False
+
+
+def test_recompute_slots_capture_the_last_slots_recomputing_and_forwards_prefer_the_others() -> None:
+    chunk = _TinyGPT(pre_process=False)
+    chunk.decoder.attn = _Attention()
+    seen = []
+
+    def capture(call, shapes, masks, device):
+        seen.append(chunk.decoder.attn.checkpoint_core_attention)  # what this slot's capture recorded
+        return {n: ("slot", len(seen) - 1) for n in shapes.captured_lengths()}
+
+    shapes = GraphShapes(activation=(S, B, H), activation_dtype=torch.float32, tokens=(B, S))
+    masks = {S: torch.ones(1, 1, S, S, dtype=torch.bool)}
+    graphs = ChunkGraphs(chunk, False, 4, shapes, masks, torch.device("cpu"), capture=capture, recompute_slots=1)
+    assert seen == [False, False, False, True] and graphs.recomputes == seen
+    assert chunk.decoder.attn.checkpoint_core_attention is False  # eager ops follow the configuration
+    x = torch.zeros(S, B, H)
+    assert [graphs.take(m, x)[1] for m in range(3)] == [0, 1, 2]
+    graphs.give_back(1)
+    assert graphs.take(3, x)[1] == 1  # a keeping slot is free: the recomputing one waits
+    assert graphs.take(4, x)[1] == 3  # only the recomputing slot is left
+    graphs.give_back(0), graphs.give_back(4)
+    assert graphs.take(5, x)[1] == 0
+    # without the option every slot captures what the configuration says (here: attention kept)
+    seen.clear()
+    plain = ChunkGraphs(chunk, False, 2, shapes, masks, torch.device("cpu"), capture=capture)
+    assert seen == [False, False] and plain.recomputes == [None, None]
+    chunk.decoder.attn.checkpoint_core_attention = True  # as --recompute-activations builds it
+    seen.clear()
+    ChunkGraphs(chunk, False, 2, shapes, masks, torch.device("cpu"), capture=capture)
+    assert seen == [True, True]
+    with pytest.raises(ValueError, match="3 recomputing slot"):
+        ChunkGraphs(chunk, False, 2, shapes, masks, torch.device("cpu"), capture=capture, recompute_slots=3)
+
+
+def test_recompute_slots_flag_is_per_stage_and_checked_before_start() -> None:
+    cfg = parse_config([*GOOD, "--dpp-recompute-slots", "1"], world_size=2)
+    assert cfg.parallel.dpp_recompute_slots == (1,)
+    assert parse_config([*GOOD, "--dpp-recompute-slots", "2,1"], world_size=2).parallel.dpp_recompute_slots == (2, 1)
+    for extra, needle in ((["--dpp-recompute-slots", "1,0,0"], "lists 3 stages; --pipeline-model-parallel-size is 2"),
+                          (["--dpp-recompute-slots", "-1"], "every count must be >= 0"),
+                          (["--dpp-recompute-slots", "1", "--recompute-activations"], "give one"),
+                          (["--dpp-recompute-slots", "1"], None)):
+        argv = [*GOOD, *extra]
+        if needle is None:  # without graphs
+            argv = [a for a in argv if a != "--dpp-cuda-graphs"]
+            needle = "needs --dpp-cuda-graphs"
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            parse_config(argv, world_size=2)
+    with pytest.raises((ConfigError, SystemExit)):
+        parse_config([*GOOD, "--dpp-recompute-slots", "one"], world_size=2)

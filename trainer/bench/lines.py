@@ -9,6 +9,7 @@ direct-megatron line is listed as not run, with the reason.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from trainer.layer_split import split_problems
@@ -50,6 +51,14 @@ CATALOGUE = {
     "dpp-graphs-rc-cf2": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 2 --recompute-activations", 1,
                           ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "2",
                            "--recompute-activations"], True),
+    # Per-slot recompute (--dpp-recompute-slots): stage 0, which decides peak memory, recomputes the core
+    # attention in 1 (2) of its 4 slots; every other slot and stage keeps its activations.
+    "dpp-graphs-rs1": ("--use-dpp --dpp-cuda-graphs --dpp-recompute-slots 1 (one of stage 0's slots recomputes "
+                       "the core attention)", 1,
+                       ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-recompute-slots", "1"], True),
+    "dpp-graphs-rs2": ("--use-dpp --dpp-cuda-graphs --dpp-recompute-slots 2 (two of stage 0's slots recompute "
+                       "the core attention)", 1,
+                       ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2"], True),
     "dpp-graphs-v2-rc": ("--use-dpp --dpp-cuda-graphs --recompute-activations, v=2", 2,
                          ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--recompute-activations"], True),
     "dpp-graphs-v2": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs, v=2", 2,
@@ -57,19 +66,28 @@ CATALOGUE = {
     "dpp-graphs-v2-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25, v=2", 2,
                              ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.25"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
-    # Decisions near GPU time (trainer/pipeline/run_ahead.py): the host queues at most 2 unfinished ops.
-    "dpp-graphs-q2": ("--use-dpp --dpp-cuda-graphs --dpp-max-queued-ops 2", 1,
-                      ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-max-queued-ops", "2"], True),
-    "dpp-graphs-rc-cf1.5-q2": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.5 --recompute-activations "
-                               "--dpp-max-queued-ops 2", 1,
-                               ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.5",
-                                "--recompute-activations", "--dpp-max-queued-ops", "2"], True),
-    "dpp-zb-q2": ("--use-dpp --dpp-policy dpp-zb --dpp-max-queued-ops 2", 1,
-                  ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-max-queued-ops", "2"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
                         "1F1B, balanced split, no batch sync", 1, ["--no-batch-p2p-sync"], True),
 }
+QUEUED_SUFFIX = re.compile(r"^(?P<base>.+)-q(?P<k>[1-9][0-9]*)$")
+"""``<dpp line>-qK``: that line with ``--dpp-max-queued-ops K`` (decisions near GPU time, run_ahead.py)."""
+
+
+def line_entry(name: str) -> tuple[str, int, list[str], bool] | None:
+    """The catalogue entry of ``name`` (what, v, flags, balanced), or of a ``-qK`` variant of a DPP
+    line; None for an unknown name."""
+    if name in CATALOGUE:
+        return CATALOGUE[name]
+    match = QUEUED_SUFFIX.match(name)
+    base = CATALOGUE.get(match["base"]) if match else None
+    if base is None or "--use-dpp" not in base[2] or "--dpp-max-queued-ops" in base[2]:
+        return None
+    what, vp, flags, balanced = base
+    k = match["k"]
+    return f"{what}; --dpp-max-queued-ops {k}", vp, [*flags, "--dpp-max-queued-ops", k], balanced
+
+
 DEFAULT_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2", "dpp", "dpp-graphs",
                  "dpp-graphs-cf1.5", "dpp-zb",
                  "dpp-zb-v2", "direct-megatron")
@@ -259,7 +277,7 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
     out: list[Line | NotRun] = []
     for scenario in scenarios:
         for name in names:
-            what, vp, flags, balanced = CATALOGUE[name]
+            what, vp, flags, balanced = line_entry(name)
             reason = _cannot_run(cfg, name, flags, available_policies, scenario)
             if reason:
                 out.append(NotRun(name, scenario, reason))

@@ -32,6 +32,7 @@ from trainer.bench.lines import (
     BenchConfig,
     Line,
     NotRun,
+    line_entry,
     plan,
     variable_length_tokens,
 )
@@ -66,7 +67,8 @@ def build_parser() -> OneLineParser:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default, help=helptext)
     parser.add_argument("--lines", default=",".join(DEFAULT_LINES),
-                        help=f"comma-separated, from: {', '.join(CATALOGUE)}")
+                        help=f"comma-separated, from: {', '.join(CATALOGUE)}; any DPP line with -qK "
+                             "appended adds --dpp-max-queued-ops K (e.g. dpp-graphs-q2)")
     parser.add_argument("--scenarios", default="a,b,c", help="comma-separated, from a (uniform), "
                         "b (variable lengths), c (transient stalls), d (variable lengths of --corpus)")
     parser.add_argument("--out", type=Path, required=True, help="folder for each line's metrics, logs, traces")
@@ -93,7 +95,7 @@ def _available_policies() -> tuple[str, ...]:
 
 
 def _problems(args: argparse.Namespace) -> list[str]:
-    p = [f"--lines: unknown line {n!r}" for n in args.lines.split(",") if n not in CATALOGUE]
+    p = [f"--lines: unknown line {n!r}" for n in args.lines.split(",") if line_entry(n) is None]
     p += [f"--scenarios: unknown scenario {s!r}" for s in args.scenarios.split(",") if s not in SCENARIOS]
     if "d" in args.scenarios.split(","):
         if not args.corpus:

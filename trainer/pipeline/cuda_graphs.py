@@ -98,6 +98,27 @@ def _block_replayed(decoder: torch.nn.Module, call: torch.nn.Module) -> Iterator
         del decoder.forward
 
 
+def _attention_modules(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """megatron-core's attention modules of a block: they read ``checkpoint_core_attention`` on every
+    forward (set from the config at construction), so a capture can choose recompute per slot."""
+    return [m for m in decoder.modules() if hasattr(m, "checkpoint_core_attention")]
+
+
+@contextlib.contextmanager
+def _core_attention_recompute(decoder: torch.nn.Module, recompute: bool) -> Iterator[None]:
+    """For one warm-up or capture: the block's attention recomputes its core (or not), then the
+    configured value is back (eager ops of the run follow the configuration)."""
+    modules = _attention_modules(decoder)
+    saved = [m.checkpoint_core_attention for m in modules]
+    for m in modules:
+        m.checkpoint_core_attention = recompute
+    try:
+        yield
+    finally:
+        for m, value in zip(modules, saved, strict=True):
+            m.checkpoint_core_attention = value
+
+
 @dataclass(frozen=True)
 class GraphShapes:
     """What a slot is captured for: the chunk input's largest shape and dtype, the microbatch's [b, s]
@@ -250,26 +271,40 @@ class ChunkGraphs:
     """The graph slots of one model chunk."""
 
     def __init__(self, chunk: torch.nn.Module, first: bool, slots: int, shapes: GraphShapes,
-                 masks: dict, device: torch.device, capture=None, backward_pool=None) -> None:
+                 masks: dict, device: torch.device, capture=None, backward_pool=None,
+                 recompute_slots: int = 0) -> None:
         """``masks``: the attention mask of each captured length. ``capture``: :func:`capture_slot`
         unless given (the CPU tests pass one that returns the block uncaptured, to check everything
         around the graphs without a GPU). ``backward_pool``: the stage's shared backward pool (see
-        :func:`capture_slot`)."""
+        :func:`capture_slot`). ``recompute_slots``: how many slots (the last ones) are captured with
+        the core attention recomputed in the backward (--dpp-recompute-slots); the others keep their
+        activations, whatever the configuration says."""
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
+        if not 0 <= recompute_slots <= slots:
+            raise ValueError(f"--dpp-recompute-slots: {recompute_slots} recomputing slot(s) of {slots}")
         self.first, self.shapes = first, shapes
         self.lengths = shapes.captured_lengths()
         missing = sorted(set(self.lengths) - set(masks))
         if missing:
             raise ValueError(f"no attention mask for captured length(s) {missing}")
         self.decoder = _decoder_of(chunk)
+        # Per slot: recomputes its core attention (True) or keeps it (False); None = as configured.
+        self.recomputes: list[bool | None] = [None] * slots
+        if recompute_slots:
+            self.recomputes = [i >= slots - recompute_slots for i in range(slots)]
         with _rng_state_bypassed():
             if capture is None:
-                _warm_up(_BlockCall(chunk), shapes, masks, device)
+                for mode in sorted(set(self.recomputes), key=str):  # both code paths warm, if both are captured
+                    with self._recompute(mode):
+                        _warm_up(_BlockCall(chunk), shapes, masks, device)
             # Each slot its own module object, as the block's forward is swapped per call.
             if capture is None:
                 capture = functools.partial(capture_slot, backward_pool=backward_pool)
-            self.slots = [capture(_BlockCall(chunk), shapes, masks, device) for _ in range(slots)]
+            self.slots = []
+            for mode in self.recomputes:
+                with self._recompute(mode):
+                    self.slots.append(capture(_BlockCall(chunk), shapes, masks, device))
         self._free = list(range(slots))[::-1]
         self._taken: dict[int, int] = {}
         self.replayed = self.eager = 0  # forwards of training steps, for the end-of-run log
@@ -294,9 +329,14 @@ class ChunkGraphs:
             self.eager += 1
             return None
         self.replayed += 1
-        slot = self._free.pop()
+        # A slot that keeps its activations when one is free (a recomputing one costs GPU time).
+        keeping = [i for i, slot in enumerate(self._free) if not self.recomputes[slot]]
+        slot = self._free.pop(keeping[-1] if keeping else -1)
         self._taken[microbatch] = slot
         return self.slots[slot][length]
+
+    def _recompute(self, mode: bool | None):
+        return contextlib.nullcontext() if mode is None else _core_attention_recompute(self.decoder, mode)
 
     def give_back(self, microbatch: int) -> bool:
         """After the microbatch's backward was queued: whether it held a slot (False: it ran eagerly)."""
@@ -338,21 +378,24 @@ def run_on_side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int, shapes: GraphShapes,
-                         masks: dict, device: torch.device) -> dict[int, ChunkGraphs]:
-    """Graph slots for each chunk of this stage (``masks``: each captured length's attention mask).
+                         masks: dict, device: torch.device, recompute_slots: int = 0) -> dict[int, ChunkGraphs]:
+    """Graph slots for each chunk of this stage (``masks``: each captured length's attention mask;
+    ``recompute_slots`` of each chunk's slots recompute the core attention, at most all of them).
     Runs each block's forward and backward a few times with zero inputs (warm-up and capture; no
     gradient is accumulated anywhere): call it before the first step."""
+    recompute_slots = min(recompute_slots, slots)
     graphs = {}
     before = torch.cuda.memory_reserved(device)
     backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)
     for c, chunk in enumerate(chunks):
         graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), slots, shapes, masks, device,
-                                backward_pool=backward_pool)
+                                backward_pool=backward_pool, recompute_slots=recompute_slots)
     torch.cuda.synchronize(device)
     # The warm-up's eager blocks stay cached in the ordinary pool; hand them back so the run's reserved
     # peak is graphs + what the eager ops really need, not graphs + the largest warm-up.
     torch.cuda.empty_cache()
-    log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each, length(s) %s; %.2f GiB reserved for them",
-             stage, sorted(graphs), slots, ",".join(map(str, shapes.captured_lengths())),
+    log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each (%d recomputing the core attention), "
+             "length(s) %s; %.2f GiB reserved for them",
+             stage, sorted(graphs), slots, recompute_slots, ",".join(map(str, shapes.captured_lengths())),
              (torch.cuda.memory_reserved(device) - before) / 2**30)
     return graphs

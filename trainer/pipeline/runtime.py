@@ -224,4 +224,7 @@ class PipelineRuntime:
         shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
                              tokens=(mbs, seq), lengths=lengths)
         masks = {n: causal_mask(n, self.device) for n in lengths}
-        self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device)
+        listed = cfg.parallel.dpp_recompute_slots  # per stage from stage 0; stages not listed: none
+        recompute_slots = listed[topo.pp_rank] if topo.pp_rank < len(listed) else 0
+        self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device,
+                                                   recompute_slots=recompute_slots)
