@@ -11,6 +11,6 @@ timeout 330 python3 -m trainer.bench.pipeline --out /tmp/bench-f --report "$OUT/
     --scenarios a $B --rounds 1 \
     --lines megatron-1f1b-best,dpp-graphs-q2,dpp-graphs-rs1-q2,dpp-graphs-rs2-q2,dpp-graphs-q1,dpp-graphs-rc-cf1.5-q1,megatron-interleaved-v2,dpp-graphs-v2-q2 \
     2>&1 | grep "^\[bench\]"
-grep -h "recomputing the core attention" /tmp/bench-f/*/*.log 2>/dev/null | sort | uniq | head -8
+grep -rhoE "stage [0-9]+: CUDA graphs.*" /tmp/bench-f 2>/dev/null | sort -u | head -12
 timeout 120 python3 -m trainer.bench.pipeline --out /tmp/bench-fc --report "$OUT/benchmarks-f-c.md" \
     --scenarios c $B --rounds 1 --lines megatron-1f1b-best,dpp-graphs-rs1-q2 2>&1 | grep "^\[bench\]"
