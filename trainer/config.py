@@ -207,12 +207,13 @@ class ParallelConfig:
     gives 6/4/3/1. Headroom on the early stages hides the stage-to-stage round trip (a stage at
     1F1B's cap must wait for its oldest microbatch's gradient before the next forward) at the
     memory of the extra activations; the last stage keeps 1F1B's cap (its F and B are adjacent)."""
-    dpp_max_queued_ops: int = 0
+    dpp_max_queued_ops: int | None = None
     """How many of its queued ops a DPP stage's host may have unfinished on the GPU before it decides
     the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
     instead of at host time, so a forward whose input is still being computed upstream does not
-    hold back a ready backward on the stream. 0 = unbounded (the default). CUDA only in effect.
-    Experimental: the host-time simulator predicts no gain (docs/schedules.md)."""
+    hold back a ready backward on the stream. 0 = unbounded. Default: 1 with --dpp-cuda-graphs (on
+    4xH100, issue-12 model: 482 ms/iteration at 1, 524 at 2, 559 unbounded; docs/benchmarks.md), 0
+    otherwise (eager DPP not measured with it). CUDA only in effect."""
     dpp_policy: Literal["dpp", "dpp-zb", "zb-h1"] = "dpp"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
@@ -275,10 +276,17 @@ class ParallelConfig:
     PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its
     --no-<field> convention for TransformerConfig.batch_p2p_sync). Only megatron-core's schedules use it."""
 
+    @property
+    def max_queued_ops(self) -> int:
+        """--dpp-max-queued-ops as the runtime uses it (its default resolved: 1 with graphs, else 0)."""
+        if self.dpp_max_queued_ops is not None:
+            return self.dpp_max_queued_ops
+        return 1 if self.dpp_cuda_graphs else 0
+
     def _dpp_problems(self) -> list[str]:
         """The DPP runtime's own knobs: policy, caps."""
         p: list[str] = []
-        if self.dpp_max_queued_ops < 0:
+        if self.dpp_max_queued_ops is not None and self.dpp_max_queued_ops < 0:
             p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} must be >= 0")
         elif self.dpp_max_queued_ops and not self.use_dpp:
             p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} applies to --use-dpp")

@@ -52,7 +52,8 @@ def test_queued_suffix_derives_a_bounded_variant_of_any_dpp_line_only() -> None:
     assert flags[-2:] == ["--dpp-max-queued-ops", "3"] and "--recompute-activations" in flags
     assert vp == 1 and balanced and what.endswith("--dpp-max-queued-ops 3")
     assert line_entry("dpp-graphs-v2-q1")[1] == 2
-    for bad in ("megatron-1f1b-best-q2", "dpp-graphs-q0", "dpp-graphs-q2-q2", "nope-q2", "dpp-graphs-qx"):
+    assert line_entry("dpp-graphs-q0")[2][-2:] == ["--dpp-max-queued-ops", "0"]  # unbounded
+    for bad in ("megatron-1f1b-best-q2", "dpp-graphs-q01", "dpp-graphs-q2-q2", "nope-q2", "dpp-graphs-qx"):
         assert line_entry(bad) is None, bad
     line = next(p for p in plan(BenchConfig(), ["dpp-zb-q2"], ["a"], ("dpp", "dpp-zb")) if isinstance(p, Line))
     cfg = parse_config(line.args, world_size=4)

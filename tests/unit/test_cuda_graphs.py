@@ -370,3 +370,10 @@ def test_recompute_slots_flag_is_per_stage_and_checked_before_start() -> None:
             parse_config(argv, world_size=2)
     with pytest.raises((ConfigError, SystemExit)):
         parse_config([*GOOD, "--dpp-recompute-slots", "one"], world_size=2)
+
+
+def test_graphs_default_to_deciding_one_op_ahead() -> None:
+    """--dpp-max-queued-ops defaults to 1 with graphs (measured fastest on 4xH100), 0 can be asked for."""
+    assert parse_config(GOOD, world_size=2).parallel.max_queued_ops == 1
+    assert parse_config([*GOOD, "--dpp-max-queued-ops", "0"], world_size=2).parallel.max_queued_ops == 0
+    assert parse_config([*GOOD, "--dpp-max-queued-ops", "3"], world_size=2).parallel.max_queued_ops == 3

@@ -95,4 +95,6 @@ def test_flag_is_checked_before_anything_starts() -> None:
         parse_config([*base, "--use-dpp", "--dpp-max-queued-ops", "-1"], world_size=2)
     with pytest.raises(ConfigError, match=r"--dpp-max-queued-ops=2 applies to --use-dpp"):
         parse_config([*base, "--dpp-max-queued-ops", "2"], world_size=2)
-    assert parse_config([*base, "--use-dpp", "--dpp-max-queued-ops", "2"], world_size=2).parallel.dpp_max_queued_ops == 2
+    assert parse_config([*base, "--use-dpp", "--dpp-max-queued-ops", "2"], world_size=2).parallel.max_queued_ops == 2
+    # The default: unbounded without graphs (eager DPP was not measured with a bound)...
+    assert parse_config([*base, "--use-dpp"], world_size=2).parallel.max_queued_ops == 0

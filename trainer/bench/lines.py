@@ -29,8 +29,10 @@ CATALOGUE = {
                                 ["--no-batch-p2p-sync"], True),
     "dpp": ("--use-dpp --dpp-policy dpp (greedy)", 1, ["--use-dpp", "--dpp-policy", "dpp"], True),
     "dpp-v2": ("--use-dpp --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp"], True),
+    # Every graphed line decides with at most one op queued ahead (--dpp-max-queued-ops' default with
+    # graphs since the seventh session); "-q0" appended gives the earlier unbounded behaviour.
     "dpp-graphs": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs (transformer blocks replayed from CUDA graphs, "
-                   "one per activation slot)", 1, ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
+                   "one per activation slot; hosts at most 1 op ahead, the default with graphs)", 1, ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-graphs-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25 (1F1B caps x 1.25: 5/3/2/1 at PP=4)", 1,
                           ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.25"], True),
     "dpp-graphs-cf1.5": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.5 (1F1B caps x 1.5: 6/4/3/1 at PP=4)", 1,
@@ -70,8 +72,9 @@ CATALOGUE = {
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
                         "1F1B, balanced split, no batch sync", 1, ["--no-batch-p2p-sync"], True),
 }
-QUEUED_SUFFIX = re.compile(r"^(?P<base>.+)-q(?P<k>[1-9][0-9]*)$")
-"""``<dpp line>-qK``: that line with ``--dpp-max-queued-ops K`` (decisions near GPU time, run_ahead.py)."""
+QUEUED_SUFFIX = re.compile(r"^(?P<base>.+)-q(?P<k>0|[1-9][0-9]*)$")
+"""``<dpp line>-qK``: that line with ``--dpp-max-queued-ops K`` (decisions near GPU time, run_ahead.py;
+``-q0`` = unbounded, the graphed lines' behaviour before the default became 1 with graphs)."""
 
 
 def line_entry(name: str) -> tuple[str, int, list[str], bool] | None:

@@ -196,7 +196,7 @@ class PipelineRuntime:
         from trainer.pipeline.run_ahead import RunAheadBound
 
         par = self.cfg.parallel
-        bound = RunAheadBound.for_device(par.dpp_max_queued_ops, self.topology.rank, par.dpp_timeout_s, self.device)
+        bound = RunAheadBound.for_device(par.max_queued_ops, self.topology.rank, par.dpp_timeout_s, self.device)
         return bound if bound.active else None
 
     def _gpu_timer(self):
