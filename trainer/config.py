@@ -224,8 +224,9 @@ class ParallelConfig:
     the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
     --dpp-policy dpp, TP 1, a fixed sequence length and dropout 0; costs GPU memory per slot."""
     dpp_recompute_slots: tuple[int, ...] = ()
-    """With --dpp-cuda-graphs: how many of a stage's graph slots recompute the core attention in their
-    backward graph (selective recompute, per slot), listed per stage from stage 0, comma-separated;
+    """With --dpp-cuda-graphs: how many of a stage's graph slots (of each chunk's, at v > 1) recompute
+    the core attention in their backward graph (selective recompute, per slot), listed per stage from
+    stage 0, comma-separated;
     stages not listed: none (``--dpp-recompute-slots 1`` = one slot of stage 0's). A recomputing slot
     holds ~55% of a slot's activations on the issue-12 model for a share of the recompute's GPU time, so
     the stage that decides peak memory can give up memory where it costs least; forwards take a

@@ -640,6 +640,10 @@ class TrainingSession:
         for c, graphs in ((self.runtime.context.graphs or {}) if self.runtime is not None else {}).items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      self.topology.pp_rank, c, graphs.replayed, graphs.eager)
+        bound = self.runtime.context.run_ahead if self.runtime is not None else None
+        if bound is not None:
+            log.info("stage %d: --dpp-max-queued-ops %d: the host waited %.2f s in all for its GPU before deciding",
+                     self.topology.pp_rank, bound.limit, bound.total_waited_s)
         if self.cfg.parallel.cuda_graph_impl == "local":
             # megatron-core records one graph pair per layer and in-flight microbatch ("runner"); a run
             # whose layers never left eager mode would otherwise look like a graphed run in the log.

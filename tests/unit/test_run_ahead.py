@@ -51,6 +51,8 @@ def test_waits_only_while_more_than_k_ops_are_unfinished() -> None:
     bound.before_decide()  # 3 unfinished: waits until F0's event finished, not longer
     assert events[0].polls < 0 and events[1].polls >= 0
     assert clock.now > 0 and bound.waited_s == pytest.approx(clock.now)
+    bound.begin_step()  # the step's figure starts again, the run's total keeps it (end-of-run log)
+    assert bound.waited_s == 0.0 and bound.total_waited_s == pytest.approx(clock.now)
 
 
 def test_finished_ops_leave_the_queue_without_waiting() -> None:

@@ -50,6 +50,8 @@ class RunAheadBound:
         self._queued: collections.deque[tuple[str, Any]] = collections.deque()
         self.waited_s = 0.0
         """Host time spent waiting in this step (for logs and traces)."""
+        self.total_waited_s = 0.0
+        """... and over the whole run (the end-of-run log line)."""
 
     @classmethod
     def for_device(cls, limit: int, rank: int, timeout_s: float, device: Any) -> RunAheadBound:
@@ -96,4 +98,6 @@ class RunAheadBound:
                     f"(--dpp-max-queued-ops {self.limit}: {len(self._queued)} queued ops unfinished); "
                     "the GPU is stuck, most likely on an input that never arrived")
             self._sleep(POLL_S)
-        self.waited_s += self._clock() - start
+        waited = self._clock() - start
+        self.waited_s += waited
+        self.total_waited_s += waited
