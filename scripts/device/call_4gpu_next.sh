@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# 4 GPUs, for the next session: does deciding near GPU time (--dpp-max-queued-ops 2, run_ahead.py)
-# remove the idle DPP stages showed on the fast host (docs/benchmarks.md, sixth session)? Scenario (a),
-# 1 round: megatron-core's best 1F1B against DPP graphs at 1F1B caps and with recompute at cap factor
-# 1.5, each with and without the bound, and eager dpp-zb with and without it (the policy the
-# simulator prefers, which lost on GPUs by deciding on host-time readiness). Prints the launch probe.
+# 4 GPUs, for the next session (after the seventh): (1) the launch probe -- a fast host (<= ~6 us per
+# launch) is the one that settles issue 12 in one call; (2) scenario (a), 2 rounds: megatron-core's
+# best 1F1B, megatron-core driven directly (goal 1), the candidate dpp-graphs-rs2 (its default run-ahead
+# bound is 1 with graphs), and eager dpp / dpp-zb with and without the bound (eager DPP's default is
+# still unbounded: is q1 better there too?).
 set -u
 source scripts/device/env.sh >/dev/null || exit 1
-python3 -m trainer.bench.launch_probe
+python3 -m trainer.bench.launch_probe 2>&1 | grep "^\[host\]"
 B="--pipeline-parallel 4 --num-layers 16 --num-microbatches 32 --train-iters 10 --threads 4 --line-timeout 75"
-timeout 500 python3 -m trainer.bench.pipeline --out /tmp/bench-q --report "$OUT/benchmarks-queued.md" \
-    --scenarios a $B --rounds 1 \
-    --lines megatron-1f1b-best,dpp-graphs,dpp-graphs-q2,dpp-graphs-rc-cf1.5,dpp-graphs-rc-cf1.5-q2,dpp-zb,dpp-zb-q2 \
+timeout 520 python3 -m trainer.bench.pipeline --out /tmp/bench-next --report "$OUT/benchmarks-next.md" \
+    --scenarios a $B --rounds 2 \
+    --lines megatron-1f1b-best,direct-megatron,dpp-graphs-rs2,dpp-q1,dpp,dpp-zb-q1 \
     2>&1 | grep "^\[bench\]"
