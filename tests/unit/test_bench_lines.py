@@ -114,6 +114,27 @@ def test_report_pairs_rounds_so_host_drift_between_rounds_cancels(tmp_path) -> N
     assert "CPU binding none" in text
 
 
+def test_report_names_the_fastest_dpp_line_within_the_memory_bound_and_the_goal(tmp_path) -> None:
+    from trainer.bench.report import write_report
+    from trainer.bench.results import LineResult
+
+    def line(name: str, ms: float, gib: float, scenario: str = "a") -> LineResult:
+        return LineResult(f"{scenario}-{name}", name, scenario, name, timed_ms=[ms], round_medians=[ms],
+                          reserved_gib=gib)
+
+    results = [line("megatron-1f1b-best", 570.0, 11.67), line("dpp-graphs", 480.0, 13.49),  # over 1.10x memory
+               line("dpp-graphs-rs2", 550.0, 12.11), line("megatron-interleaved-v2", 600.0, 11.79),
+               line("dpp-graphs-v2", 540.0, 23.0), line("megatron-1f1b-best", 700.0, 11.67, "c"),
+               line("dpp-graphs-rs2", 650.0, 12.11, "c")]
+    report = tmp_path / "r.md"
+    write_report(report, BenchConfig(device="cpu"), results, [], {}, {}, 1.0)
+    text = report.read_text()
+    assert ("- v=1: fastest DPP line within 1.10x megatron-1f1b-best's memory: **dpp-graphs-rs2**, 1.036x at "
+            "1.038x the memory — goal >= 1.05x: **missed**.") in text
+    assert "- v=2: no DPP line within 1.10x megatron-interleaved-v2's peak reserved memory." in text
+    assert "**dpp-graphs-rs2**, 1.077x at 1.038x the memory — goal >= 1.10x: **missed**." in text  # (c)
+
+
 def test_scenario_d_reads_the_corpus_with_variable_lengths(tmp_path) -> None:
     """Scenario (d): the same lines on a real GPT-2-tokenized corpus instead of mock documents; the
     tokens the report counts are the corpus pieces the trainer reads (here a tiny preprocessed corpus)."""

@@ -11,6 +11,7 @@ from trainer.bench.lines import (
     SCENARIOS,
     BenchConfig,
     NotRun,
+    line_entry,
     variable_length_args,
     variable_length_tokens,
 )
@@ -77,6 +78,44 @@ def _rounds(results: list[LineResult], scenario: str) -> list[str]:
         rows.append(f"- **{r.name}** vs {bar.name}: per-round ratios {min(ratios):.3f}–{max(ratios):.3f}x, "
                     f"median {statistics.median(ratios):.3f}x (pooled medians: {bar.median_ms / r.median_ms:.3f}x).")
     return rows + [""]
+
+
+MEMORY_BOUND = 1.10
+"""Issue 12: a DPP line counts against megatron's best only at <= 1.10x its peak reserved memory."""
+GOALS = {"a": 1.05, "c": 1.10}
+"""Issue 12's speed goals per scenario (best DPP line / best megatron 1F1B line); other scenarios: none."""
+
+
+def _vp(name: str) -> int:
+    entry = line_entry(name)
+    return entry[1] if entry else 1
+
+
+def _verdict(results: list[LineResult], scenario: str) -> list[str]:
+    """The fastest DPP line within the memory bound against the bar, at v=1 (against the best megatron
+    line) and at v=2 (against megatron's interleaved line), with the goal it is held to."""
+    ok = [r for r in results if r.ok and r.scenario == scenario]
+    out = []
+    for vp, bars in ((1, [r for r in ok if r.name in MEGATRON_LINES and _vp(r.name) == 1]),
+                     (2, [r for r in ok if r.name == "megatron-interleaved-v2"])):
+        bar = min(bars, key=lambda r: r.median_ms, default=None)
+        dpp = [r for r in ok if r.name not in MEGATRON_LINES and r.name != "direct-megatron" and _vp(r.name) == vp]
+        if bar is None or not dpp:
+            continue
+        fits = [r for r in dpp if r.reserved_gib and bar.reserved_gib and r.reserved_gib <= MEMORY_BOUND * bar.reserved_gib]
+        goal = GOALS.get(scenario)
+        if not fits:
+            out.append(f"- v={vp}: no DPP line within {MEMORY_BOUND:.2f}x {bar.name}'s peak reserved memory"
+                       + (" (memory not measured on this device)" if not bar.reserved_gib else "") + ".")
+            continue
+        best = min(fits, key=lambda r: r.median_ms)
+        ratio = bar.median_ms / best.median_ms
+        paired = [b / x for b, x in zip(bar.round_medians, best.round_medians, strict=False)]
+        spread = f", per round {min(paired):.3f}–{max(paired):.3f}x" if len(paired) > 1 else ""
+        verdict = "" if goal is None or vp > 1 else (f" — goal >= {goal:.2f}x: **{'met' if ratio >= goal else 'missed'}**")
+        out.append(f"- v={vp}: fastest DPP line within {MEMORY_BOUND:.2f}x {bar.name}'s memory: **{best.name}**, "
+                   f"{ratio:.3f}x{spread} at {best.reserved_gib / bar.reserved_gib:.3f}x the memory{verdict}.")
+    return out + [""] if out else []
 
 
 def _losses(results: list[LineResult], scenario: str) -> list[str]:
@@ -150,6 +189,7 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
             lines += [f"`--inject-stalls {cfg.stall}` (RANK:FRACTION:MS:SEED) for every line: the same forward "
                       "ops of that rank delayed (a GPU spin kernel on CUDA); backwards are not delayed.", ""]
         lines += _table(results, scenario) + [""]
+        lines += _verdict(results, scenario)
         lines += _rounds(results, scenario)
         losses = _losses(results, scenario)
         if losses:
