@@ -9,9 +9,11 @@ already there (head-of-line blocking). On a 4×H100 host where megatron-core's e
 launch-bound, DPP's stages idled between ops in the second half of every step (docs/benchmarks.md,
 sixth session). The simulator, which decides at GPU time, does not see this.
 
-Experimental, off by default: the host-time simulator (trainer/schedule/host_ahead.py) predicts no
-gain from it at the runtime's latencies, and a loss for dpp-zb (docs/schedules.md); it exists so a
-GPU run can check that prediction (bench lines ``*-q2``).
+Measured (4xH100, issue-12 model, seventh session, docs/benchmarks.md): with CUDA graphs at 1F1B's
+caps 559 ms per iteration unbounded, 526 at K = 2, 482 at K = 1; so K = 1 is the default with
+``--dpp-cuda-graphs`` (eager DPP stays unbounded until measured). The host-time simulator
+(trainer/schedule/host_ahead.py) had predicted no gain: the real cost of deciding early is not in
+that model yet (docs/schedules.md).
 
 With K > 0 the host decides only once at most K of the ops it queued have not finished on the GPU,
 so decisions are taken close to GPU time (K ops of 3–10 ms each still hide the launch of the next
