@@ -39,7 +39,15 @@ from torch.multiprocessing.reductions import reduce_tensor
 from trainer.transport import _shm_ring
 from trainer.transport.base import Direction, Header, Message, TransportError
 from trainer.transport.channels import Delivery, Inbox
-from trainer.transport.gpu_signals import EventSignals, FlagSignals, Signals, probe_stream_mem_ops
+from trainer.transport.gpu_signals import (
+    EventSignals,
+    FlagSignals,
+    Signals,
+    current_stream_handle,
+    device_context,
+    made_event,
+    probe_stream_mem_ops,
+)
 from trainer.transport.shm_links import (
     ShmReceiver,
     SlotView,
@@ -71,8 +79,11 @@ class CudaPeerSender:
         self._ring, self._poll_s = control, poll_s
         self._status = _RingStatus(rank, peer, direction, control)
         self._peer_slots, self._device, self._signals = peer_slots, device, signals
+        self._slots_base, self._slot_bytes = peer_slots.data_ptr(), peer_slots.stride(0)
         self._fills = [0] * peer_slots.shape[0]  # per slot: how often it was filled
         self._stream = torch.cuda.Stream(device)  # copies never queue behind this rank's compute
+        self._order_event = made_event(self._stream)  # "the producer's work so far", per send; its raw
+        self._order = self._order_event.cuda_event  # handle lives only as long as this torch object
         self._lock = threading.Lock()  # the chunks of one message must be consecutive slots
         self._sequence = 0
         self._closed = False
@@ -81,26 +92,33 @@ class CudaPeerSender:
         check_matches(tensor, header)
         if tensor.device != self._device:
             raise ValueError(f"rank {self.rank}: this channel carries tensors on {self._device}, got {tensor.device}")
-        data = as_bytes(tensor.detach())  # made on the producer's stream when a copy was needed
-        stream = self._stream
+        # A contiguous tensor is sent from where it lies; otherwise as_bytes copies it on the
+        # producer's stream first.
+        data = tensor if tensor.is_contiguous() else as_bytes(tensor.detach())
+        src, nbytes = data.data_ptr(), data.numel() * data.element_size()
+        side, slot_bytes = self._stream.cuda_stream, self._slot_bytes
+        producer = current_stream_handle(self._device.index)
+        first = True
 
         def fill(slot: int, offset: int, length: int) -> None:
-            self._signals.wait(stream, slot, self._fills[slot])  # the consumer freed the last fill
-            if length:
-                self._peer_slots[slot, :length].copy_(data[offset : offset + length], non_blocking=True)
+            nonlocal first
             self._fills[slot] += 1
-            self._signals.signal(stream, slot, self._fills[slot])
+            # The first chunk orders the side stream after everything the producer queued so far
+            # (copy only what was produced); then: after the consumer freed the slot's last fill,
+            # copy, signal this fill. One driver round trip (gpu_signals.FlagSignals.fill).
+            self._signals.fill(side, slot, self._fills[slot], self._slots_base + slot * slot_bytes, src + offset,
+                               length, self._order if first else 0, producer)  # fmt: skip
+            first = False
 
         with self._lock:
             if self._closed:
                 raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
             wire = pack(encode(header, self._sequence))
-            stream.wait_stream(torch.cuda.current_stream(self._device))  # copy only what was produced
-            with torch.cuda.stream(stream):
-                send_in_slots(self._ring, self._status, wire, data.numel(), self._peer_slots.shape[1], fill,
-                              timeout_s, self._poll_s, external=True)
+            send_in_slots(self._ring, self._status, wire, nbytes, slot_bytes, fill, timeout_s, self._poll_s,
+                          external=True)  # fmt: skip
             # The caching allocator must not hand `data` out again before the side stream read it.
-            data.record_stream(stream)
+            if nbytes:
+                data.record_stream(self._stream)
             self._sequence += 1
 
     def close(self, timeout_s: float) -> None:
@@ -140,6 +158,8 @@ class CudaPeerReceiver(ShmReceiver):
         super().__init__(rank, peer, direction, control, poll_s, timeout_s)
         self._gpu_slots, self._device, self._signals = slots, device, signals
         self._arrivals = [0] * slots.shape[0]  # per slot: how often it arrived (= the fill it holds)
+        self._slot_views = list(slots.unbind(0))  # made once: a slice costs microseconds per message
+        self._typed: dict[tuple, torch.Tensor] = {}  # (slot, dtype, shape) -> typed view of the slot
         self._copy_stream = torch.cuda.Stream(device)  # only for reassembling oversized payloads
 
     def _arrive(self, slot: int) -> int:
@@ -151,7 +171,7 @@ class CudaPeerReceiver(ShmReceiver):
         frame = self._frame_at(slot)
         if frame.nbytes <= self._gpu_slots.shape[1]:  # also an empty payload: a view of the slot
             self._hold(slot, frame.sequence)
-            view = from_bytes(self._gpu_slots[slot], frame.header)
+            view = self._typed_view(slot, frame.header)
             handle = GpuSlotView(slot, frame.sequence, self._arrive(slot))
             return Message(frame.header, view, self.peer, Delivery(self, handle))
         with torch.cuda.stream(self._copy_stream):
@@ -160,13 +180,27 @@ class CudaPeerReceiver(ShmReceiver):
             done.record(self._copy_stream)
         return Message(frame.header, from_bytes(out, frame.header), self.peer, Delivery(self, GpuCopy(done, out)))
 
+    def _typed_view(self, slot: int, header: Header) -> torch.Tensor:
+        """A fresh tensor viewing ``slot`` as ``header`` says. A pipeline sends few distinct shapes,
+        so the typed view is made once per slot and shape and each message gets a ``detach()`` of
+        it: one tensor object instead of three (slice, dtype view, shape view) on the hot path, and
+        never the same object twice (a consumer may set requires_grad on what it got)."""
+        key = (slot, header.dtype, header.shape)
+        typed = self._typed.get(key)
+        if typed is None:
+            if len(self._typed) >= 64 * len(self._slot_views):  # bounded whatever the shapes
+                self._typed.clear()
+            typed = self._typed[key] = from_bytes(self._slot_views[slot], header)
+        return typed.detach()
+
     def _copy_chunk(self, slot: int, out: torch.Tensor, offset: int, length: int) -> None:
         """Queued on the copy stream after the sender's copy into the slot; the slot is freed (for
         the sender's next copy into it) as soon as this copy is done."""
         count = self._arrive(slot)
-        self._signals.wait(self._copy_stream, slot, count)
+        copy_stream = self._copy_stream.cuda_stream
+        self._signals.wait(copy_stream, slot, count)
         out[offset : offset + length].copy_(self._gpu_slots[slot, :length], non_blocking=True)
-        self._signals.signal(self._copy_stream, slot, count)
+        self._signals.signal(copy_stream, slot, count)
 
     def on_delivered(self, message: Message) -> None:
         """The stream that first reads the tensor will wait for the data (no host sync): see
@@ -174,11 +208,11 @@ class CudaPeerReceiver(ShmReceiver):
         message.wait_when_used(lambda: self._wait_for_payload(message))
 
     def _wait_for_payload(self, message: Message) -> None:
-        consumer = torch.cuda.current_stream(self._device)
         handle = message.token.handle
         if isinstance(handle, GpuSlotView):
-            self._signals.wait(consumer, handle.slot, handle.fill)
+            self._signals.wait(current_stream_handle(self._device.index), handle.slot, handle.fill)
         else:
+            consumer = torch.cuda.current_stream(self._device)
             consumer.wait_event(handle.done)
             handle.buffer.record_stream(consumer)  # allocated on the copy stream, used on the consumer's
 
@@ -189,7 +223,7 @@ class CudaPeerReceiver(ShmReceiver):
         self._unhold(handle.slot, handle.sequence)
         # Queued before the slot goes back to the sender, whose next copy into it waits for this
         # signal: it follows everything the consumer queued so far.
-        self._signals.signal(torch.cuda.current_stream(self._device), handle.slot, handle.fill)
+        self._signals.signal(current_stream_handle(self._device.index), handle.slot, handle.fill)
         self._ring.release(handle.slot)
 
 
@@ -202,8 +236,8 @@ def build_cuda_peer_channels(
     torch.cuda.set_device(device)
     controls = open_rings(specs, rank, job, group, options.credits, _CONTROL_SLOT_BYTES)
     inbox.doorbell = open_doorbells(controls, rank, job, group)  # senders ring it on commit and close
-    ops = None if options.gpu_signals == "events" else probe_stream_mem_ops(device)
-    use_flags = all(all_gather(ops is not None, group))  # one kind of signal on every channel
+    ops = options.gpu_signals != "events" and probe_stream_mem_ops(device)
+    use_flags = all(all_gather(ops, group))  # one kind of signal on every channel
     if options.gpu_signals == "flags" and not use_flags:
         raise TransportError(f"rank {rank}: gpu_signals='flags' but some rank's driver has no stream "
                              "memory operations (see the warning); use 'auto' or 'events'")
@@ -234,15 +268,16 @@ def build_cuda_peer_channels(
     senders: dict[Direction, CudaPeerSender] = {}
     receivers = []
     poll_s = options.poll_interval_s
+    context = device_context(device)
     for key, control in controls.items():
         src, dst, direction = key
         peer_side = "@dst" if src == rank else "@src"
         if use_flags:
-            signals: Signals = FlagSignals(ops, map_in_own_context(shared[key]["flags" + peer_side], device),
-                                           local[key]["own"])
+            signals: Signals = FlagSignals(context, map_in_own_context(shared[key]["flags" + peer_side], device),
+                                           local[key]["own"])  # fmt: skip
         else:  # a peer's events are only waited on here (never recorded), so open them on our device
             theirs = [torch.cuda.Event.from_ipc_handle(device, h) for h in shared[key]["events" + peer_side]]
-            signals = EventSignals(local[key]["own"], theirs)
+            signals = EventSignals(context, local[key]["own"], theirs)
         if src == rank:
             senders[direction] = CudaPeerSender(
                 rank, dst, direction, control, map_in_own_context(shared[key]["slots"], device), signals,

@@ -16,105 +16,129 @@ queued on streams; the host never waits. Two ways:
 
 Counts: the n-th fill of slot k is signalled as n; the receiver, whose ring hands slots out in the
 order they were filled, knows it is waiting for n, and frees it as n; the sender's next fill of k
-waits for "freed >= n". Torch exposes neither driver call, so they are called through ctypes on
-the driver library torch already loaded.
+waits for "freed >= n". Torch exposes neither driver call; the C++ extension ``_cuda_hop``
+(csrc/cuda_hop.cpp) calls them, and issues a whole send -- order after the producer, wait for
+"freed", copy, signal "filled" -- in one call with the GIL released: done through torch and ctypes
+the send was 90-120 us of host time per hop on the GPU hosts here, most of a hop's latency.
+
+Streams and events are passed as raw handles (``current_stream_handle``, ``Stream.cuda_stream``,
+``Event.cuda_event``): creating torch stream objects and entering stream contexts costs several
+microseconds each on these hosts.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from typing import Protocol
 
 import torch
 
+from trainer.transport import _cuda_hop
+
 log = logging.getLogger(__name__)
 
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: wait until (int32)(*addr - value) >= 0
-_WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: with a memory barrier before the write
+
+def current_stream_handle(device_index: int) -> int:
+    """The raw handle of the current stream of ``device_index`` (no torch Stream object made)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def device_context(device: torch.device) -> int:
+    """The raw primary context of ``device``, which every ``_cuda_hop`` call makes current for its
+    duration (the calling thread may have another device current)."""
+    return _cuda_hop.primary_context(device.index)
+
+
+def made_event(stream: torch.cuda.Stream, **kwargs) -> torch.cuda.Event:
+    """A torch event whose CUDA event exists (torch creates it lazily, at the first record)."""
+    event = torch.cuda.Event(**kwargs)
+    event.record(stream)
+    if not event.cuda_event:
+        raise RuntimeError("torch did not create the CUDA event at its first record")
+    return event
 
 
 class Signals(Protocol):
-    def signal(self, stream: torch.cuda.Stream, slot: int, count: int) -> None:
+    def signal(self, stream: int, slot: int, count: int) -> None:
         """Queue on ``stream``: "slot's n-th use is done" (n = ``count``) for the peer."""
 
-    def wait(self, stream: torch.cuda.Stream, slot: int, count: int) -> None:
+    def wait(self, stream: int, slot: int, count: int) -> None:
         """Queue on ``stream``: block until the peer signalled ``count`` (or more) for ``slot``."""
+
+    def fill(self, stream: int, slot: int, count: int, dst: int, src: int, nbytes: int,
+             order: int = 0, producer: int = 0) -> None:  # fmt: skip
+        """Queue the ``count``-th fill of ``slot`` on ``stream``: after event ``order`` recorded on
+        ``producer`` (if given), after the peer freed fill ``count - 1``, copy ``nbytes`` from
+        ``src`` to ``dst``, then signal ``count``."""
 
 
 class EventSignals:
     """Interprocess events: ``mine[k]`` is recorded here, ``theirs[k]`` (opened from the peer's
     handle on our device) is waited on. The count is implied by the last record."""
 
-    def __init__(self, mine: list[torch.cuda.Event], theirs: list[torch.cuda.Event]) -> None:
-        self.mine, self.theirs = mine, theirs
+    def __init__(self, context: int, mine: list[torch.cuda.Event], theirs: list[torch.cuda.Event]) -> None:
+        self._context = context
+        self._mine = [e.cuda_event for e in mine]
+        self._theirs = [e.cuda_event for e in theirs]
+        self._keep = (mine, theirs)  # the raw handles live as long as the torch events
+        if not all(self._mine) or not all(self._theirs):
+            raise RuntimeError("interprocess events must exist before signalling (ipc_handle creates them)")
 
-    def signal(self, stream: torch.cuda.Stream, slot: int, count: int) -> None:
-        self.mine[slot].record(stream)
+    def signal(self, stream: int, slot: int, count: int) -> None:
+        _cuda_hop.record_event(self._context, self._mine[slot], stream)
 
-    def wait(self, stream: torch.cuda.Stream, slot: int, count: int) -> None:
-        stream.wait_event(self.theirs[slot])  # never recorded yet: no wait, as a first fill needs
+    def wait(self, stream: int, slot: int, count: int) -> None:
+        _cuda_hop.wait_event(self._context, stream, self._theirs[slot])  # never recorded yet: no wait, as a first fill needs
+
+    def fill(self, stream: int, slot: int, count: int, dst: int, src: int, nbytes: int,
+             order: int = 0, producer: int = 0) -> None:  # fmt: skip
+        if order:
+            _cuda_hop.record_event(self._context, order, producer)
+            _cuda_hop.wait_event(self._context, stream, order)
+        self.wait(stream, slot, count - 1)
+        _cuda_hop.copy(self._context, stream, dst, src, nbytes)
+        self.signal(stream, slot, count)
 
 
 class FlagSignals:
     """Flags: ``peer_flags`` (the peer's memory, mapped in our context) is written, ``own_flags``
     (ours, int32, zero at start) is waited on."""
 
-    def __init__(self, driver: StreamMemOps, peer_flags: torch.Tensor, own_flags: torch.Tensor) -> None:
+    def __init__(self, context: int, peer_flags: torch.Tensor, own_flags: torch.Tensor) -> None:
         assert peer_flags.dtype == own_flags.dtype == torch.int32
-        self._driver, self._peer, self._own = driver, peer_flags, own_flags
+        self._context = context
+        self._peer, self._own = peer_flags.data_ptr(), own_flags.data_ptr()
+        self._keep = (peer_flags, own_flags)  # the addresses live as long as the tensors
 
-    def signal(self, stream: torch.cuda.Stream, slot: int, count: int) -> None:
-        self._driver.write(stream, self._peer.data_ptr() + 4 * slot, count)
+    def signal(self, stream: int, slot: int, count: int) -> None:
+        _cuda_hop.write(self._context, stream, self._peer + 4 * slot, count)
 
-    def wait(self, stream: torch.cuda.Stream, slot: int, count: int) -> None:
+    def wait(self, stream: int, slot: int, count: int) -> None:
         if count > 0:
-            self._driver.wait_geq(stream, self._own.data_ptr() + 4 * slot, count)
+            _cuda_hop.wait_geq(self._context, stream, self._own + 4 * slot, count)
+
+    def fill(self, stream: int, slot: int, count: int, dst: int, src: int, nbytes: int,
+             order: int = 0, producer: int = 0) -> None:  # fmt: skip
+        _cuda_hop.flagged_copy(self._context, stream, order, producer, self._own + 4 * slot, count - 1, dst, src, nbytes,
+                               self._peer + 4 * slot, count)  # fmt: skip
 
 
-class StreamMemOps:
-    """``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` of the CUDA driver, via ctypes."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        self._write = _driver_function(lib, "cuStreamWriteValue32")
-        self._wait = _driver_function(lib, "cuStreamWaitValue32")
-
-    def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
-        _check(self._write(stream.cuda_stream, address, value & 0xFFFFFFFF, _WRITE_DEFAULT), "cuStreamWriteValue32")
-
-    def wait_geq(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
-        _check(self._wait(stream.cuda_stream, address, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
-
-
-def _driver_function(lib: ctypes.CDLL, name: str):
-    # CUDA >= 11.7 headers map the name to its _v2 ABI (no device attribute needed); older drivers
-    # have only the original symbol.
-    func = getattr(lib, f"{name}_v2", None) or getattr(lib, name)
-    func.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-    func.restype = ctypes.c_int
-    return func
-
-
-def _check(code: int, what: str) -> None:
-    if code != 0:
-        raise RuntimeError(f"{what} failed with CUDA driver error {code}")
-
-
-def probe_stream_mem_ops(device: torch.device) -> StreamMemOps | None:
-    """The driver's stream memory operations if they work on ``device`` (a write and a wait on a
-    local flag, with one synchronize: set-up only); None where they do not."""
+def probe_stream_mem_ops(device: torch.device) -> bool:
+    """Whether the driver's stream memory operations work on ``device`` (a write and a wait on a
+    local flag, with one synchronize: set-up only)."""
     device_index = device.index
     try:
-        ops = StreamMemOps()
+        problem = _cuda_hop.available()
+        if problem:
+            raise RuntimeError(problem)
         flag = torch.zeros(1, dtype=torch.int32, device=device)
-        stream = torch.cuda.current_stream(device)
-        ops.write(stream, flag.data_ptr(), 7)
-        ops.wait_geq(stream, flag.data_ptr(), 7)
+        stream, context = torch.cuda.current_stream(device).cuda_stream, device_context(device)
+        _cuda_hop.write(context, stream, flag.data_ptr(), 7)
+        _cuda_hop.wait_geq(context, stream, flag.data_ptr(), 7)
         torch.cuda.synchronize(device)
         if int(flag.item()) != 7:
             raise RuntimeError(f"flag reads {int(flag.item())} after writing 7")
-        return ops
-    except (OSError, AttributeError, RuntimeError) as exc:
+        return True
+    except RuntimeError as exc:
         log.warning("cuda:%s: stream memory operations unavailable (%s)", device_index, exc)
-        return None
+        return False
