@@ -97,13 +97,15 @@ def _main(rank, world, cfg):
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     topo = Topology(world_size=2, rank=rank, pipeline_parallel=2)
-    links = make_stage_links(topo, "shm", device, timeout_s=60, options=LinkOptions(shm_slot_bytes=64 << 20))
+    links = make_stage_links(topo, cfg["transport"], device, timeout_s=60, options=LinkOptions(shm_slot_bytes=64 << 20))
     result = {}
     for size in cfg["sizes"]:
         data = torch.ones(size, dtype=torch.uint8, device=device)
         _pingpong(rank, links, data, 50)  # warm-up
         result[size] = _pingpong(rank, links, data, cfg["iters"])
-    pieces = _pieces(links, torch.ones(64 << 10, dtype=torch.uint8, device=device)) if rank == 0 else {}
+    pieces = {}
+    if rank == 0 and cfg["pieces"]:
+        pieces = _pieces(links, torch.ones(64 << 10, dtype=torch.uint8, device=device))
     links.close()
     return {"stamps": result, "pieces": pieces}
 
@@ -112,8 +114,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="64K,8M")
     p.add_argument("--iters", type=int, default=400)
+    p.add_argument("--transport", default="shm", choices=["shm", "nccl"])
+    p.add_argument("--no-pieces", action="store_true")
     args = p.parse_args()
-    cfg = {"sizes": [parse_size(s) for s in args.sizes.split(",")], "iters": args.iters}
+    cfg = {"sizes": [parse_size(s) for s in args.sizes.split(",")], "iters": args.iters,
+           "transport": args.transport, "pieces": not args.no_pieces}
     import os, sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import hop_profile  # picklable by its real name under spawn (children inherit sys.path)
@@ -137,7 +142,7 @@ def main():
             "r0 release": [s0[i][4] - s0[i][3] for i in range(n)],
             "round trip (r0 send start -> next)": [s0[i + 1][0] - s0[i][0] for i in range(n - 1)],
         }
-        print(f"[hop] size {size} bytes, {n} round trips, medians in us:")
+        print(f"[hop] {cfg['transport']}: size {size} bytes, {n} round trips, medians in us:")
         for name, xs in rows.items():
             print(f"[hop]   {name:40s} {med(xs):8.1f}   (p90 {sorted(xs)[int(0.9 * len(xs))] / 1e3:.1f})")
     for name, us in r0["pieces"].items():

@@ -8,8 +8,9 @@ free port). For every size it measures, median over ``--repeats``:
 
 - one-way time: a true round trip timed on the initiating rank (stage 0 sends on "next", stage 1
   replies on "prev" after the message arrived, stage 0 stops the clock when the reply is usable:
-  on GPU after a stream synchronize), averaged over a burst of round trips, halved; bandwidth is
-  size / one-way time;
+  on GPU after a stream synchronize), averaged over a burst of round trips (after one untimed round
+  trip, so the ranks' skew leaving the barrier is not counted), halved; bandwidth is size / one-way
+  time;
 - the same round trip with the receiving rank busy: a matmul loop on a side stream of its GPU (on
   CPU a thread doing matmuls) runs while it receives;
 - stream bandwidth: stage 0 streams a burst of messages, stage 1 receives them (pipelined, so
@@ -51,6 +52,7 @@ from trainer.transport.tensors import header_for
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _BURST_BYTES = 256 << 20  # bytes streamed per bandwidth sample (bounded below by _MIN_BURST messages)
 _MIN_BURST, _MAX_BURST = 3, 100
+_MIN_ROUND_TRIPS = 8  # per one-way sample (a 256 MiB round trip is ~1.6 ms on NVLink)
 
 
 def parse_size(text: str) -> int:
@@ -216,18 +218,27 @@ class _BusyLoop:
 
 
 def _round_trips(pair, rank: int, size: int, data: torch.Tensor, sink: torch.Tensor, device) -> float:
-    """One sample of the one-way time (us): a burst of ping-pongs timed on rank 0, halved."""
-    count = max(2, _burst(size) // 2)
-    dist.barrier()
-    _settle(device)
-    start = time.perf_counter()
-    for _ in range(count):
+    """One sample of the one-way time (us): a burst of ping-pongs timed on rank 0, halved.
+
+    One untimed round trip first: the two ranks leave a barrier up to ~0.1 ms apart (its last
+    message; more on the VMs here), and the first message may find the receiver asleep -- costs of
+    starting, which a burst of 16 round trips (8 MiB) would spread as ~5 us over every hop."""
+
+    def round_trip() -> None:
         if rank == 0:
             pair.send("next", data)
             pair.recv(sink)
         else:
             pair.recv(sink)
             pair.send("prev", data)  # stream-ordered after the receive on GPU
+
+    count = max(_MIN_ROUND_TRIPS, _burst(size) // 2)
+    dist.barrier()
+    _settle(device)
+    round_trip()
+    start = time.perf_counter()
+    for _ in range(count):
+        round_trip()
     _settle(device)  # rank 0: the last reply is usable
     return (time.perf_counter() - start) / count / 2 * 1e6
 

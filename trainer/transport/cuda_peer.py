@@ -114,8 +114,11 @@ class CudaPeerSender:
             if self._closed:
                 raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
             wire = pack(encode(header, self._sequence))
+            # With flags the receiver's stream waits for "filled >= n", which only this fill writes,
+            # so the header may go first. Not with events: a wait on an event not yet recorded for
+            # this fill would pass on the previous record and read the slot's old bytes.
             send_in_slots(self._ring, self._status, wire, nbytes, slot_bytes, fill, timeout_s, self._poll_s,
-                          external=True)  # fmt: skip
+                          external=True, commit_first=isinstance(self._signals, FlagSignals))  # fmt: skip
             # The caching allocator must not hand `data` out again before the side stream read it.
             if nbytes:
                 data.record_stream(self._stream)

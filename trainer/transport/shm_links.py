@@ -67,20 +67,28 @@ class _RingStatus:
 def send_in_slots(
     ring: _shm_ring.Ring, status: _RingStatus, wire, nbytes: int, slot_bytes: int,
     fill: Callable[[int, int, int], None], timeout_s: float, poll_s: float, external: bool,
+    commit_first: bool = False,
 ) -> None:  # fmt: skip
     """The slot loop of every ring-based sender: take a credit (a free slot), let ``fill(slot, offset,
     length)`` put that chunk's bytes where the payload lives, commit the header (wakes the receiver).
     At least one slot, also for an empty payload; a payload larger than a slot takes consecutive
     slots (the caller holds its send lock so the chunks of one message are never interleaved).
-    ``external``: the ring carries only headers (the payload lives in GPU slots)."""
+    ``external``: the ring carries only headers (the payload lives in GPU slots). ``commit_first``:
+    commit before filling -- only where the receiver's use of the slot waits for a signal that the
+    fill itself raises (GPU flags), so the receiver's host starts on the header while ours is still
+    queueing the copy."""
     offset = 0
     while True:
         slot = ring.acquire(timeout_s, poll_s)
         if slot < 0:
             raise status.error(slot, "a free receive slot (credit)", timeout_s)
         length = min(slot_bytes, nbytes - offset)
-        fill(slot, offset, length)
-        ring.commit(slot, length, wire, external=external)
+        if commit_first:
+            ring.commit(slot, length, wire, external=external)
+            fill(slot, offset, length)
+        else:
+            fill(slot, offset, length)
+            ring.commit(slot, length, wire, external=external)
         offset += length
         if offset >= nbytes:
             return
