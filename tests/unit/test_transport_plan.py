@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -80,6 +82,32 @@ def test_header_wire_round_trip(shape, dtype):
     frame = decode(unpack(pack(encode(header, sequence=77))))
     assert frame.header == header and frame.sequence == 77 and not frame.end_of_stream
     assert decode(encode(None, 5)).end_of_stream
+
+
+def test_decoded_headers_are_shared_per_distinct_header_from_lists_and_tuples():
+    a, b = Header("act", 4, 1, "bfloat16", (8, 2)), Header("act", 5, 1, "bfloat16", (8, 2))
+    first = decode(unpack(pack(encode(a, 0))))
+    again = decode(list(encode(a, 9)))  # the gloo/NCCL path decodes a list
+    other = decode(encode(b, 1))
+    assert first.header is again.header and again.sequence == 9 and first.nbytes == 32
+    assert other.header == b and other.header is not first.header
+    eos = decode(encode(None, 3))
+    assert eos.header is None and eos.sequence == 3
+
+
+@pytest.mark.parametrize(
+    ("header", "named"),
+    [
+        (Header("act", -1, 0, "float32", (2,)), "microbatch=-1"),
+        (Header("act", 0, -2, "float32", (2,)), "chunk=-2"),
+        (Header("act", 0, 0, "float32", (2, -3)), "negative dim"),
+        (Header("act", 0, 0, "int4", (2,)), "dtype='int4'"),
+    ],
+)
+def test_every_bad_header_field_is_refused_and_named(header, named):
+    t = torch.zeros(1)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_matches(t, header)
 
 
 def test_corrupt_header_is_a_transport_error():

@@ -90,12 +90,12 @@ class CudaPeerSender:
 
     def send(self, tensor: torch.Tensor, header: Header, timeout_s: float) -> None:
         check_matches(tensor, header)
-        if tensor.device != self._device:
+        if tensor.get_device() != self._device.index:  # an int compare: no torch.device made per send
             raise ValueError(f"rank {self.rank}: this channel carries tensors on {self._device}, got {tensor.device}")
         # A contiguous tensor is sent from where it lies; otherwise as_bytes copies it on the
         # producer's stream first.
         data = tensor if tensor.is_contiguous() else as_bytes(tensor.detach())
-        src, nbytes = data.data_ptr(), data.numel() * data.element_size()
+        src, nbytes = data.data_ptr(), data.nbytes
         side, slot_bytes = self._stream.cuda_stream, self._slot_bytes
         producer = current_stream_handle(self._device.index)
         first = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from trainer.problems import raise_if_any
 from trainer.transport.base import Header, TransportError
@@ -36,6 +36,7 @@ DTYPE_NAMES = (
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
     "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
 )  # fmt: skip
+_DTYPE_CODE = {name: code for code, name in enumerate(DTYPE_NAMES)}
 _ITEMSIZE = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
     "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
@@ -43,9 +44,10 @@ _ITEMSIZE = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Frame:
-    """A decoded header word block: the header (None for end-of-stream), payload size, sequence."""
+class Frame(NamedTuple):
+    """A decoded header word block: the header (None for end-of-stream), payload size, sequence.
+    (A tuple: built once per message on the receive path, where a frozen dataclass's field-by-field
+    ``__init__`` cost microseconds on the GPU hosts.)"""
 
     header: Header | None
     nbytes: int
@@ -56,6 +58,9 @@ class Frame:
         return self.header is None
 
 
+_KINDS = ("act", "grad")
+
+
 def payload_nbytes(header: Header) -> int:
     """Bytes of the payload that ``header`` describes."""
     return math.prod(header.shape) * _ITEMSIZE[header.dtype]
@@ -63,6 +68,10 @@ def payload_nbytes(header: Header) -> int:
 
 def validate_header(header: Header) -> None:
     """Raise ValueError naming every field a peer could not decode."""
+    shape = header.shape
+    if (header.kind in _KINDS and header.dtype in _ITEMSIZE and len(shape) <= MAX_DIMS
+            and min(shape, default=0) >= 0 and header.microbatch >= 0 and header.chunk >= 0):  # fmt: skip
+        return  # the common case, checked without building a list (once per message sent)
     problems = []
     if header.kind not in ("act", "grad"):
         problems.append(f"kind={header.kind!r} (expected 'act' or 'grad')")
@@ -88,7 +97,7 @@ def encode(header: Header | None, sequence: int) -> list[int]:
     words[1] = _FLAG_GRAD if header.kind == "grad" else 0
     words[2] = header.microbatch
     words[3] = header.chunk
-    words[4] = DTYPE_NAMES.index(header.dtype)
+    words[4] = _DTYPE_CODE[header.dtype]
     words[5] = len(header.shape)
     words[6 : 6 + len(header.shape)] = header.shape
     words[14] = payload_nbytes(header)
@@ -104,14 +113,26 @@ def decode(words: list[int] | tuple[int, ...]) -> Frame:
     ndim, code = words[5], words[4]
     if not (0 <= ndim <= MAX_DIMS and 0 <= code < len(DTYPE_NAMES)):
         raise TransportError(f"corrupt header on the wire: ndim={ndim} dtype code={code}")
-    header = Header(
-        kind="grad" if words[1] & _FLAG_GRAD else "act",
-        microbatch=words[2],
-        chunk=words[3],
-        dtype=DTYPE_NAMES[code],
-        shape=tuple(words[6 : 6 + ndim]),
-    )
+    # Headers are immutable and a pipeline sends few distinct ones (kinds x microbatches x chunks x
+    # shapes), so one object per distinct header is shared instead of a dataclass built per message.
+    key = tuple(words[1 : 6 + ndim])
+    header = _DECODED.get(key)
+    if header is None:
+        header = Header(
+            kind="grad" if words[1] & _FLAG_GRAD else "act",
+            microbatch=words[2],
+            chunk=words[3],
+            dtype=DTYPE_NAMES[code],
+            shape=tuple(words[6 : 6 + ndim]),
+        )
+        if len(_DECODED) >= _DECODED_LIMIT:  # bounded whatever the traffic
+            _DECODED.clear()
+        _DECODED[key] = header
     return Frame(header, words[14], words[15])
+
+
+_DECODED: dict[tuple, Header] = {}
+_DECODED_LIMIT = 4096
 
 
 def pack(words: list[int]) -> bytes:
