@@ -125,3 +125,31 @@ def test_doorbell_counts_commits_and_close_and_a_quiet_wait_times_out(name):
     assert bell.seq == seen + 2  # end of stream rings too, so a sleeping consumer sees it
     assert receiver.poll_full() == _shm_ring.PEER_CLOSED
     assert receiver.peer_status() == 0  # the sender (this process) is alive
+
+
+@pytest.mark.parametrize("commit_first", [False, True])
+def test_send_in_slots_commits_before_the_fill_only_when_asked(name, commit_first):
+    """The same-node GPU path commits the header first (its receiver's stream waits for a flag the
+    fill writes); every other sender must fill first, or the receiver could read an unfilled slot.
+    Checked on a real ring: what the receiver sees from inside each fill, per chunk of a message
+    that spans three slots."""
+    from trainer.transport.shm_links import _RingStatus, send_in_slots
+
+    receiver = _shm_ring.Ring.create(name, 4, 4096)
+    sender = _shm_ring.Ring.attach(name)
+    seen_during_fill = []
+
+    def fill(slot: int, offset: int, length: int) -> None:
+        seen_during_fill.append((slot, offset, length, receiver.wait_full(0.0, 0.01)))
+
+    wire = bytes(_shm_ring.HEADER_BYTES)
+    status = _RingStatus(0, 1, "next", sender)
+    send_in_slots(sender, status, wire, 2 * 4096 + 10, 4096, fill, 1.0, 0.01, external=True,
+                  commit_first=commit_first)  # fmt: skip
+    assert [(s, o, n) for s, o, n, _ in seen_during_fill] == [(0, 0, 4096), (1, 4096, 4096), (2, 8192, 10)]
+    if commit_first:  # inside each fill the receiver already has the slot being filled
+        assert [v for *_, v in seen_during_fill] == [0, 1, 2]
+    else:  # ... only the chunks before it; the last one arrives after its fill
+        assert [v for *_, v in seen_during_fill] == [_shm_ring.TIMEOUT, 0, 1]
+        assert receiver.wait_full(0.1, 0.01) == 2
+    assert [receiver.slot_nbytes(s) for s in range(3)] == [4096, 4096, 10]
