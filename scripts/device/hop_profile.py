@@ -34,15 +34,26 @@ def _pingpong(rank, links, data, iters):
     stamps = []
     dist.barrier()
     torch.cuda.synchronize()
+    def send():
+        start = ns()
+        links.send(direction, data, header)
+        return start, ns()
+
+    def receive():
+        message = links.wait_any(60)
+        handed_out = ns()
+        _ = message.tensor  # queues the stream's wait for the payload
+        read = ns()
+        links.release(message)
+        return handed_out, read, ns()
+
     for _ in range(iters):
         if rank == 0:
-            a = ns(); links.send(direction, data, header); b = ns()
-            m = links.wait_any(60); c = ns(); m.tensor; d = ns(); links.release(m); e = ns()
-            stamps.append((a, b, c, d, e))
+            sent = send()
+            stamps.append((*sent, *receive()))
         else:
-            m = links.wait_any(60); c = ns(); m.tensor; d = ns(); links.release(m); e = ns()
-            a = ns(); links.send(direction, data, header); b = ns()
-            stamps.append((a, b, c, d, e))
+            got = receive()
+            stamps.append((*send(), *got))
     torch.cuda.synchronize()
     return stamps
 
@@ -119,7 +130,9 @@ def main():
     args = p.parse_args()
     cfg = {"sizes": [parse_size(s) for s in args.sizes.split(",")], "iters": args.iters,
            "transport": args.transport, "pieces": not args.no_pieces}
-    import os, sys
+    import os
+    import sys
+
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import hop_profile  # picklable by its real name under spawn (children inherit sys.path)
 
