@@ -26,7 +26,7 @@ fi
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m pip install -q torch==2.13.0
 fi
-if ! "$PYTHON" -c "import trainer.transport._shm_ring, megatron.core, pytest_timeout, submitit, tensorboard, psutil" 2>/dev/null \
+if ! "$PYTHON" -c "import trainer.transport._shm_ring, trainer.transport._cuda_hop, megatron.core, pytest_timeout, submitit, tensorboard, psutil" 2>/dev/null \
    || [[ setup.py -nt .setup-done || csrc/shm_ring.cpp -nt .setup-done || csrc/cuda_hop.cpp -nt .setup-done || pyproject.toml -nt .setup-done ]]; then
     "$PYTHON" -m pip install -q -e '.[dev]'
 fi

@@ -78,6 +78,7 @@ class CudaPeerSender:
         self.rank, self.peer, self.direction = rank, peer, direction
         self._ring, self._poll_s = control, poll_s
         self._status = _RingStatus(rank, peer, direction, control)
+        # The mapping is kept alive by self._peer_slots; sends use its raw address.
         self._peer_slots, self._device, self._signals = peer_slots, device, signals
         self._slots_base, self._slot_bytes = peer_slots.data_ptr(), peer_slots.stride(0)
         self._fills = [0] * peer_slots.shape[0]  # per slot: how often it was filled
@@ -98,17 +99,14 @@ class CudaPeerSender:
         src, nbytes = data.data_ptr(), data.nbytes
         side, slot_bytes = self._stream.cuda_stream, self._slot_bytes
         producer = current_stream_handle(self._device.index)
-        first = True
 
         def fill(slot: int, offset: int, length: int) -> None:
-            nonlocal first
             self._fills[slot] += 1
             # The first chunk orders the side stream after everything the producer queued so far
             # (copy only what was produced); then: after the consumer freed the slot's last fill,
             # copy, signal this fill. One driver round trip (gpu_signals.FlagSignals.fill).
             self._signals.fill(side, slot, self._fills[slot], self._slots_base + slot * slot_bytes, src + offset,
-                               length, self._order if first else 0, producer)  # fmt: skip
-            first = False
+                               length, self._order if offset == 0 else 0, producer)  # fmt: skip
 
         with self._lock:
             if self._closed:
@@ -239,8 +237,8 @@ def build_cuda_peer_channels(
     torch.cuda.set_device(device)
     controls = open_rings(specs, rank, job, group, options.credits, _CONTROL_SLOT_BYTES)
     inbox.doorbell = open_doorbells(controls, rank, job, group)  # senders ring it on commit and close
-    ops = options.gpu_signals != "events" and probe_stream_mem_ops(device)
-    use_flags = all(all_gather(ops, group))  # one kind of signal on every channel
+    flags_work_here = options.gpu_signals != "events" and probe_stream_mem_ops(device)
+    use_flags = all(all_gather(flags_work_here, group))  # one kind of signal on every channel
     if options.gpu_signals == "flags" and not use_flags:
         raise TransportError(f"rank {rank}: gpu_signals='flags' but some rank's driver has no stream "
                              "memory operations (see the warning); use 'auto' or 'events'")

@@ -73,7 +73,7 @@ def validate_header(header: Header) -> None:
             and min(shape, default=0) >= 0 and header.microbatch >= 0 and header.chunk >= 0):  # fmt: skip
         return  # the common case, checked without building a list (once per message sent)
     problems = []
-    if header.kind not in ("act", "grad"):
+    if header.kind not in _KINDS:
         problems.append(f"kind={header.kind!r} (expected 'act' or 'grad')")
     if header.dtype not in _ITEMSIZE:
         problems.append(f"dtype={header.dtype!r} (supported: {', '.join(DTYPE_NAMES)})")
