@@ -129,26 +129,51 @@ uintptr_t primary_context(int ordinal) {
     return reinterpret_cast<uintptr_t>(ctx);
 }
 
+// The single stream operations, each with its error check (the context is the caller's business).
+void record_event(const Driver& d, uintptr_t event, uintptr_t stream) {
+    check(d, d.event_record(reinterpret_cast<CUevent>(event), stream_of(stream)), "cuEventRecord");
+}
+
+void wait_event(const Driver& d, uintptr_t stream, uintptr_t event) {
+    check(d, d.stream_wait_event(stream_of(stream), reinterpret_cast<CUevent>(event), 0), "cuStreamWaitEvent");
+}
+
+void wait_flag(const Driver& d, uintptr_t stream, uintptr_t addr, uint64_t value) {
+    check(d, d.wait_value32(stream_of(stream), addr, static_cast<uint32_t>(value), kWaitGeq), "cuStreamWaitValue32");
+}
+
+void write_flag(const Driver& d, uintptr_t stream, uintptr_t addr, uint64_t value) {
+    check(d, d.write_value32(stream_of(stream), addr, static_cast<uint32_t>(value), kWriteDefault),
+          "cuStreamWriteValue32");
+}
+
+void copy_bytes(const Driver& d, uintptr_t stream, uintptr_t dst, uintptr_t src, uint64_t nbytes) {
+    if (nbytes != 0) check(d, d.memcpy_dtod_async(dst, src, nbytes, stream_of(stream)), "cuMemcpyDtoDAsync");
+}
+
 // The whole send of one chunk on `stream`: after the producer's work (event `order` recorded on
 // `producer`, skipped when `order` is 0), after the consumer freed the slot (flag at `wait_addr`
 // >= `wait_value`; skipped when `wait_addr` is 0 or `wait_value` is 0, the slot's first fill), copy
 // `nbytes` from `src` to `dst`, then write `signal_value` to the flag at `signal_addr` (skipped
 // when 0). Flags are 32-bit; counts wrap like the driver's comparison does.
-void flagged_copy(uintptr_t context, uintptr_t stream, uintptr_t order, uintptr_t producer, uintptr_t wait_addr, uint64_t wait_value,
-                  uintptr_t dst, uintptr_t src, uint64_t nbytes, uintptr_t signal_addr, uint64_t signal_value) {
+void flagged_copy(const Driver& d, uintptr_t stream, uintptr_t order, uintptr_t producer, uintptr_t wait_addr,
+                  uint64_t wait_value, uintptr_t dst, uintptr_t src, uint64_t nbytes, uintptr_t signal_addr,
+                  uint64_t signal_value) {
+    if (order != 0) {
+        record_event(d, order, producer);
+        wait_event(d, stream, order);
+    }
+    if (wait_addr != 0 && wait_value != 0) wait_flag(d, stream, wait_addr, wait_value);
+    copy_bytes(d, stream, dst, src, nbytes);
+    if (signal_addr != 0) write_flag(d, stream, signal_addr, signal_value);
+}
+
+// What Python calls: `Op` with the driver checked and `context` current for the call's duration.
+template <auto Op, typename... Args>
+void in_context(uintptr_t context, Args... args) {
     const Driver& d = usable();
     InContext in(d, context);
-    CUstream s = stream_of(stream);
-    if (order != 0) {
-        check(d, d.event_record(reinterpret_cast<CUevent>(order), stream_of(producer)), "cuEventRecord");
-        check(d, d.stream_wait_event(s, reinterpret_cast<CUevent>(order), 0), "cuStreamWaitEvent");
-    }
-    if (wait_addr != 0 && wait_value != 0)
-        check(d, d.wait_value32(s, wait_addr, static_cast<uint32_t>(wait_value), kWaitGeq), "cuStreamWaitValue32");
-    if (nbytes != 0) check(d, d.memcpy_dtod_async(dst, src, nbytes, s), "cuMemcpyDtoDAsync");
-    if (signal_addr != 0)
-        check(d, d.write_value32(s, signal_addr, static_cast<uint32_t>(signal_value), kWriteDefault),
-              "cuStreamWriteValue32");
+    Op(d, args...);
 }
 
 }  // namespace
@@ -160,33 +185,23 @@ PYBIND11_MODULE(_cuda_hop, m) {
           "'' if the CUDA driver functions resolved, else why not");
     m.def("primary_context", &primary_context, py::arg("ordinal"),
           "the primary context of device `ordinal` (retained), for the calls below");
-    m.def("flagged_copy", &flagged_copy, release(), py::arg("context"), py::arg("stream"), py::arg("order"), py::arg("producer"),
+    m.def("flagged_copy",
+          &in_context<flagged_copy, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint64_t, uintptr_t, uintptr_t,
+                      uint64_t, uintptr_t, uint64_t>,
+          release(), py::arg("context"), py::arg("stream"), py::arg("order"), py::arg("producer"),
           py::arg("wait_addr"), py::arg("wait_value"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
           py::arg("signal_addr"), py::arg("signal_value"));
-    m.def("wait_geq", [](uintptr_t context, uintptr_t stream, uintptr_t addr, uint64_t value) {
-        const Driver& d = usable();
-        InContext in(d, context);
-        check(d, d.wait_value32(stream_of(stream), addr, static_cast<uint32_t>(value), kWaitGeq), "cuStreamWaitValue32");
-    }, release(), "queue on `stream`: wait until the 32-bit flag at `addr` >= `value` (wrapping compare)");
-    m.def("write", [](uintptr_t context, uintptr_t stream, uintptr_t addr, uint64_t value) {
-        const Driver& d = usable();
-        InContext in(d, context);
-        check(d, d.write_value32(stream_of(stream), addr, static_cast<uint32_t>(value), kWriteDefault),
-              "cuStreamWriteValue32");
-    }, release(), "queue on `stream`: write `value` to the 32-bit flag at `addr` (after a memory barrier)");
-    m.def("copy", [](uintptr_t context, uintptr_t stream, uintptr_t dst, uintptr_t src, uint64_t nbytes) {
-        const Driver& d = usable();
-        InContext in(d, context);
-        if (nbytes != 0) check(d, d.memcpy_dtod_async(dst, src, nbytes, stream_of(stream)), "cuMemcpyDtoDAsync");
-    }, release(), "queue on `stream`: device-to-device copy of `nbytes`");
-    m.def("record_event", [](uintptr_t context, uintptr_t event, uintptr_t stream) {
-        const Driver& d = usable();
-        InContext in(d, context);
-        check(d, d.event_record(reinterpret_cast<CUevent>(event), stream_of(stream)), "cuEventRecord");
-    }, release());
-    m.def("wait_event", [](uintptr_t context, uintptr_t stream, uintptr_t event) {
-        const Driver& d = usable();
-        InContext in(d, context);
-        check(d, d.stream_wait_event(stream_of(stream), reinterpret_cast<CUevent>(event), 0), "cuStreamWaitEvent");
-    }, release());
+    m.def("wait_geq", &in_context<wait_flag, uintptr_t, uintptr_t, uint64_t>, release(), py::arg("context"),
+          py::arg("stream"), py::arg("addr"), py::arg("value"),
+          "queue on `stream`: wait until the 32-bit flag at `addr` >= `value` (wrapping compare)");
+    m.def("write", &in_context<write_flag, uintptr_t, uintptr_t, uint64_t>, release(), py::arg("context"),
+          py::arg("stream"), py::arg("addr"), py::arg("value"),
+          "queue on `stream`: write `value` to the 32-bit flag at `addr` (after a memory barrier)");
+    m.def("copy", &in_context<copy_bytes, uintptr_t, uintptr_t, uintptr_t, uint64_t>, release(),
+          py::arg("context"), py::arg("stream"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+          "queue on `stream`: device-to-device copy of `nbytes`");
+    m.def("record_event", &in_context<record_event, uintptr_t, uintptr_t>, release(), py::arg("context"),
+          py::arg("event"), py::arg("stream"));
+    m.def("wait_event", &in_context<wait_event, uintptr_t, uintptr_t>, release(), py::arg("context"),
+          py::arg("stream"), py::arg("event"));
 }
