@@ -16,15 +16,14 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainer.local_ranks import check_all_ok, run_processes
 from trainer.topology import Topology
 from trainer.transport import TransportError, TransportTimeout
-from trainer.transport.edge_groups import HEADER_TAG, build_edge_groups
+from trainer.transport.edge_groups import build_edge_groups
 from trainer.transport.factory import LinkOptions, make_stage_links, plan_channels
 from trainer.transport.tensors import header_for
-from trainer.transport.wire import encode
+from trainer.transport.wire import encode, pack
 
 TIMEOUT_S = 3.0
 
@@ -38,15 +37,14 @@ def _links(rank: int, world: int, transport: str = "gloo", nodes: tuple[int, ...
 
 # ---- header protocol ----------------------------------------------------------------------------------
 def _raw_header_scenario(rank: int, world: int, case: str) -> str:
-    """Rank 0 writes header words straight onto the edge's header group, as a broken peer would."""
+    """Rank 0 writes header words straight onto the edge's header line, as a broken peer would."""
     topo = Topology(world_size=world, rank=rank, pipeline_parallel=world)
     if rank == 0:
         plan = plan_channels(topo, "gloo", torch.device("cpu"))
         edges = build_edge_groups([(s.src, s.dst, s.direction, s.transport) for s in plan], 0, torch.device("cpu"), 5)
         header = header_for(torch.empty(1000), "act", 7, 0)
         words = encode(header, sequence=5 if case == "sequence" else 0)
-        group = edges[(0, 1, "next")].header
-        dist.isend(torch.tensor(words, dtype=torch.int64), dst=1, group=group, tag=HEADER_TAG).wait()
+        edges[(0, 1, "next")].header.send(pack(words), 5.0)
         time.sleep(TIMEOUT_S + 2)  # alive, but never sends the payload
         return ""
     links = _links(rank, world)

@@ -1,10 +1,11 @@
 """Channels over torch.distributed point-to-point: gloo (CPU payloads) or NCCL (CUDA payloads).
 
-Each directed edge has its own groups (:mod:`trainer.transport.edge_groups`): a gloo group for the
-16-word header (:mod:`trainer.transport.wire`) and, for CUDA payloads, an NCCL group for the bytes.
+Each directed edge has its own channels (:mod:`trainer.transport.edge_groups`): a TCP *header
+line* for the 16-word header (:mod:`trainer.transport.wire`, :mod:`trainer.transport.header_lines`)
+and a two-rank payload group (gloo for CPU payloads, NCCL for CUDA payloads).
 
-Protocol of one message: the sender posts the header on the host channel, then the payload send.
-On the receiver a *header thread* (gloo only, never NCCL) always has the next header receive posted
+Protocol of one message: the sender writes the header on the header line, then posts the payload
+send. On the receiver a *header thread* (socket reads only, never NCCL) reads the headers in order
 and hands each arrival to the rank's inbox as an *announced* message. The payload receive is posted
 by the rank's own consumer thread -- when it takes the message out (``on_delivered``), or earlier
 while it waits for anything else (:meth:`DistProgress.pump`) -- so:
@@ -42,9 +43,9 @@ import torch.distributed as dist
 
 from trainer.transport.base import Header, Message, TransportError, TransportTimeout
 from trainer.transport.channels import ChannelFailure, Delivery, Inbox
-from trainer.transport.edge_groups import HEADER_TAG, PAYLOAD_TAG, EdgeGroup
+from trainer.transport.edge_groups import PAYLOAD_TAG, EdgeGroup
 from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
-from trainer.transport.wire import HEADER_WORDS, Frame, decode, encode
+from trainer.transport.wire import HEADER_BYTES, Frame, decode, encode, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class _InFlight:
 
 
 class ProcessGroupSender:
-    """Outgoing half of one edge: header on the edge's gloo group, payload on its payload group."""
+    """Outgoing half of one edge: header on the edge's header line, payload on its payload group."""
 
     def __init__(
         self, rank: int, edge: EdgeGroup, device: torch.device, max_in_flight: int, progress: DistProgress
@@ -186,7 +187,8 @@ class ProcessGroupSender:
         self.rank, self.peer, self.direction = rank, edge.dst, edge.direction
         self._edge, self._device, self._max_in_flight = edge, device, max_in_flight
         self._progress = progress
-        self._watcher = GlooWatcher(f"mdpp-sendwatch-{rank}-{edge.dst}-{edge.direction}")
+        self._watcher = (GlooWatcher(f"mdpp-sendwatch-{rank}-{edge.dst}-{edge.direction}")
+                         if edge.backend == "gloo" else None)  # NCCL works are polled, gloo ones watched
         self._pending: collections.deque[_InFlight] = collections.deque()
         self._sequence = 0
         self._closed = False
@@ -204,24 +206,24 @@ class ProcessGroupSender:
             if self._closed:
                 raise TransportError(f"rank {self.rank}: {self.direction} channel to rank {self.peer} is closed")
             what = f"{header.kind} microbatch {header.microbatch} chunk {header.chunk}"
-            self._post(encode(header, self._sequence), payload, what)
+            self._post(encode(header, self._sequence), payload, what, timeout_s)
             self._sequence += 1
             self._bound_in_flight(self._max_in_flight, timeout_s)
 
-    def _post(self, words: list[int], payload: torch.Tensor | None, what: str) -> None:
-        wire = torch.tensor(words, dtype=torch.int64)  # host memory: the header group is gloo
-        keep = [wire]
-        try:
-            with self._progress.lock:
-                self._progress.pump()  # first let the peers' waiting sends complete
-                dones: list = [self._watcher.watch(
-                    dist.isend(wire, dst=self.peer, group=self._edge.header, tag=HEADER_TAG))]
-                if payload is not None and payload.numel():
+    def _post(self, words: list[int], payload: torch.Tensor | None, what: str, timeout_s: float) -> None:
+        # The header first: the peer's header thread and consumer wake while the payload send is posted.
+        self._edge.header.send(pack(words), timeout_s)  # TransportError/Timeout naming the peer
+        dones: list = []
+        keep: list = []
+        if payload is not None and payload.numel():
+            try:
+                with self._progress.lock:
+                    self._progress.pump()  # first let the peers' waiting sends complete
                     work = dist.isend(payload, dst=self.peer, group=self._edge.payload, tag=PAYLOAD_TAG)
-                    dones.append(_NcclDone(work) if self._edge.backend == "nccl" else self._watcher.watch(work))
-                    keep.append(payload)
-        except RuntimeError as exc:  # gloo refuses to post on a connection the peer closed
-            raise self._dead(exc) from exc
+            except RuntimeError as exc:  # gloo refuses to post on a connection the peer closed
+                raise self._dead(exc) from exc
+            dones.append(_NcclDone(work) if self._watcher is None else self._watcher.watch(work))
+            keep.append(payload)
         self._pending.append(_InFlight(self._sequence, what, dones, keep))
 
     def _bound_in_flight(self, limit: int, timeout_s: float) -> None:
@@ -255,10 +257,12 @@ class ProcessGroupSender:
                 return
             self._closed = True
             try:
-                self._post(encode(None, self._sequence), None, "end of stream")
+                self._post(encode(None, self._sequence), None, "end of stream", timeout_s)
                 self._bound_in_flight(0, timeout_s)
             finally:
-                self._watcher.stop()
+                if self._watcher is not None:
+                    self._watcher.stop()
+                self._edge.header.close()
 
 
 # ---- receiving --------------------------------------------------------------------------------------
@@ -298,13 +302,11 @@ class ProcessGroupReceiver:
         progress.add(self)
         self._thread.start()
 
-    # ---- header thread (gloo only) --------------------------------------------------------------------
+    # ---- header thread (socket reads only) ------------------------------------------------------------
     def _header_loop(self) -> None:
         try:
             while True:
-                words = torch.empty(HEADER_WORDS, dtype=torch.int64)
-                dist.irecv(words, src=self.peer, group=self._edge.header, tag=HEADER_TAG).wait()
-                frame = decode(words.tolist())
+                frame = decode(unpack(self._edge.header.receive(HEADER_BYTES)))
                 if frame.sequence != self._expected:
                     raise TransportError(
                         f"rank {self.rank}: message {frame.sequence} from rank {self.peer} arrived when "
@@ -459,6 +461,7 @@ class ProcessGroupReceiver:
             self._progress.remove(self)
             if self._watcher is not None:
                 self._watcher.stop()
+            self._edge.header.close()
 
 
 class _Failed:

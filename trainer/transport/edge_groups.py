@@ -1,10 +1,10 @@
-"""Per-edge process groups of the gloo and NCCL channels, all created at start-up in one global order.
+"""Per-edge channels of the gloo and NCCL paths, all created at start-up in one global order.
 
 Every directed edge ``src -> dst`` that does not use shared memory gets:
 
-- a two-rank **gloo** group that carries the 128-byte headers (host memory, tag ``HEADER_TAG``); for
-  CPU payloads the same group carries the payload too (tag ``PAYLOAD_TAG``: gloo matches per tag);
-- for CUDA payloads, a two-rank **NCCL** group that carries only payload bytes.
+- a **header line** (:mod:`trainer.transport.header_lines`): one TCP connection that carries the
+  edge's 128-byte headers (until the ninth session a gloo group did, at ~4x the latency);
+- a two-rank payload group: **gloo** for CPU payloads, **NCCL** for CUDA payloads.
 
 Why headers travel on the host: an NCCL receive is a GPU kernel that spins until its sender sends.
 Posting it ahead of time (before the peer has anything to send) can leave it spinning for as long
@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 
 from trainer.transport.base import Direction, TransportError, TransportTimeout
+from trainer.transport.header_lines import HeaderLine, connect_header_lines
 
-HEADER_TAG = 1
 PAYLOAD_TAG = 2
 
-# A header receive is posted ahead and may wait as long as the peer has nothing to send (evaluation,
-# a checkpoint), and an NCCL send may wait as long as its receiver is busy elsewhere; the group
-# timeout would abort them (gloo raises, NCCL's watchdog kills the job), so edge groups get a long
-# one. Every wait of ours is bounded by the links' ``timeout_s`` instead, and names the peer.
+# A gloo payload receive may wait as long as the peer is slow to send it, and an NCCL send as long
+# as its receiver is busy elsewhere (a checkpoint); the group timeout would abort them (gloo raises,
+# NCCL's watchdog kills the job), so edge groups get a long one. Every wait of ours is bounded by
+# the links' ``timeout_s`` instead, and names the peer.
 EDGE_GROUP_TIMEOUT = datetime.timedelta(days=7)
 
 
@@ -51,10 +51,10 @@ class EdgeGroup:
     src: int
     dst: int
     direction: Direction
-    header: dist.ProcessGroup
-    """gloo: headers (and CPU payloads)."""
+    header: HeaderLine
+    """This rank's end of the edge's header connection."""
     payload: dist.ProcessGroup
-    """``header`` itself for CPU payloads, an NCCL group for CUDA payloads."""
+    """gloo for CPU payloads, NCCL for CUDA payloads."""
     backend: str
     """"gloo" or "nccl": how payloads travel."""
 
@@ -72,13 +72,14 @@ def build_edge_groups(
     """COLLECTIVE over every rank of the job, with the same ``edges`` list (``(src, dst, direction,
     backend)`` in plan order) on each. Returns the groups of the edges this rank belongs to."""
     groups: dict[tuple[int, int, Direction], EdgeGroup] = {}
+    lines = connect_header_lines([(s, d, w) for s, d, w, _ in edges], rank, dist.get_world_size(), timeout_s)
     for src, dst, direction, backend in edges:
-        header = _new_group([src, dst], "gloo", None)
-        payload = header
         if backend == "nccl":
             payload = _new_group([src, dst], "nccl", device if rank in (src, dst) else None)
+        else:
+            payload = _new_group([src, dst], "gloo", None)
         if rank in (src, dst):
-            groups[(src, dst, direction)] = EdgeGroup(src, dst, direction, header, payload, backend)
+            groups[(src, dst, direction)] = EdgeGroup(src, dst, direction, lines[(src, dst, direction)], payload, backend)
     for src, dst, direction, backend in edges:  # plan order on every rank: see module docstring
         if backend == "nccl" and rank in (src, dst):
             _warm_up(groups[(src, dst, direction)], rank, device, timeout_s)

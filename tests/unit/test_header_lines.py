@@ -1,0 +1,93 @@
+"""Header lines (trainer.transport.header_lines): the TCP connections that carry the gloo/NCCL
+channels' headers. Real sockets on the loopback interface; the collective set-up is exercised by
+tests/dist/test_transport_dist_protocol.py and the node-split DPP tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from trainer.transport.base import TransportError, TransportTimeout
+from trainer.transport.header_lines import _HELLO, HeaderLine, _accept, _connect, advertised_address
+
+
+def _listener() -> tuple[socket.socket, tuple[str, int]]:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    return listener, listener.getsockname()
+
+
+def test_headers_arrive_whole_and_in_order_and_a_closed_peer_is_named():
+    listener, address = _listener()
+    got: dict = {}
+
+    def accept():
+        got.update(_accept(listener, {(0, 1, "next"), (2, 1, "prev")}, 1, time.monotonic() + 5, 5.0))
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    deadline = time.monotonic() + 5
+    first = _connect((0, 1, "next"), 0, address, deadline, 5.0)
+    second = _connect((2, 1, "prev"), 2, address, deadline, 5.0)
+    thread.join(5)
+    assert sorted(got) == [(0, 1, "next"), (2, 1, "prev")]
+    assert got[(0, 1, "next")].peer == 0 and got[(2, 1, "prev")].peer == 2
+    frames = [bytes([i]) * 128 for i in range(50)]
+    for frame in frames:
+        first.send(frame, 5.0)
+    assert [got[(0, 1, "next")].receive(128) for _ in frames] == frames
+    first.close()
+    with pytest.raises(TransportError, match=r"rank 1: rank 0 closed its next channel's header line without an end of stream"):
+        got[(0, 1, "next")].receive(128)
+    second.close()
+    got[(2, 1, "prev")].close()
+    listener.close()
+
+
+def test_a_send_to_a_peer_that_stopped_reading_times_out_and_one_to_a_dead_peer_fails():
+    mine, theirs = socket.socketpair()
+    line = HeaderLine(mine, 3, 4, "prev")
+    start = time.monotonic()
+    with pytest.raises(TransportTimeout, match=r"rank 3: header to rank 4 \(prev channel\) not taken within 0.2s"):
+        for _ in range(1_000_000):  # fills both kernel buffers, then the send timeout fires
+            line.send(b"h" * 128, 0.2)
+    assert time.monotonic() - start < 3
+    theirs.close()
+    with pytest.raises(TransportError, match=r"rank 3: sending a header to rank 4 \(prev channel\) failed, peer rank 4 is probably dead"):
+        line.send(b"h" * 128, 0.2)
+    line.close()
+
+
+def test_accept_names_the_edges_that_never_connected_and_refuses_a_stranger():
+    listener, address = _listener()
+    start = time.monotonic()
+    with pytest.raises(TransportTimeout, match=r"rank 1: header lines of edge\(s\) 0->1 \(next\) not connected within 0.3s"):
+        _accept(listener, {(0, 1, "next")}, 1, time.monotonic() + 0.3, 0.3)
+    assert time.monotonic() - start < 2
+    stranger = socket.create_connection(address)
+    stranger.sendall(_HELLO.pack(0x1234, 7, 1, 0))
+    with pytest.raises(TransportError, match=r"unexpected header line hello .* edge 7->1"):
+        _accept(listener, {(0, 1, "next")}, 1, time.monotonic() + 2, 2.0)
+    stranger.close()
+    listener.close()
+
+
+def test_connect_to_nobody_times_out_naming_the_edge_and_address():
+    listener, address = _listener()
+    listener.close()  # nothing listens there now
+    with pytest.raises(TransportTimeout, match=r"rank 0: could not connect the header line of edge 0->1 \(next\) to rank 1 at 127.0.0.1"):
+        _connect((0, 1, "next"), 0, address, time.monotonic() + 0.3, 0.3)
+    with pytest.raises(TransportError, match=r"rank 1 has no header listener"):
+        _connect((0, 1, "next"), 0, None, time.monotonic() + 0.3, 0.3)
+
+
+def test_advertised_address_prefers_the_explicit_setting_then_the_route_to_master(monkeypatch):
+    monkeypatch.setenv("MDPP_HEADER_ADDR", "10.1.2.3")
+    assert advertised_address() == "10.1.2.3"
+    monkeypatch.delenv("MDPP_HEADER_ADDR")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert advertised_address() == "127.0.0.1"
