@@ -4,7 +4,7 @@ same-node links (issue 11, part 2). Skipped with fewer than 4 GPUs. Run on a 4-G
     python -m pytest -m gpu tests/gpu/test_dpp_nccl_split.py -s
 
 MDPP_NODE_OF_RANK=0,0,1,1 makes ``--transport auto`` take the cross-node path (NCCL, headers on
-gloo) for edges 1-2 and 3-0, and the same-node GPU path for 0-1 and 2-3; the reference run keeps
+TCP header lines) for edges 1-2 and 3-0, and the same-node GPU path for 0-1 and 2-3; the reference run keeps
 all ranks on one node. Same seed and data; losses agree within bf16 noise (the DPP policy may
 accumulate gradients in a different microbatch order when arrivals come in a different order).
 """
