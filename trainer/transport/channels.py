@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,11 +30,13 @@ from trainer.transport.base import Direction, Message, StageLinks, TransportErro
 log = logging.getLogger(__name__)
 
 _CLOSE_AFTER_FAILURE_S = 1.0
-# A consumer that finds its inbox empty looks again for this long before sleeping on it: on the
-# Firecracker GPU hosts waking a thread whose vCPU halted costs ~75 us (csrc/shm_ring.cpp spins 100 us
-# for the same reason), and a header usually lands within tens of microseconds of the consumer
-# running dry. Each look releases the GIL, so the receiver thread is not held up.
-_INBOX_SPIN_S = 100e-6
+# How long a consumer that finds its inbox empty looks again before sleeping on it (off by default;
+# MDPP_INBOX_SPIN_US sets it, for measuring). The idea: on the Firecracker GPU hosts waking a thread
+# whose vCPU halted costs ~75 us (csrc/shm_ring.cpp spins 100 us for that reason). But a Python
+# spin holds the GIL between looks, and a voluntary release gives no turn to the waiting receiver
+# thread, so its put can wait for the spin to end: on 4xH100 the NCCL bench was slower with 100 us
+# (docs/transport.md, ninth session).
+_INBOX_SPIN_S = float(os.environ.get("MDPP_INBOX_SPIN_US", "0")) / 1e6
 
 
 @dataclass(frozen=True)
