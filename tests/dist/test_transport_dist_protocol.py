@@ -252,3 +252,52 @@ def test_killed_peer_in_a_2_plus_2_split_leaves_no_shared_memory():
     survivors = check_all_ok(outcomes[:3])
     assert all(kind in ("TransportError", "TransportTimeout") for kind in survivors), survivors
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mdpp-{job}")]
+
+
+# ---- who reads the header lines -----------------------------------------------------------------------
+def _readers_scenario(rank: int, world: int, transport: str, nodes: tuple[int, ...], job: str) -> tuple:
+    links = _links(rank, world, transport, nodes=nodes, job=job)
+    kinds = sorted(type(r).__name__ for r in links._receivers)
+    header_threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("mdpp-headers"))
+    t = torch.full((5,), float(rank))
+    links.send("next", t, header_for(t, "act", rank, 0))
+    got = links.wait_any(10.0)
+    value = got.tensor.tolist()
+    links.release(got)
+    links.close()
+    return kinds, header_threads, value
+
+
+@pytest.mark.timeout(90)
+def test_all_header_line_ranks_read_their_lines_themselves_mixed_ranks_use_a_header_thread():
+    """A rank that receives only on header lines polls them from its consumer (no thread hand-off);
+    a rank that also receives on a shared-memory ring sleeps on the ring's doorbell, so its header
+    lines keep a thread that puts arrivals into the inbox and rings it."""
+    pure = check_all_ok(run_processes(_readers_scenario, 4, "gloo", (), f"p{os.getpid()}", timeout_s=60))
+    for rank, (kinds, threads, value) in enumerate(pure):
+        assert kinds == ["PolledGroupReceiver"] * 2 and threads == [], (rank, kinds, threads)
+        assert value == [float((rank - 1) % 4)] * 5
+    mixed = check_all_ok(run_processes(_readers_scenario, 4, "auto", (0, 0, 1, 1), f"m{os.getpid()}", timeout_s=60))
+    for rank, (kinds, threads, value) in enumerate(mixed):
+        # each rank has one ring and one header line incoming (edges 1<->2 and 3<->0 cross "nodes")
+        assert "ProcessGroupReceiver" in kinds and len(threads) == 1, (rank, kinds, threads)
+        assert value == [float((rank - 1) % 4)] * 5
+
+
+def _dead_sender_scenario(rank: int, world: int) -> tuple[str, float]:
+    links = _links(rank, world, credits=2, timeout_s=30.0)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TransportError) as info:
+        links.wait_any(30.0)
+    return str(info.value), time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_sender_is_seen_at_once_on_a_polled_line_not_at_the_timeout():
+    outcomes = run_processes(_dead_sender_scenario, 2, timeout_s=50)
+    assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
+    message, elapsed = check_all_ok(outcomes[:1])[0]
+    assert "rank 1" in message and "probably dead" in message, message
+    assert elapsed < 5.0, elapsed  # the line's end, not the 30 s timeout

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -163,6 +164,45 @@ class DistProgress:
                 receiver.post_announced()
 
 
+_BELL_SPIN_S = 100e-6  # HeaderBell: look this long before sleeping (a halted vCPU wakes in ~75 us)
+
+
+class HeaderBell:
+    """The doorbell (see ``channels.Doorbell``) of a rank whose incoming channels are all polled
+    header lines: ``wait`` returns once a line that may still deliver has bytes (or has ended),
+    after a 100 us spin of non-blocking looks, like the shared-memory rings' doorbell.
+    There is no counter: a look at readiness never misses an arrival, so ``seq`` stays 0."""
+
+    seq = 0
+
+    def __init__(self, receivers: list[ProcessGroupReceiver]) -> None:
+        self._receivers = receivers
+        self._watched: tuple = ()
+        self._poller = select.poll()
+
+    def ring(self) -> None:
+        """Nothing to ring: arrivals show as readable lines."""
+
+    def _poll(self, timeout_ms: float) -> bool:
+        live = tuple(r for r in self._receivers if r.reading)  # an ended line stays readable: skip it
+        if live != self._watched:
+            self._poller = select.poll()
+            for receiver in live:
+                self._poller.register(receiver.line.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+            self._watched = live
+        if not live:
+            time.sleep(timeout_ms / 1e3)
+            return False
+        return bool(self._poller.poll(timeout_ms))
+
+    def wait(self, seen: int, timeout_s: float) -> bool:
+        spin_until = time.monotonic() + min(timeout_s, _BELL_SPIN_S)
+        while time.monotonic() < spin_until:
+            if self._poll(0):
+                return True
+        return self._poll(max(timeout_s, 0.0) * 1e3)
+
+
 def _describe(exc: Exception) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else repr(exc)
@@ -278,11 +318,19 @@ class _Arrival:
 
 
 class ProcessGroupReceiver:
-    """Incoming half of one edge (see the module docstring for who posts what)."""
+    """Incoming half of one edge (see the module docstring for who posts what).
+
+    Two ways to read the headers: a *header thread* that blocks on the line and puts each arrival
+    into the rank's inbox (``polled=False``: ranks that also receive on shared-memory rings, whose
+    consumer sleeps on the rings' doorbell), or the consumer itself (``polled=True``: ranks whose
+    incoming channels are all header lines; :class:`PolledGroupReceiver`, whose ``try_receive``
+    reads what the line holds while the consumer sleeps on :class:`HeaderBell`), which saves a
+    thread hand-off per message.
+    """
 
     def __init__(
         self, rank: int, edge: EdgeGroup, device: torch.device, credits: int, inbox: Inbox,
-        progress: DistProgress, timeout_s: float,
+        progress: DistProgress, timeout_s: float, polled: bool = False,
     ) -> None:  # fmt: skip
         self.rank, self.peer, self.direction = rank, edge.src, edge.direction
         self._edge, self._device, self._credits, self._inbox = edge, device, credits, inbox
@@ -293,33 +341,77 @@ class ProcessGroupReceiver:
         self._closing = False
         self._ended = threading.Event()  # end of stream seen, or the header thread failed
         self._expected = 0
-        self._failure: TransportError | None = None  # what stopped the header thread, if it failed
+        self._failure: TransportError | None = None  # what stopped the header reads, if they failed
         self._pool = BufferPool(device, credits)
         self._watcher = GlooWatcher(f"mdpp-recvwatch-{edge.src}-{rank}-{edge.direction}") if edge.backend == "gloo" else None
-        self._thread = threading.Thread(
+        self.polled = polled
+        self._ready: collections.deque[Message] = collections.deque()  # polled: read, not handed out yet
+        self._partial = bytearray()  # polled: the start of a header whose rest has not arrived
+        self._thread = None if polled else threading.Thread(
             target=self._header_loop, name=f"mdpp-headers-{edge.src}-{rank}-{edge.direction}", daemon=True
         )
         progress.add(self)
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
+
+    def _on_header(self, raw: bytes) -> Message | None:
+        """One header read off the line: the message to hand out, or None (end of stream, or closing)."""
+        frame = decode(unpack(raw))
+        if frame.sequence != self._expected:
+            raise TransportError(
+                f"rank {self.rank}: message {frame.sequence} from rank {self.peer} arrived when "
+                f"{self._expected} was due ({self.direction} channel)"
+            )
+        self._expected += 1
+        if frame.end_of_stream:
+            self._ended.set()
+            return None
+        message = Message(frame.header, None, self.peer, Delivery(self, _Arrival(frame)))
+        with self._lock:
+            self._announced.append(message)
+            visible = not self._closing
+        return message if visible else None
+
+    # ---- polled: the consumer reads the line --------------------------------------------------------
+    @property
+    def line(self):  # noqa: ANN201 - a HeaderLine
+        return self._edge.header
+
+    @property
+    def reading(self) -> bool:
+        """Whether headers may still come (false after the end of stream or a failure)."""
+        return not self._ended.is_set()
+
+    def _read_headers(self) -> None:
+        """Decode every whole header the line holds; never blocks. A failure is kept in ``_failure``
+        (raised by :meth:`try_receive` / :meth:`check_peer`, after the messages read before it)."""
+        if not self.polled or self._ended.is_set():
+            return
+        try:
+            data = self._edge.header.read_available()
+            if not data:
+                return
+            self._partial += data
+            while len(self._partial) >= HEADER_BYTES and not self._ended.is_set():
+                raw = bytes(self._partial[:HEADER_BYTES])
+                del self._partial[:HEADER_BYTES]
+                message = self._on_header(raw)
+                if message is not None:
+                    self._ready.append(message)
+        except TransportError as exc:
+            self._failure = exc
+            self._ended.set()
+        except Exception as exc:  # a corrupt header: one clear error naming the channel
+            self._failure = TransportError(
+                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed: {_describe(exc)}")
+            self._ended.set()
 
     # ---- header thread (socket reads only) ------------------------------------------------------------
     def _header_loop(self) -> None:
         try:
-            while True:
-                frame = decode(unpack(self._edge.header.receive(HEADER_BYTES)))
-                if frame.sequence != self._expected:
-                    raise TransportError(
-                        f"rank {self.rank}: message {frame.sequence} from rank {self.peer} arrived when "
-                        f"{self._expected} was due ({self.direction} channel)"
-                    )
-                self._expected += 1
-                if frame.end_of_stream:
-                    return
-                message = Message(frame.header, None, self.peer, Delivery(self, _Arrival(frame)))
-                with self._lock:
-                    self._announced.append(message)
-                    visible = not self._closing
-                if visible:
+            while not self._ended.is_set():
+                message = self._on_header(self._edge.header.receive(HEADER_BYTES))
+                if message is not None:
                     self._inbox.put(message)
         except TransportError as exc:
             self._report(exc)
@@ -341,6 +433,7 @@ class ProcessGroupReceiver:
     def post_announced(self) -> None:
         """Post payload receives for announced messages, oldest first, while fewer than ``credits``
         wait for delivery (all of them once closing). Caller holds ``DistProgress.lock``."""
+        self._read_headers()  # polled: what a peer blocked in its send announced
         while True:
             with self._lock:
                 if not self._announced or (not self._closing and len(self._posted) >= self._credits):
@@ -424,6 +517,7 @@ class ProcessGroupReceiver:
         """From now on arrivals are not delivered; their payloads are still received (and dropped)."""
         with self._lock:
             self._closing = True
+            self._ready.clear()  # polled: still announced or posted, so close drops them
 
     def _drop_undelivered(self, timeout_s: float) -> None:
         """Post every announced payload receive, finish the posted ones and drop them."""
@@ -456,12 +550,41 @@ class ProcessGroupReceiver:
                         f"rank {self.rank}: rank {self.peer} did not close its {self.direction} channel "
                         f"within {timeout_s:.1f}s"
                     )
-                self._ended.wait(_MAX_PAUSE_S)
+                if self.polled:
+                    select.select([self._edge.header], [], [], _MAX_PAUSE_S)  # until more arrives
+                else:
+                    self._ended.wait(_MAX_PAUSE_S)
         finally:
             self._progress.remove(self)
             if self._watcher is not None:
                 self._watcher.stop()
             self._edge.header.close()
+
+
+class PolledGroupReceiver(ProcessGroupReceiver):
+    """A :class:`ProcessGroupReceiver` whose consumer reads the header line itself (a
+    ``channels.PolledReceiver``; only these two methods make it one)."""
+
+    def __init__(
+        self, rank: int, edge: EdgeGroup, device: torch.device, credits: int, inbox: Inbox,
+        progress: DistProgress, timeout_s: float,
+    ) -> None:  # fmt: skip
+        super().__init__(rank, edge, device, credits, inbox, progress, timeout_s, polled=True)
+
+    def try_receive(self) -> Message | None:
+        """The next message whose header is in, else None (PolledReceiver)."""
+        self._read_headers()
+        if self._ready:
+            return self._ready.popleft()
+        if self._failure is not None and not self._closing:
+            raise self._failure
+        return None
+
+    def check_peer(self) -> None:
+        """A dead peer ends the line, which the next read reports."""
+        self._read_headers()
+        if self._failure is not None and not self._ready and not self._closing:
+            raise self._failure
 
 
 class _Failed:

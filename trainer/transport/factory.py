@@ -28,7 +28,13 @@ from trainer.run_token import agreed_run_token
 from trainer.topology import Topology
 from trainer.transport.base import Direction, StageLinks
 from trainer.transport.channels import ChannelStageLinks, Inbox, RecvChannel, SendChannel
-from trainer.transport.dist_links import DistProgress, ProcessGroupReceiver, ProcessGroupSender
+from trainer.transport.dist_links import (
+    DistProgress,
+    HeaderBell,
+    PolledGroupReceiver,
+    ProcessGroupReceiver,
+    ProcessGroupSender,
+)
 from trainer.transport.edge_groups import build_edge_groups
 
 log = logging.getLogger(__name__)
@@ -151,15 +157,20 @@ def make_stage_links(
     edge_list = [(s.src, s.dst, s.direction, s.transport) for s in dist_specs]
     edges = build_edge_groups(edge_list, rank, device, timeout_s)
     progress = DistProgress()  # this rank's gloo/NCCL receivers and the lock its operations go under
+    # A rank that receives on no shared-memory ring reads its header lines itself (no header thread,
+    # one thread wake-up less per message) and sleeps on them; one that does sleeps on the rings'
+    # doorbell, which its header threads ring.
+    polled = not any(s.dst == rank for s in shm_specs)
     for spec in dist_specs:
         if rank == spec.src:
             edge = edges[(spec.src, spec.dst, spec.direction)]
             senders[spec.direction] = ProcessGroupSender(rank, edge, device, options.credits, progress)
         elif rank == spec.dst:
             edge = edges[(spec.src, spec.dst, spec.direction)]
-            receivers.append(
-                ProcessGroupReceiver(rank, edge, device, options.credits, inbox, progress, timeout_s)
-            )
+            kind = PolledGroupReceiver if polled else ProcessGroupReceiver
+            receivers.append(kind(rank, edge, device, options.credits, inbox, progress, timeout_s))
+    if polled and receivers:
+        inbox.doorbell = HeaderBell(list(receivers))
     if shm_specs:
         # Set-up needs a few collectives whatever the default backend is (NCCL needs devices set).
         setup_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

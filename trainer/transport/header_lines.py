@@ -95,6 +95,28 @@ class HeaderLine:
             )
         return bytes(buffer)
 
+    def read_available(self, limit: int = 1 << 16) -> bytes:
+        """Whatever bytes have arrived (b"" if none yet); never blocks. TransportError when the
+        connection has ended -- the peer process is gone (or closed without an end of stream)."""
+        try:
+            data = self._sock.recv(limit, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return b""
+        except OSError as exc:
+            raise TransportError(
+                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
+                f"peer rank {self.peer} is probably dead: {exc}"
+            ) from exc
+        if not data:
+            raise TransportError(
+                f"rank {self.rank}: rank {self.peer} closed its {self.direction} channel's header line "
+                f"without an end of stream: peer rank {self.peer} is probably dead"
+            )
+        return data
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
     def close(self) -> None:
         if self._closed:
             return
