@@ -5,8 +5,10 @@ line* for the 16-word header (:mod:`trainer.transport.wire`, :mod:`trainer.trans
 and a two-rank payload group (gloo for CPU payloads, NCCL for CUDA payloads).
 
 Protocol of one message: the sender writes the header on the header line, then posts the payload
-send. On the receiver a *header thread* (socket reads only, never NCCL) reads the headers in order
-and hands each arrival to the rank's inbox as an *announced* message. The payload receive is posted
+send. On the receiver the headers are read in order -- by the consumer itself when the rank
+receives only on header lines (:class:`PolledGroupReceiver`, sleeping on :class:`HeaderBell`), else
+by a *header thread* per line that hands each arrival to the rank's inbox -- and each becomes an
+*announced* message; header reads never touch NCCL. The payload receive is posted
 by the rank's own consumer thread -- when it takes the message out (``on_delivered``), or earlier
 while it waits for anything else (:meth:`DistProgress.pump`) -- so:
 
