@@ -23,6 +23,7 @@ host name's address.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import struct
@@ -31,6 +32,8 @@ import time
 import torch.distributed as dist
 
 from trainer.transport.base import Direction, TransportError, TransportTimeout
+
+log = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<qqqq")  # magic, src, dst, direction code
 _HELLO_MAGIC = 0x4D445050_4844  # "MDPP" "HD"
@@ -200,37 +203,48 @@ def _connect(key: EdgeKey, rank: int, address, deadline: float, timeout_s: float
     return HeaderLine(sock, rank, dst, direction)
 
 
+_HELLO_WAIT_S = 2.0  # a connecting rank sends its hello at once; a silent connection is not one of ours
+
+
 def _accept(
     listener: socket.socket, expected: set[EdgeKey], rank: int, deadline: float, timeout_s: float
 ) -> dict[EdgeKey, HeaderLine]:
+    """Accept until every ``expected`` edge has its line. A connection that is not one of them (no
+    hello, a wrong one, a second one for an edge) is closed and logged, not fatal: the listener
+    accepts on every interface, and a stray connection must not end the job."""
     lines: dict[EdgeKey, HeaderLine] = {}
     while len(lines) < len(expected):
-        listener.settimeout(max(deadline - time.monotonic(), 0.01))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = ", ".join(f"{s}->{d} ({w})" for s, d, w in sorted(expected - set(lines)))
+            raise TransportTimeout(
+                f"rank {rank}: header lines of edge(s) {missing} not connected within {timeout_s:.1f}s: "
+                f"those ranks never connected"
+            )
+        listener.settimeout(remaining)
         try:
             sock, peer_address = listener.accept()
-            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        except TimeoutError:
+            continue  # the deadline check above names what is missing
+        key = None
+        try:
+            sock.settimeout(min(remaining, _HELLO_WAIT_S))
             raw = b""
             while len(raw) < _HELLO.size:
                 chunk = sock.recv(_HELLO.size - len(raw))
                 if not chunk:
                     raise ConnectionError("closed before its hello")
                 raw += chunk
-        except (TimeoutError, ConnectionError, OSError) as exc:
-            missing = ", ".join(f"{s}->{d} ({w})" for s, d, w in sorted(expected - set(lines)))
-            if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
-                raise TransportTimeout(
-                    f"rank {rank}: header lines of edge(s) {missing} not connected within {timeout_s:.1f}s: "
-                    f"those ranks never connected"
-                ) from None
-            raise TransportError(f"rank {rank}: a header line connection failed while waiting for {missing}: {exc}") from exc
-        magic, src, dst, code = _HELLO.unpack(raw)
-        key = (src, dst, _DIRECTIONS[code]) if magic == _HELLO_MAGIC and 0 <= code < len(_DIRECTIONS) else None
+            magic, src, dst, code = _HELLO.unpack(raw)
+            if magic == _HELLO_MAGIC and 0 <= code < len(_DIRECTIONS):
+                key = (src, dst, _DIRECTIONS[code])
+            what = f"hello (magic {magic:#x}, edge {src}->{dst}, direction code {code})"
+        except OSError as exc:  # timeouts and resets included
+            what = f"no hello ({exc})"
         if key not in expected or key in lines:
             sock.close()
-            raise TransportError(
-                f"rank {rank}: unexpected header line hello from {peer_address[0]}:{peer_address[1]} "
-                f"(magic {magic:#x}, edge {src}->{dst}, direction code {code})"
-            )
+            log.warning("rank %d: ignored a header line connection from %s:%s: %s", rank, *peer_address[:2], what)
+            continue
         _tune(sock)
-        lines[key] = HeaderLine(sock, rank, src, key[2])
+        lines[key] = HeaderLine(sock, rank, key[0], key[2])
     return lines
