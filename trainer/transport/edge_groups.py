@@ -72,6 +72,8 @@ def build_edge_groups(
     """COLLECTIVE over every rank of the job, with the same ``edges`` list (``(src, dst, direction,
     backend)`` in plan order) on each. Returns the groups of the edges this rank belongs to."""
     groups: dict[tuple[int, int, Direction], EdgeGroup] = {}
+    if not edges:  # pp = 1, or every edge on shared memory: no collective at all
+        return groups
     lines = connect_header_lines([(s, d, w) for s, d, w, _ in edges], rank, dist.get_world_size(), timeout_s)
     for src, dst, direction, backend in edges:
         if backend == "nccl":
