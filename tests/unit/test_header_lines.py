@@ -103,3 +103,33 @@ def test_advertised_address_prefers_the_explicit_setting_then_the_route_to_maste
     monkeypatch.delenv("MDPP_HEADER_ADDR")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert advertised_address() == "127.0.0.1"
+
+
+class _FakeReceiver:
+    """What HeaderBell looks at: whether the line may still deliver, and the line's descriptor."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.line, self.reading = sock, True
+
+
+def test_header_bell_wakes_on_a_header_and_never_busy_waits_on_an_ended_line():
+    from trainer.transport.dist_links import HeaderBell
+
+    mine, theirs = socket.socketpair()
+    receiver = _FakeReceiver(mine)
+    bell = HeaderBell([receiver])
+    start = time.monotonic()
+    assert bell.wait(bell.seq, 0.2) is False  # nothing came: sleeps its whole timeout
+    assert 0.15 < time.monotonic() - start < 1.0
+    threading.Timer(0.05, lambda: theirs.sendall(b"h" * 128)).start()
+    start = time.monotonic()
+    assert bell.wait(bell.seq, 5.0) is True  # woken by the arrival, not by the timeout
+    assert time.monotonic() - start < 1.0
+    mine.recv(128)
+    theirs.close()  # the peer's end of stream: the line is readable (EOF) for ever after
+    assert bell.wait(bell.seq, 0.2) is True  # the end itself is news: the receiver reads it
+    receiver.reading = False  # ... and stops reading: the bell must not keep waking on the EOF
+    cpu, start = time.process_time(), time.monotonic()
+    assert bell.wait(bell.seq, 0.3) is False
+    assert time.monotonic() - start > 0.25 and time.process_time() - cpu < 0.1
+    mine.close()
