@@ -30,13 +30,15 @@ from trainer.transport.base import Direction, Message, StageLinks, TransportErro
 log = logging.getLogger(__name__)
 
 _CLOSE_AFTER_FAILURE_S = 1.0
-# How long a consumer that finds its inbox empty looks again before sleeping on it: on the
-# Firecracker GPU hosts waking a thread whose vCPU halted costs ~75 us (csrc/shm_ring.cpp spins 100 us
-# for the same reason), and a header usually lands within tens of microseconds of the consumer
-# running dry. Each look releases the GIL (sleep(0)) so the receiver thread can put. Measured in one
-# 4xH100 call, spin 0 / 100 / 0 us: NCCL path 8 MiB one-way 391 / 308 / 397 us (docs/transport.md,
-# ninth session). MDPP_INBOX_SPIN_US overrides it (0 = sleep at once), for measuring.
-_INBOX_SPIN_S = float(os.environ.get("MDPP_INBOX_SPIN_US", "100")) / 1e6
+# How long a Python waiter that finds nothing looks again before sleeping: the consumer on its inbox
+# (_wait_on_inbox below) and dist_links.HeaderBell on its header lines -- the one constant for both.
+# On the Firecracker GPU hosts waking a thread whose vCPU halted costs ~75 us, and a header usually
+# lands within tens of microseconds of the consumer running dry. The C++ side has its own copy of the
+# same value (kSpinS in csrc/shm_ring.cpp, the shared-memory rings and their doorbell); it does not
+# read this override. Each inbox look releases the GIL (sleep(0)) so the receiver thread can put.
+# Measured in one 4xH100 call, spin 0 / 100 / 0 us: NCCL path 8 MiB one-way 391 / 308 / 397 us
+# (docs/transport.md, ninth session). MDPP_INBOX_SPIN_US overrides it (0 = sleep at once), for measuring.
+SPIN_S = float(os.environ.get("MDPP_INBOX_SPIN_US", "100")) / 1e6
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,7 @@ class ChannelStageLinks(StageLinks):
 
     def _wait_on_inbox(self, deadline: float) -> Message | None:
         """Only threaded channels: a short spin on the inbox, then a condition-variable wait."""
-        spin_until = time.monotonic() + _INBOX_SPIN_S
+        spin_until = time.monotonic() + SPIN_S
         while (item := self._inbox.get(0)) is None and time.monotonic() < spin_until:
             time.sleep(0)  # releases the GIL: the receiver thread can put what it has
         if item is None:

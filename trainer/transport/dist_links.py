@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.transport.base import Header, Message, TransportError, TransportTimeout
-from trainer.transport.channels import ChannelFailure, Delivery, Inbox
+from trainer.transport.channels import SPIN_S, ChannelFailure, Delivery, Inbox
 from trainer.transport.edge_groups import PAYLOAD_TAG, EdgeGroup
 from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import HEADER_BYTES, Frame, decode, encode, pack, unpack
@@ -166,39 +166,45 @@ class DistProgress:
                 receiver.post_announced()
 
 
-_BELL_SPIN_S = 100e-6  # HeaderBell: look this long before sleeping (a halted vCPU wakes in ~75 us)
-
-
 class HeaderBell:
     """The doorbell (see ``channels.Doorbell``) of a rank whose incoming channels are all polled
     header lines: ``wait`` returns once a line that may still deliver has bytes (or has ended),
-    after a 100 us spin of non-blocking looks, like the shared-memory rings' doorbell.
-    There is no counter: a look at readiness never misses an arrival, so ``seq`` stays 0."""
+    after a spin of non-blocking looks (``channels.SPIN_S``, 100 us), like the shared-memory rings'
+    doorbell. There is no counter: a look at readiness never misses an arrival, so ``seq`` stays 0."""
 
     seq = 0
 
     def __init__(self, receivers: list[ProcessGroupReceiver]) -> None:
         self._receivers = receivers
-        self._watched: tuple = ()
-        self._poller = select.poll()
+        self._watch()
 
     def ring(self) -> None:
         """Nothing to ring: arrivals show as readable lines."""
 
+    def _watch(self) -> None:
+        """Register the lines that may still deliver (an ended line stays readable: not it)."""
+        self._poller = select.poll()
+        self._watched = {}
+        for receiver in self._receivers:
+            if receiver.reading:
+                fd = receiver.line.fileno()
+                self._poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+                self._watched[fd] = receiver
+
     def _poll(self, timeout_ms: float) -> bool:
-        live = tuple(r for r in self._receivers if r.reading)  # an ended line stays readable: skip it
-        if live != self._watched:
-            self._poller = select.poll()
-            for receiver in live:
-                self._poller.register(receiver.line.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
-            self._watched = live
-        if not live:
-            time.sleep(timeout_ms / 1e3)
-            return False
-        return bool(self._poller.poll(timeout_ms))
+        # Lines only ever stop reading, so the watched set is a superset of the live one and misses
+        # no arrival; it is rebuilt only when a line that stopped reading shows up as ready, so a
+        # look that finds nothing costs one poll call.
+        while self._watched:
+            ready = self._poller.poll(timeout_ms)
+            if all(self._watched[fd].reading for fd, _ in ready):
+                return bool(ready)
+            self._watch()
+        time.sleep(timeout_ms / 1e3)
+        return False
 
     def wait(self, seen: int, timeout_s: float) -> bool:
-        spin_until = time.monotonic() + min(timeout_s, _BELL_SPIN_S)
+        spin_until = time.monotonic() + min(timeout_s, SPIN_S)
         while time.monotonic() < spin_until:
             if self._poll(0):
                 return True

@@ -51,6 +51,8 @@ class HeaderLine:
         self._sock, self.rank, self.peer, self.direction = sock, rank, peer, direction
         self._closed = False
         self._send_timeout: float | None = None
+        self._received = bytearray()  # receive's buffer (sized at first use)
+        self._received_view = memoryview(self._received)
 
     def send(self, data: bytes, timeout_s: float) -> None:
         """Write one header; bounded by ``timeout_s`` (it only blocks if the peer stopped reading)."""
@@ -75,8 +77,10 @@ class HeaderLine:
     def receive(self, nbytes: int) -> bytes:
         """Block until ``nbytes`` arrived (no timeout: a peer may have nothing to send for long).
         TransportError when the connection ends first -- the peer process is gone."""
-        buffer = bytearray(nbytes)
-        view = memoryview(buffer)
+        if len(self._received) != nbytes:  # one buffer per line, reused: only its header thread reads
+            self._received = bytearray(nbytes)
+            self._received_view = memoryview(self._received)
+        view = self._received_view
         got = 0
         try:
             while got < nbytes:
@@ -87,16 +91,10 @@ class HeaderLine:
         except OSError as exc:
             if self._closed:
                 raise TransportError(f"rank {self.rank}: header line from rank {self.peer} closed") from None
-            raise TransportError(
-                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
-                f"peer rank {self.peer} is probably dead: {exc}"
-            ) from exc
+            raise self._dead(exc) from exc
         if got < nbytes:
-            raise TransportError(
-                f"rank {self.rank}: rank {self.peer} closed its {self.direction} channel's header line "
-                f"{'mid-header' if got else 'without an end of stream'}: peer rank {self.peer} is probably dead"
-            )
-        return bytes(buffer)
+            raise self._dead(None, "mid-header" if got else "without an end of stream")
+        return bytes(self._received)  # a copy: the caller keeps it while the buffer takes the next header
 
     def read_available(self, limit: int = 1 << 16) -> bytes:
         """Whatever bytes have arrived (b"" if none yet); never blocks. TransportError when the
@@ -106,16 +104,23 @@ class HeaderLine:
         except BlockingIOError:
             return b""
         except OSError as exc:
-            raise TransportError(
+            raise self._dead(exc) from exc
+        if not data:
+            raise self._dead(None, "without an end of stream")
+        return data
+
+    def _dead(self, exc: OSError | None, closed: str = "") -> TransportError:
+        """The "peer is probably dead" error of a read: the socket failed (``exc``), or the peer
+        closed the line (``closed`` says where: "mid-header" or "without an end of stream")."""
+        if exc is not None:
+            return TransportError(
                 f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
                 f"peer rank {self.peer} is probably dead: {exc}"
-            ) from exc
-        if not data:
-            raise TransportError(
-                f"rank {self.rank}: rank {self.peer} closed its {self.direction} channel's header line "
-                f"without an end of stream: peer rank {self.peer} is probably dead"
             )
-        return data
+        return TransportError(
+            f"rank {self.rank}: rank {self.peer} closed its {self.direction} channel's header line "
+            f"{closed}: peer rank {self.peer} is probably dead"
+        )
 
     def fileno(self) -> int:
         return self._sock.fileno()
