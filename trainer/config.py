@@ -222,7 +222,8 @@ class ParallelConfig:
     """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
     the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
-    --dpp-policy dpp, TP 1, a fixed sequence length and dropout 0; costs GPU memory per slot."""
+    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot), TP 1 and dropout 0; costs GPU memory per
+    slot."""
     dpp_recompute_slots: tuple[int, ...] = ()
     """With --dpp-cuda-graphs: how many of a stage's graph slots (of each chunk's, at v > 1) recompute
     the core attention in their backward graph (selective recompute, per slot), listed per stage from
@@ -874,7 +875,8 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         return []
     why = {
         "--use-dpp (the graphs replace ops of the DPP runtime)": par.use_dpp,
-        f"--dpp-policy dpp (a graph's backward is one piece; got {par.dpp_policy})": par.dpp_policy == "dpp",
+        f"--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its cap; got {par.dpp_policy})":
+            par.dpp_policy in ("dpp", "dpp-zb"),
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
         f"--model gpt (got {m.model})": m.model == "gpt",
         f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,

@@ -42,24 +42,34 @@ def _run(out: Path, extra: list[str]) -> tuple[list, dict]:
 VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length-divisible-by", "32"]
 
 
+ZB = ["--dpp-policy", "dpp-zb"]
+
+
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("chunks, varlen, extra", [(1, False, []), (2, False, []), (1, True, []),
-                                                  (1, False, ["--recompute-activations"]),
-                                                  (1, False, ["--dpp-max-queued-ops", "1"]),
-                                                  (1, False, ["--dpp-recompute-slots", "1,1"])],
-                         ids=["v1", "v2", "v1-varlen", "v1-recompute", "v1-queued1", "v1-recompute-slot"])
-def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool, extra: list[str]) -> None:
+@pytest.mark.parametrize("chunks, varlen, extra, both", [
+    (1, False, [], []), (2, False, [], []), (1, True, [], []),
+    (1, False, ["--recompute-activations"], []),
+    (1, False, ["--dpp-max-queued-ops", "1"], []),
+    (1, False, ["--dpp-recompute-slots", "1,1"], []),
+    (1, False, [], ZB), (2, False, [], ZB), (1, True, [], ZB), (1, False, ["--dpp-recompute-slots", "1,1"], ZB)],
+    ids=["v1", "v2", "v1-varlen", "v1-recompute", "v1-queued1", "v1-recompute-slot",
+         "zb-v1", "zb-v2", "zb-v1-varlen", "zb-v1-recompute-slot"])
+def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool, extra: list[str],
+                                      both: list[str]) -> None:
     """v1-varlen: microbatches of 32/64/96/128 tokens, each slot holding a graph pair per length.
     v1-recompute: the graphed run recomputes the core attention in its backward graphs
     (--recompute-activations); the eager run does not -- recompute must change no number.
     v1-queued1: the graphed run's hosts decide with at most one op unfinished on their GPU
     (--dpp-max-queued-ops 1): a timing change only, so no number may move.
     v1-recompute-slot: one graph slot per stage recomputes the core attention, the other keeps it
-    (--dpp-recompute-slots 1,1: stage 0 has 2 slots, stage 1 one) -- again no number may move."""
+    (--dpp-recompute-slots 1,1: stage 0 has 2 slots, stage 1 one) -- again no number may move.
+    zb-*: both runs use --dpp-policy dpp-zb (split backward): the graphed run's slots hold F, I and W
+    graphs, each deferred W replaying its slot's graph (stage 1 also holds 2 slots: dpp-zb's held
+    cap is stage 0's 1F1B bound)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     layout = [] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"]
-    layout += VARLEN if varlen else []
+    layout += (VARLEN if varlen else []) + both
     _, eager = _run(tmp_path / "eager", layout)
     graph_flags = ["--dpp-cuda-graphs", *extra]
     results, graphed = _run(tmp_path / "graphed", [*layout, *graph_flags])
@@ -69,7 +79,12 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
     assert counts == {(s, c): (ITERS * M, 0) for s in range(2) for c in range(chunks)}, counts
     if "--dpp-recompute-slots" in extra:
         logs = "".join(r.output for r in results)
-        assert "2 slot(s) each (1 recomputing" in logs and "1 slot(s) each (1 recomputing" in logs, logs[-3000:]
+        held = "2 slot(s) each (1 recomputing" if both else "1 slot(s) each (1 recomputing"
+        assert "2 slot(s) each (1 recomputing" in logs and held in logs, logs[-3000:]
+    if both == ZB:
+        logs = "".join(r.output for r in results)
+        split_stages = set(re.findall(r"stage (\d+): CUDA graphs[^\n]*F, I and W graphs: split backward", logs))
+        assert split_stages == {"0", "1"}, logs[-3000:]
     assert_same_losses(eager, graphed)
     assert len(grad_dumps(tmp_path / "eager")) == 4  # 2 ranks x 2 iterations (--dump-grads 2)
     assert_same_grads(tmp_path / "eager", tmp_path / "graphed")

@@ -171,6 +171,39 @@ def test_slots_are_taken_by_forwards_and_given_back_by_backwards() -> None:
         _graphs(_TinyGPT(pre_process=False), first=False, slots=0)
 
 
+class _SplitStandIn:
+    """What capture_slot returns with a split backward, without CUDA: the block, plus a W that counts."""
+
+    def __init__(self, call) -> None:
+        self.call, self.weights = call, 0
+
+    def __call__(self, x, attention_mask=None):
+        return self.call(x, attention_mask)
+
+    def replay_weights(self) -> None:
+        self.weights += 1
+
+
+def test_with_a_split_backward_the_slot_is_held_until_its_w_replays() -> None:
+    """dpp-zb: the slot's activations are read by W, so I must not free it; W replays the slot's W
+    (of the length the forward took) and frees it. An eager microbatch has no W graph to replay."""
+    shapes = GraphShapes(activation=(S, B, H), activation_dtype=torch.float32, tokens=(B, S), lengths=(2, S))
+    masks = {n: torch.ones(1, 1, n, n, dtype=torch.bool) for n in shapes.captured_lengths()}
+    capture = lambda call, shapes, masks, device: {n: _SplitStandIn(call) for n in shapes.captured_lengths()}  # noqa: E731
+    graphs = ChunkGraphs(_TinyGPT(pre_process=False), False, 1, shapes, masks, torch.device("cpu"), capture=capture)
+    short = graphs.take(0, torch.zeros(2, B, H))
+    assert short is graphs.slots[0][2] and graphs.holds(0) and not graphs.holds(1)
+    assert graphs.take(1, torch.zeros(S, B, H)) is None  # the one slot waits for microbatch 0's W
+    assert not graphs.replay_weights(1)  # eager: its GEMMs are in the runtime's store
+    assert graphs.replay_weights(0) and short.weights == 1 and graphs.slots[0][S].weights == 0
+    assert graphs.in_use() == [] and not graphs.replay_weights(0)
+    assert graphs.take(2, torch.zeros(S, B, H)) is graphs.slots[0][S]
+    # A stand-in without a W graph (the eager linears deferred into the runtime's store): freed all the same.
+    plain = _graphs(_TinyGPT(pre_process=False), first=False, slots=1)
+    plain.take(0, torch.zeros(S, B, H))
+    assert plain.replay_weights(0) and plain.in_use() == []
+
+
 def test_variable_lengths_replay_their_own_length_and_share_the_slot() -> None:
     """--variable-seq-lengths: a slot holds one replay per bucket length; a microbatch takes the slot
     and replays its length's pair, and an uncaptured length runs eagerly."""
@@ -218,11 +251,14 @@ def test_graphs_config_is_accepted_where_it_can_run() -> None:
     varlen = parse_config(GOOD + ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5",
                                  "--seq-length-divisible-by", "4"], world_size=2)
     assert varlen.parallel.dpp_cuda_graphs and varlen.data.variable_seq_lengths
+    split = parse_config(GOOD + ["--dpp-policy", "dpp-zb"], world_size=2)  # F, I and W graphs per slot
+    assert split.parallel.dpp_cuda_graphs and split.parallel.dpp_policy == "dpp-zb"
 
 
 @pytest.mark.parametrize("extra, needle", [
     (["--device", "cpu"], "--device cuda (got cpu)"),
-    (["--dpp-policy", "dpp-zb"], "--dpp-policy dpp (a graph's backward is one piece; got dpp-zb)"),
+    (["--dpp-policy", "zb-h1"], "--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its "
+                                "cap; got zb-h1)"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout 0 --attention-dropout 0 (got 0.1, 0.0)"),
     (["--model", "bert"], "--model gpt (got bert)"),
     (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5", "--seq-length-divisible-by", "1",

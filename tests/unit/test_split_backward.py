@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from trainer.pipeline.split_backward import (
     SplitBackward,
+    StaticOperandStore,
+    WeightGradStore,
     install_split_backward,
     split_backward_problems,
 )
@@ -268,3 +270,56 @@ def test_the_store_keeps_the_incoming_gradient_itself_so_the_runtime_must_copy_i
         _run(model, torch.randn(5, 3, 8, requires_grad=True)).backward(grad_out)
     assert any(entry.grad_output.data_ptr() == grad_out.data_ptr() for entry in store.entries)
     split.replay(0)
+
+
+def _w_grads(model, split, store_for, x, grad_out) -> tuple[list[torch.Tensor], WeightGradStore]:
+    """Weight gradients from an I into ``store_for()`` (opened with capture_into) and its replay."""
+    for lin in model:
+        lin.weight.grad = None
+    store = store_for()
+    with split.capture_into(store):
+        _run(model, x.clone().requires_grad_(True)).backward(grad_out)
+    kept = list(store.entries)
+    store.replay()
+    return [lin.weight.grad.clone() for lin in model], kept
+
+
+def test_a_graph_slots_store_keeps_copies_in_its_own_buffers_and_gives_the_same_grads(group) -> None:
+    """StaticOperandStore (the store a CUDA graph slot's I is captured with): every deferred output
+    gradient is copied into the slot's buffer -- never the tensor autograd handed over, which the
+    shared backward pool reuses -- and W computes what the plain store computes. A shorter
+    (variable) length uses the leading rows of the longest length's buffers."""
+    model = _megatron_pair(group)
+    split = install_split_backward([model])
+    x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
+    want, plain = _w_grads(model, split, WeightGradStore, x, grad_out)
+    buffers = [torch.full(e.grad_output.shape, float("nan")) for e in plain]
+    got, kept = _w_grads(model, split, lambda: StaticOperandStore(buffers), x, grad_out)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    assert [e.grad_output.data_ptr() for e in kept] == [b.data_ptr() for b in buffers]
+    assert grad_out.data_ptr() not in {e.grad_output.data_ptr() for e in kept}
+    short_want, _ = _w_grads(model, split, WeightGradStore, x[:2], grad_out[:2])
+    short_got, _ = _w_grads(model, split, lambda: StaticOperandStore(buffers), x[:2], grad_out[:2])
+    for g, w in zip(short_got, short_want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_graph_slots_store_refuses_gradients_its_buffers_do_not_fit(group) -> None:
+    model = _megatron_pair(group)
+    split = install_split_backward([model])
+    x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
+    with pytest.raises(RuntimeError, match=r"weight GEMM 1 deferred, but the slot has buffers for 0"):
+        _w_grads(model, split, lambda: StaticOperandStore([]), x, grad_out)
+    assert split.active is None
+    wrong = [torch.empty(5, 2, 4), torch.empty(5, 3, 6)]  # batch 2, not 3: only the sequence may be shorter
+    with pytest.raises(RuntimeError, match=r"weight GEMM 1's output gradient is \(5, 3, 4\).*buffer \(5, 2, 4\)"):
+        _w_grads(model, split, lambda: StaticOperandStore(wrong), x, grad_out)
+
+
+def test_capture_into_refuses_a_second_open_store() -> None:
+    split = SplitBackward()
+    with split.capture(1), pytest.raises(RuntimeError, match="already open while opening 'a graph'"):
+        with split.capture_into(WeightGradStore(), "a graph"):
+            pass
+    assert split.active is None and split.pending() == [1]

@@ -24,10 +24,17 @@ Variable lengths (--variable-seq-lengths): every slot holds one graph pair per b
 the slot's own memory pool (:func:`capture_slot` says why that costs one length's activations, not
 the sum); a microbatch replays its length's pair.
 
-Scope (checked by the config before any process starts): GPT, --use-dpp with --dpp-policy dpp (a
-graph's backward is one piece, so split backward cannot defer its weight GEMMs), TP 1, dropout 0 (a
-captured dropout would need megatron's graph-safe RNG tracker; with p = 0 no random numbers are
-drawn, and the tracker's fork is bypassed while capturing), no --overlap-grad-reduce.
+Split backward (--dpp-policy dpp-zb): a slot holds three graphs per length -- the forward, I (the
+backward with the linears' weight GEMMs deferred) and W (those GEMMs, accumulated into
+``main_grad``). F takes the slot and W gives it back, so a microbatch whose W waits keeps its
+activations in the slot exactly as eager dpp-zb keeps them in the store; what W reads besides the
+activations (each linear's output gradient) is copied during I into buffers the slot owns
+(:class:`trainer.pipeline.split_backward.StaticOperandStore` says why).
+
+Scope (checked by the config before any process starts): GPT, --use-dpp with --dpp-policy dpp or
+dpp-zb, TP 1, dropout 0 (a captured dropout would need megatron's graph-safe RNG tracker; with p = 0
+no random numbers are drawn, and the tracker's fork is bypassed while capturing), no
+--overlap-grad-reduce.
 
 Selective recompute (--recompute-activations / --recompute-granularity selective) works inside the
 graphs: the forward graph keeps only the core attention's inputs, and the backward graph recomputes
@@ -45,6 +52,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from trainer.pipeline.split_backward import SplitBackward, StaticOperandStore, WeightGradStore
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +176,25 @@ class _GraphPair:
     out: torch.Tensor
     grad_out: torch.Tensor
     grad_x: torch.Tensor
+    wgt: torch.cuda.CUDAGraph | None = None
+    """Split backward: the weight GEMMs ``bwd`` (then I) deferred; None = ``bwd`` is the whole backward."""
+
+
+class _PairReplay:
+    """A slot's replay at one length, called like the block: ``replay(x, attention_mask)``; with a
+    split backward, :meth:`replay_weights` is its W."""
+
+    def __init__(self, pair: _GraphPair) -> None:
+        self.pair = pair
+
+    def __call__(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # The mask was captured with the pair (a causal mask of the pair's length); the given one is that mask.
+        return _Replayed.apply(x, self.pair)
+
+    def replay_weights(self) -> None:
+        if self.pair.wgt is None:
+            raise RuntimeError("this CUDA graph slot was captured without a split backward: it has no W graph")
+        self.pair.wgt.replay()
 
 
 class _Replayed(torch.autograd.Function):
@@ -192,7 +220,8 @@ class _Replayed(torch.autograd.Function):
 
 
 def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device,
-                 backward_pool=None) -> dict:
+                 backward_pool=None, split: SplitBackward | None = None,
+                 operands: list[tuple[torch.Size, torch.dtype]] | None = None) -> dict:
     """One slot's graph pairs, one per captured length, as ``{length: callable(x, attention_mask)}``.
 
     Memory, forward: all of a slot's forward graphs share one private pool, captured longest first.
@@ -213,8 +242,20 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
     megatron DDP's per-parameter hook (``main_grad += grad; grad = None``) run *inside* the capture and
     are replayed with it: each weight gradient is added to ``main_grad`` and its memory reused at once,
     instead of every slot keeping a full set of static weight gradients for autograd to accumulate
-    later. (--overlap-grad-reduce, whose hook also launches communication, is refused with graphs.)"""
+    later. (--overlap-grad-reduce, whose hook also launches communication, is refused with graphs.)
+
+    Split backward (``split``, with ``operands``: the shape and dtype of each output gradient the
+    warm-up deferred at the longest length):
+    the backward is captured with the linears' weight GEMMs deferred into a
+    :class:`StaticOperandStore` over this slot's own output-gradient buffers (I), then that store's
+    replay is captured as a third graph (W), into the shared backward pool (nothing it allocates
+    outlives it)."""
+    if (split is None) != (operands is None):
+        raise ValueError("capture_slot: a split backward needs both the controller and the warm-up's operands")
     x_buf = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device)
+    # The slot's own output-gradient buffers for W (one set, the longest length's; see StaticOperandStore).
+    grad_buffers = ([torch.empty(shape, dtype=dtype, device=device) for shape, dtype in operands]
+                    if operands is not None else None)
     grad_buf = torch.zeros_like(x_buf)
     params = [p for p in call.parameters() if p.requires_grad]
     pool = torch.cuda.graph_pool_handle()
@@ -231,40 +272,60 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         stale = [p for p in params if p.grad is not None]
         if stale or x.grad is not None:
             raise RuntimeError(f"--dpp-cuda-graphs: {len(stale)} parameter(s) hold a .grad before capture")
-        with torch.cuda.graph(bwd, pool=backward_pool, stream=stream):
-            out.backward(grad_out)
+        store = StaticOperandStore(grad_buffers) if split is not None else None
+        with (split.capture_into(store, f"CUDA graph capture at length {length}") if split is not None
+              else contextlib.nullcontext()):
+            with torch.cuda.graph(bwd, pool=backward_pool, stream=stream):
+                out.backward(grad_out)
         leftover = [p for p in params if p.grad is not None]
         if leftover:  # no DDP hook consumed them: the replay would not accumulate them anywhere
             raise RuntimeError(f"--dpp-cuda-graphs: {len(leftover)} parameter gradient(s) were not accumulated "
                                "into main_grad during capture (is the chunk wrapped in megatron's DDP?)")
-        pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad)
+        wgt = None
+        if store is not None:
+            if len(store) != len(grad_buffers):
+                raise RuntimeError(f"split backward with CUDA graphs: the backward at length {length} deferred "
+                                   f"{len(store)} weight GEMM(s), the warm-up {len(grad_buffers)}")
+            wgt = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(wgt, pool=backward_pool, stream=stream):
+                store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
+        pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt)
         x.grad = None
         del out
-        replays[length] = functools.partial(_replay, pair)
+        replays[length] = _PairReplay(pair)
     return replays
 
 
-def _replay(pair: _GraphPair, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    # The mask was captured with the pair (a causal mask of the pair's length); the given one is that mask.
-    return _Replayed.apply(x, pair)
-
-
-def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device, iters: int = 2) -> None:
+def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device, iters: int = 2,
+             split: SplitBackward | None = None) -> list[tuple[torch.Size, torch.dtype]] | None:
     """Each length's forward and backward run eagerly first (cuBLAS handles and workspaces, autotuned
     kernels: nothing may initialise lazily inside a capture). A full ``backward``, as the capture
     runs it (selective recompute's checkpoint refuses ``torch.autograd.grad``); what it adds to the
-    parameters' ``main_grad`` is zeroed again here (every step zeroes the grad buffers anyway)."""
+    parameters' ``main_grad`` is zeroed again here (every step zeroes the grad buffers anyway).
+
+    With a split backward, each length's last pass defers its weight GEMMs into a store and replays
+    it (I and W as the graphs will run them); returned: the shape and dtype of each output gradient
+    deferred at the longest length (the slots size their W buffers from them)."""
     params = [p for p in call.parameters() if p.requires_grad]
+    sized = None
     for length in shapes.captured_lengths():
-        for _ in range(iters):
+        for i in range(iters):
             x = torch.zeros((length, *shapes.activation[1:]), dtype=shapes.activation_dtype, device=device,
                             requires_grad=True)
             out = call(x, masks[length])
-            out.backward(torch.ones_like(out))
+            if split is None or i < iters - 1:
+                out.backward(torch.ones_like(out))
+                continue
+            with split.capture_into(WeightGradStore(), f"CUDA graph warm-up at length {length}") as store:
+                out.backward(torch.ones_like(out))
+            if sized is None:  # longest length first
+                sized = [(e.grad_output.shape, e.grad_output.dtype) for e in store.entries]
+            store.replay()
     for p in params:
         p.grad = None
         if getattr(p, "main_grad", None) is not None:
             p.main_grad.zero_()
+    return sized
 
 
 class ChunkGraphs:
@@ -272,13 +333,15 @@ class ChunkGraphs:
 
     def __init__(self, chunk: torch.nn.Module, first: bool, slots: int, shapes: GraphShapes,
                  masks: dict, device: torch.device, capture=None, backward_pool=None,
-                 recompute_slots: int = 0) -> None:
+                 recompute_slots: int = 0, split: SplitBackward | None = None) -> None:
         """``masks``: the attention mask of each captured length. ``capture``: :func:`capture_slot`
         unless given (the CPU tests pass one that returns the block uncaptured, to check everything
         around the graphs without a GPU). ``backward_pool``: the stage's shared backward pool (see
         :func:`capture_slot`). ``recompute_slots``: how many slots (the last ones) are captured with
         the core attention recomputed in the backward (--dpp-recompute-slots); the others keep their
-        activations, whatever the configuration says."""
+        activations, whatever the configuration says. ``split``: the rank's split-backward controller
+        (--dpp-policy dpp-zb): each slot is captured as F, I and W graphs and is given back by
+        :meth:`replay_weights` instead of :meth:`give_back`."""
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
         if not 0 <= recompute_slots <= slots:
@@ -293,20 +356,22 @@ class ChunkGraphs:
         self.recomputes: list[bool | None] = [None] * slots
         if recompute_slots:
             self.recomputes = [i >= slots - recompute_slots for i in range(slots)]
+        self.split = split is not None
         with _rng_state_bypassed():
             if capture is None:
+                operands = None
                 for mode in sorted(set(self.recomputes), key=str):  # both code paths warm, if both are captured
                     with self._recompute(mode):
-                        _warm_up(_BlockCall(chunk), shapes, masks, device)
+                        operands = _warm_up(_BlockCall(chunk), shapes, masks, device, split=split) or operands
+                capture = functools.partial(capture_slot, backward_pool=backward_pool, split=split,
+                                            operands=operands)
             # Each slot its own module object, as the block's forward is swapped per call.
-            if capture is None:
-                capture = functools.partial(capture_slot, backward_pool=backward_pool)
             self.slots = []
             for mode in self.recomputes:
                 with self._recompute(mode):
                     self.slots.append(capture(_BlockCall(chunk), shapes, masks, device))
         self._free = list(range(slots))[::-1]
-        self._taken: dict[int, int] = {}
+        self._taken: dict[int, tuple[int, int]] = {}  # microbatch -> (slot, captured length)
         self.replayed = self.eager = 0  # forwards of training steps, for the end-of-run log
 
     def length_of(self, x: torch.Tensor) -> int | None:
@@ -332,18 +397,36 @@ class ChunkGraphs:
         # A slot that keeps its activations when one is free (a recomputing one costs GPU time).
         keeping = [i for i, slot in enumerate(self._free) if not self.recomputes[slot]]
         slot = self._free.pop(keeping[-1] if keeping else -1)
-        self._taken[microbatch] = slot
+        self._taken[microbatch] = (slot, length)
         return self.slots[slot][length]
+
+    def holds(self, microbatch: int) -> bool:
+        """Whether the microbatch's forward took a slot (its backward replays; False: it ran eagerly)."""
+        return microbatch in self._taken
 
     def _recompute(self, mode: bool | None):
         return contextlib.nullcontext() if mode is None else _core_attention_recompute(self.decoder, mode)
 
     def give_back(self, microbatch: int) -> bool:
-        """After the microbatch's backward was queued: whether it held a slot (False: it ran eagerly)."""
-        slot = self._taken.pop(microbatch, None)
-        if slot is not None:
-            self._free.append(slot)
-        return slot is not None
+        """After the microbatch's whole backward was queued (B; with a split backward: its W, see
+        :meth:`replay_weights`): whether it held a slot (False: it ran eagerly)."""
+        taken = self._taken.pop(microbatch, None)
+        if taken is not None:
+            self._free.append(taken[0])
+        return taken is not None
+
+    def replay_weights(self, microbatch: int) -> bool:
+        """W of a split backward: queue the slot's W graph (its deferred weight GEMMs) and give the slot
+        back; False if the microbatch ran eagerly (its GEMMs are in the runtime's store). A slot made
+        by a stand-in capture without a W graph (the CPU tests': its linears ran eagerly and deferred
+        into the runtime's store as well) has nothing to replay."""
+        taken = self._taken.get(microbatch)
+        if taken is None:
+            return False
+        replay = self.slots[taken[0]][taken[1]]
+        if hasattr(replay, "replay_weights"):
+            replay.replay_weights()
+        return self.give_back(microbatch)
 
     def in_use(self) -> list[int]:
         return sorted(self._taken)
@@ -378,9 +461,11 @@ def run_on_side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int, shapes: GraphShapes,
-                         masks: dict, device: torch.device, recompute_slots: int = 0) -> dict[int, ChunkGraphs]:
+                         masks: dict, device: torch.device, recompute_slots: int = 0,
+                         split: SplitBackward | None = None) -> dict[int, ChunkGraphs]:
     """Graph slots for each chunk of this stage (``masks``: each captured length's attention mask;
-    ``recompute_slots`` of each chunk's slots recompute the core attention, at most all of them).
+    ``recompute_slots`` of each chunk's slots recompute the core attention, at most all of them;
+    ``split``: the split-backward controller when the policy splits backwards into I and W).
     Runs each block's forward and backward a few times with zero inputs (warm-up and capture; no
     gradient is accumulated anywhere): call it before the first step."""
     recompute_slots = min(recompute_slots, slots)
@@ -389,13 +474,13 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int, shapes: Gr
     backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)
     for c, chunk in enumerate(chunks):
         graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), slots, shapes, masks, device,
-                                backward_pool=backward_pool, recompute_slots=recompute_slots)
+                                backward_pool=backward_pool, recompute_slots=recompute_slots, split=split)
     torch.cuda.synchronize(device)
     # The warm-up's eager blocks stay cached in the ordinary pool; hand them back so the run's reserved
     # peak is graphs + what the eager ops really need, not graphs + the largest warm-up.
     torch.cuda.empty_cache()
-    log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each (%d recomputing the core attention), "
+    log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each (%d recomputing the core attention%s), "
              "length(s) %s; %.2f GiB reserved for them",
-             stage, sorted(graphs), slots, recompute_slots, ",".join(map(str, shapes.captured_lengths())),
-             (torch.cuda.memory_reserved(device) - before) / 2**30)
+             stage, sorted(graphs), slots, recompute_slots, "; F, I and W graphs: split backward" if split else "",
+             ",".join(map(str, shapes.captured_lengths())), (torch.cuda.memory_reserved(device) - before) / 2**30)
     return graphs

@@ -376,6 +376,8 @@ class _Step:
 
     def _backward_step(self, m: int, c: int, grad_sync: GradSync) -> torch.Tensor | None:
         input_tensor, output = self.saved.pop((m, c))
+        graphs = self._graphs_of(c)
+        graphed = graphs is not None and graphs.holds(m)
         msg = None
         if self.shape.is_last_virtual(self.stage, c):
             grad = None
@@ -384,10 +386,12 @@ class _Step:
         else:
             msg = self.grads.pop((m, c))
             grad = msg.tensor  # read-only use during backward: no copy out of the slot
-            if self.state.split_backward:
-                # ...except for I: the weight-gradient store can keep this very tensor (autograd
-                # passes it unchanged through adds and p=0 dropout to the chunk's last linear)
-                # until W, and the slot is reused by the next arrival as soon as it is released.
+            if self.state.split_backward and not graphed:
+                # ...except for an eager I: the weight-gradient store can keep this very tensor
+                # (autograd passes it unchanged through adds and p=0 dropout to the chunk's last
+                # linear) until W, and the slot is reused by the next arrival as soon as it is
+                # released. (A replayed I copies it into its graph's input first, and what its W
+                # reads into buffers of its own: see StaticOperandStore.)
                 grad = grad.clone()
                 self.ctx.links.release(msg)
                 msg = None
@@ -403,9 +407,10 @@ class _Step:
             grad_sync.after_backward(c)
         if msg is not None:
             self.ctx.links.release(msg)
-        graphs = self._graphs_of(c)
-        # The replay is queued: a later forward may take the slot (it runs after, on this stream).
-        graphed = graphs is not None and graphs.give_back(m)
+        if graphed and not self.state.split_backward:
+            # The replay is queued: a later forward may take the slot (it runs after, on this stream).
+            # (After an I the slot stays taken: its W graph still reads the activations in it.)
+            graphs.give_back(m)
         if self.shape.is_first_virtual(self.stage, c):
             return None
         # A replayed backward leaves the input gradient in the slot's static buffer, which the slot's
@@ -416,7 +421,10 @@ class _Step:
     def _weight_step(self, m: int, c: int, grad_sync: GradSync) -> None:
         """W: the weight GEMMs I deferred; frees the inputs and output grads the store held."""
         grad_sync.before_backward(c)
-        self.ctx.split_backward.replay((m, c))
+        self.ctx.split_backward.replay((m, c))  # eager GEMMs: an eager I's, or the last stage's head
+        graphs = self._graphs_of(c)
+        if graphs is not None:
+            graphs.replay_weights(m)  # a replayed I's GEMMs, then the slot is free for a forward
         grad_sync.after_backward(c)
 
     def _send(self, action: Action, tensor: torch.Tensor) -> None:

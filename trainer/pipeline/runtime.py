@@ -209,7 +209,8 @@ class PipelineRuntime:
 
     # ---- after set-up --------------------------------------------------------------------------
     def capture_graphs(self) -> None:
-        """--dpp-cuda-graphs: one graph pair per activation slot the policy may hold on this stage.
+        """--dpp-cuda-graphs: one graph pair (F and B, or F, I and W with a split backward) per activation
+        slot the policy may hold on this stage.
         Call last in set-up: the graphs hold the parameters' storage, which a checkpoint load could replace."""
         from trainer.data.varlen import bucket_lengths
         from trainer.model.batches import causal_mask
@@ -227,4 +228,5 @@ class PipelineRuntime:
         listed = cfg.parallel.dpp_recompute_slots  # per stage from stage 0; stages not listed: none
         recompute_slots = listed[topo.pp_rank] if topo.pp_rank < len(listed) else 0
         self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device,
-                                                   recompute_slots=recompute_slots)
+                                                   recompute_slots=recompute_slots,
+                                                   split=self.context.split_backward)

@@ -25,6 +25,7 @@ gradient-accumulation fusion, deferred embedding wgrad, GTP weight rematerialisa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
@@ -76,6 +77,37 @@ class WeightGradStore:
             accumulate_weight_grad(entries.pop(0))
 
 
+class StaticOperandStore(WeightGradStore):
+    """The store a CUDA graph slot's I graph is captured with (trainer/pipeline/cuda_graphs.py).
+
+    Why: a slot's backward graphs share one memory pool with every other backward of the stage, so a
+    ``grad_output`` the I graph allocates is overwritten by the next backward replay -- before this
+    slot's W graph reads it. Each deferred ``grad_output`` is therefore copied, inside the captured I,
+    into a buffer the slot owns (``buffers``, sized by the warm-up for the longest
+    length; a shorter length uses the leading rows), and the entry keeps that buffer. The linears'
+    inputs need no copy: they are forward activations, in the slot's own forward pool, untouched
+    until the slot's next forward -- which comes after its W. One copy of each output gradient per
+    I (on the issue-12 model ~75 MB per layer: tens of microseconds against a layer's backward)."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.buffers = buffers
+
+    def add(self, entry: _Deferred) -> None:
+        i, grad = len(self.entries), entry.grad_output
+        if i >= len(self.buffers):
+            raise RuntimeError(f"split backward with CUDA graphs: weight GEMM {i + 1} deferred, but the slot "
+                               f"has buffers for {len(self.buffers)} (the backward defers more GEMMs than it did "
+                               "when the buffers were sized)")
+        view = self.buffers[i][:grad.shape[0]] if grad.dim() else self.buffers[i]
+        if view.shape != grad.shape or view.dtype != grad.dtype:
+            raise RuntimeError(f"split backward with CUDA graphs: weight GEMM {i + 1}'s output gradient is "
+                               f"{tuple(grad.shape)} {grad.dtype}, its buffer {tuple(view.shape)} {view.dtype} "
+                               "(only the leading, sequence dimension may be shorter than the longest length's)")
+        view.copy_(grad)
+        super().add(dataclasses.replace(entry, grad_output=view))
+
+
 def weight_grad(entry: _Deferred) -> torch.Tensor:
     """``grad_output^T @ input`` over all leading (token) dimensions, in megatron's dtype."""
     grad_output = entry.grad_output.contiguous()
@@ -121,9 +153,15 @@ class SplitBackward:
     @contextlib.contextmanager
     def capture(self, key: Hashable) -> Iterator[WeightGradStore]:
         """Backwards run inside defer their weight GEMMs into the store of ``key`` (an I step)."""
+        with self.capture_into(self._stores.setdefault(key, WeightGradStore()), key) as store:
+            yield store
+
+    @contextlib.contextmanager
+    def capture_into(self, store: WeightGradStore, what: Hashable = "a store") -> Iterator[WeightGradStore]:
+        """Backwards run inside defer their weight GEMMs into ``store``, which the caller keeps (no
+        W step of the runtime will replay it): how a CUDA graph slot captures its I and W graphs."""
         if self.active is not None:
-            raise RuntimeError(f"split backward: a capture is already open while opening {key!r}")
-        store = self._stores.setdefault(key, WeightGradStore())
+            raise RuntimeError(f"split backward: a capture is already open while opening {what!r}")
         self.active = store
         try:
             yield store
