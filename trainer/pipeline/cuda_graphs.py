@@ -178,6 +178,10 @@ class _GraphPair:
     grad_x: torch.Tensor
     wgt: torch.cuda.CUDAGraph | None = None
     """Split backward: the weight GEMMs ``bwd`` (then I) deferred; None = ``bwd`` is the whole backward."""
+    w_buffers: list[torch.Tensor] | None = None
+    """Split backward: the slot's output-gradient buffers that ``bwd`` writes and ``wgt`` reads. Held
+    here because nothing else holds them: ordinary allocations, which the caching allocator would
+    hand to other tensors (while the graphs still use their addresses) once unreferenced."""
 
 
 class _PairReplay:
@@ -289,7 +293,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
             wgt = torch.cuda.CUDAGraph()
             with torch.cuda.graph(wgt, pool=backward_pool, stream=stream):
                 store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
-        pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt)
+        pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt, grad_buffers)
         x.grad = None
         del out
         replays[length] = _PairReplay(pair)
