@@ -68,6 +68,14 @@ CATALOGUE = {
     "dpp-graphs-v2-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25, v=2", 2,
                              ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.25"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
+    # Split backward with graphs (tenth session): each slot holds F, I and W graphs; dpp-zb's held cap is
+    # stage 0's 1F1B bound on every stage (4/4/4/4 at PP=4), its live cap the stage's own (4/3/2/1).
+    "dpp-zb-graphs": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs (F, I and W graphs per slot)", 1,
+                      ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs"], True),
+    "dpp-zb-graphs-rs2": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --dpp-recompute-slots 2 (two of stage "
+                          "0's slots recompute the core attention)", 1,
+                          ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2"],
+                          True),
     "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
                         "1F1B, balanced split, no batch sync", 1, ["--no-batch-p2p-sync"], True),
