@@ -1,42 +1,55 @@
 #!/usr/bin/env bash
-# 4 GPUs, ninth session: the whole GPU tier (`pytest -m gpu tests/gpu`) in one call, as two
-# concurrent halves on two GPU pairs (every file but test_dpp_nccl_split.py runs two ranks on
-# cuda:0/1 of what it sees, so CUDA_VISIBLE_DEVICES=0,1 and =2,3 are each the configuration the
-# file has on a 4-GPU machine), then the one 4-rank file on all four. Logs and junit XML under $OUT.
-#   scripts/device/call_4gpu_tier.sh [SECONDS_FOR_THE_HALVES] [SECONDS_FOR_THE_4_GPU_FILE]
+# 4 GPUs: the GPU tests (`pytest -m gpu`: tests/gpu and tests/dist/test_train_gpu.py) in three calls.
+# Each part runs two groups concurrently on two GPU pairs (a file that runs two ranks uses cuda:0/1
+# of what it sees, so CUDA_VISIBLE_DEVICES=0,1 and =2,3 are each the configuration it has on a
+# 4-GPU machine), then one group on all four. The groups: scripts/device/gpu_tier_groups.py (a unit
+# test holds them to the collected GPU tests). Logs and junit XML under $OUT.
+#   scripts/device/call_4gpu_tier.sh [PART (1|2|3)] [SECONDS_FOR_THE_PAIRS] [SECONDS_FOR_THE_4_GPU_GROUP]
 set -u
 source scripts/device/env.sh >/dev/null || exit 1
-halves=${1:-400}; last=${2:-140}
-g=tests/gpu
-A=("$g/test_transport_gpu.py" "$g/test_dpp_cuda_graphs.py::test_graphed_dpp_equals_eager_dpp[v1]"
-   "$g/test_dpp_cuda_graphs.py::test_graphed_dpp_equals_eager_dpp[v2]"
-   "$g/test_dpp_cuda_graphs.py::test_graphed_dpp_equals_eager_dpp[v1-varlen]" "$g/test_megatron_cuda_graphs.py")
-B=("$g/test_transport_nccl_gpu.py" "$g/test_dpp_cuda_graphs.py::test_graphed_dpp_equals_eager_dpp[v1-recompute]"
-   "$g/test_dpp_cuda_graphs.py::test_graphed_dpp_equals_eager_dpp[v1-queued1]"
-   "$g/test_dpp_cuda_graphs.py::test_graphed_dpp_equals_eager_dpp[v1-recompute-slot]"
-   "$g/test_checkpoint_gpu.py" "$g/test_gpu_spans.py")
-half() {  # half NAME GPUS TEST...
-    local name=$1 gpus=$2; shift 2
-    CUDA_VISIBLE_DEVICES=$gpus timeout "$halves" \
-        python3 -m pytest -q -m gpu -p no:cacheprovider --durations=0 --junitxml="$OUT/$name.xml" --basetemp="/tmp/tier-$name" "$@" \
+part=${1:-1}
+read -r PAIRS ALL pairs last < <(python3 - "$part" <<'PY'
+import sys
+sys.path.insert(0, "scripts/device")
+from gpu_tier_groups import PARTS
+if sys.argv[1] in PARTS:
+    pair_groups, last_group, pair_s, last_s = PARTS[sys.argv[1]]
+    print(",".join(pair_groups) or "-", last_group, pair_s, last_s)
+PY
+)
+[ -n "${ALL:-}" ] || { echo "unknown part $part (see scripts/device/gpu_tier_groups.py)"; exit 2; }
+pairs=${2:-$pairs}; last=${3:-$last}
+run_group() {  # run_group NAME GPUS SECONDS
+    local name=$1 gpus=$2 secs=$3
+    mapfile -t ids < <(python3 scripts/device/gpu_tier_groups.py "$name")
+    CUDA_VISIBLE_DEVICES=$gpus timeout "$secs" \
+        python3 -m pytest -q -m gpu -p no:cacheprovider --durations=0 --junitxml="$OUT/$name.xml" --basetemp="/tmp/tier-$name" "${ids[@]}" \
         > "$OUT/$name.log" 2>&1
-    echo "half $name (GPUs $gpus): rc=$?"
+    echo "group $name (GPUs $gpus): rc=$?"
 }
 start=$SECONDS
-half A 0,1 "${A[@]}" &
-half B 2,3 "${B[@]}" &
-wait
-echo "halves done in $((SECONDS - start)) s"
-for name in A B; do grep -E "passed|failed|error|PASSED|FAILED|ERROR|^[0-9.]+s (call|setup)" "$OUT/$name.log" | tail -20; done
+done_groups=()
+if [ "$PAIRS" != "-" ]; then
+    IFS=, read -r P1 P2 <<< "$PAIRS"
+    run_group "$P1" 0,1 "$pairs" &
+    run_group "$P2" 2,3 "$pairs" &
+    wait
+    echo "pairs done in $((SECONDS - start)) s"
+    for name in "$P1" "$P2"; do grep -E "passed|failed|error|PASSED|FAILED|ERROR|^[0-9.]+s (call|setup)" "$OUT/$name.log" | tail -20; done
+    done_groups=("$P1" "$P2")
+fi
 start=$SECONDS
-timeout "$last" python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/C.xml" "$g/test_dpp_nccl_split.py" \
-    > "$OUT/C.log" 2>&1; echo "4-GPU file: rc=$? in $((SECONDS - start)) s"; tail -3 "$OUT/C.log"
-python3 - "$OUT" <<'PY'
-import sys, glob, xml.etree.ElementTree as ET
+run_group "$ALL" 0,1,2,3 "$last"
+echo "4-GPU group in $((SECONDS - start)) s"; tail -3 "$OUT/$ALL.log"
+python3 - "$OUT" "${done_groups[@]}" "$ALL" <<'PY'
+import sys, os, xml.etree.ElementTree as ET
 total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-for f in sorted(glob.glob(sys.argv[1] + "/[ABC].xml")):
+for name in sys.argv[2:]:
+    f = os.path.join(sys.argv[1], name + ".xml")
+    if not os.path.exists(f):
+        print("no junit XML for group", name); continue
     suite = ET.parse(f).getroot().find("testsuite")
     for k in total:
         total[k] += int(suite.get(k, 0))
-print("tier total:", total)
+print("part total:", total)
 PY

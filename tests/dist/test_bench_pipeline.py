@@ -38,7 +38,7 @@ def test_cpu_dry_run_writes_report_and_timelines(tmp_path: Path) -> None:
     assert "CPU stand-in: our runtime's static 1f1b policy" in text
     for scenario in ("a", "b", "c"):
         for line in ("megatron-1f1b-default", "megatron-1f1b-best", "dpp"):
-            assert (report.parent / f"timeline-{scenario}-{line}.png").stat().st_size > 1000
+            assert (report.parent / f"{report.stem}.timeline-{scenario}-{line}.png").stat().st_size > 1000
     rows = [r for r in text.splitlines() if r.startswith("| dpp |")]
     assert len(rows) == 3 and "3/1" in rows[0]  # the balanced split (head weighs 2 layers) on 2 stages
     assert "| 1.000x |" in text  # the best megatron line is its own bar

@@ -1,6 +1,6 @@
 """On 4 GPUs: GPT (16 layers, hidden 2048, seq 1024, mbs 2, bf16, PP=4, 32 microbatches) trains with
 ``--use-dpp`` under each DPP policy (``dpp``, ``dpp-zb``, graphs with selective recompute at cap
-factor 1.5, and graphs with per-slot recompute and a one-op run-ahead bound) and its first 10 losses match megatron-core's own 1F1B from the same seed within bf16
+factor 1.5, graphs with per-slot recompute and a one-op run-ahead bound, and dpp-zb with graphs) and its first 10 losses match megatron-core's own 1F1B from the same seed within bf16
 noise. Skipped without CUDA; run on a 4-GPU machine with::
 
     pytest -m gpu tests/dist/test_train_gpu.py -s
@@ -41,6 +41,8 @@ DPP_POLICIES = {
     # The seventh session's candidate: graphs at 1F1B caps, two of stage 0's slots recomputing the core
     # attention, hosts deciding with at most one op queued on their GPU.
     "dpp-graphs-rs2-q1": ["--use-dpp", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2", "--dpp-max-queued-ops", "1"],
+    # Tenth session: split backward with graphs (F, I and W graphs per slot).
+    "dpp-zb-graphs": ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs"],
 }
 
 

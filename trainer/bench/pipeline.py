@@ -136,8 +136,9 @@ def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace,
     return result
 
 
-def _picture(result: LineResult, folder: Path, report_dir: Path) -> str | None:
-    path = report_dir / f"timeline-{result.key}.png"
+def _picture(result: LineResult, folder: Path, report: Path) -> str | None:
+    # Named after the report too: two calls writing reports into one folder keep both pictures.
+    path = report.parent / f"{report.stem}.timeline-{result.key}.png"
     if plot_kernel_timeline(result, path) or plot_trace_timeline(folder / "traces", path):
         return path.name
     return None
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[line.key].round_medians.append(result.median_ms)
             elif not round_ or not result.ok:
                 results[line.key] = result  # first round, or a failure that must show
-            picture = _picture(result, args.out / line.key, args.report.parent) if not round_ else None
+            picture = _picture(result, args.out / line.key, args.report) if not round_ else None
             if picture:
                 pictures[line.key] = picture
             # Rewritten after every line: a call cut off by its time limit still leaves a report.
