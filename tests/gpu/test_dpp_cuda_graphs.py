@@ -65,7 +65,7 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
     (--dpp-recompute-slots 1,1: stage 0 has 2 slots, stage 1 one) -- again no number may move.
     zb-*: both runs use --dpp-policy dpp-zb (split backward): the graphed run's slots hold F, I and W
     graphs, each deferred W replaying its slot's graph (stage 1 also holds 2 slots: dpp-zb's held
-    cap is stage 0's 1F1B bound)."""
+    cap is stage 0's 1F1B bound); at v = 1 stage 0 runs whole backwards (F and B graphs)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     layout = [] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"]
@@ -84,7 +84,8 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
     if both == ZB:
         logs = "".join(r.output for r in results)
         split_stages = set(re.findall(r"stage (\d+): CUDA graphs[^\n]*F, I and W graphs: split backward", logs))
-        assert split_stages == {"0", "1"}, logs[-3000:]
+        # At v = 1 stage 0 runs whole backwards (DynamicOptions.split_first_stage): F and B graphs there.
+        assert split_stages == ({"1"} if chunks == 1 else {"0", "1"}), logs[-3000:]
     assert_same_losses(eager, graphed)
     assert len(grad_dumps(tmp_path / "eager")) == 4  # 2 ranks x 2 iterations (--dump-grads 2)
     assert_same_grads(tmp_path / "eager", tmp_path / "graphed")

@@ -74,7 +74,11 @@ def test_default_caps_are_megatrons_bounds():
     assert [make_policy("dpp", shape, s, max_inflight=5).cap for s in range(4)] == [5] * 4
     # dpp-zb: held activations within 1F1B's per-GPU peak, live ones within the stage's bound.
     zb = [make_policy("dpp-zb", shape, s) for s in range(4)]
-    assert [(p.cap, p.live_cap) for p in zb] == [(4, 4), (4, 3), (4, 2), (4, 1)]
+    # (stage 0 runs whole backwards: see DynamicOptions.split_first_stage)
+    assert [(p.cap, p.live_cap) for p in zb] == [(4, None), (4, 3), (4, 2), (4, 1)]
+    assert [p.split_backward for p in zb] == [False, True, True, True]
+    assert make_policy("dpp-zb", shape, 0, split_first_stage=True).split_backward
+    assert all(make_policy("dpp-zb", PipelineShape(4, 32, 2), s).split_backward for s in range(4))
     # v > 1: Megatron's interleaved warm-up count + 1 = 2 (p - s - 1) + (v - 1) p + 1.
     shape2 = PipelineShape(4, 32, 2)
     assert [one_f_one_b_cap(shape2, s) for s in range(4)] == [11, 9, 7, 5]
@@ -164,7 +168,9 @@ def test_dpp_zb_first_stage_runs_w_to_unblock_a_forward_before_an_i_that_feeds_n
     # W0 frees the slot (ZB-H1's F I W rhythm). A later stage keeps I first (its upstream waits).
     shape = PipelineShape(2, 8)
     for stage, expected in ((0, Action(Op.W, 0)), (1, Action(Op.I, 1))):
-        policy = make_policy("dpp-zb", shape, stage)
+        # split_first_stage: by default stage 0 runs whole backwards; this is the rule that makes
+        # that equivalent (here asked for explicitly, so stage 0 splits).
+        policy = make_policy("dpp-zb", shape, stage, split_first_stage=True)
         state = StageState(shape, stage, split_backward=True)
         for m in (0, 1):
             if stage == 1:

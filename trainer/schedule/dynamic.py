@@ -94,6 +94,19 @@ class DynamicOptions:
     dependency and no cap (any W frees one slot); it changes which microbatch's W meets an idle
     slot, so which ops overlap a neighbour's stall and how long the filler is under lengths."""
 
+    split_first_stage: bool = False
+    """dpp-zb at v = 1: whether stage 0 splits its backwards too. False (default): stage 0 runs whole
+    backwards (B), the other stages I and W. Why: stage 0's input gradients feed no other stage,
+    and with its held and live caps equal (the default: both its 1F1B bound) the split changes
+    nothing -- while forwards remain, an I runs only with the held cap full, so the first-stage
+    rule runs that microbatch's W right after it; once they are done, any non-idling order of the
+    remaining work ends at the same time. The simulator agrees on every draw tried (p = 2/4/8, all
+    issue-14 scenarios, 20 seeds each: identical steps). On a GPU the split is not free: each
+    deferred GEMM's operands are held until W and, with --dpp-cuda-graphs, copied into buffers a
+    slot owns (+1.42 GiB on the issue-12 model's stage 0, the stage that sets peak memory and the
+    busiest one). True: split there as well (for measurements). No effect at v > 1 (stage 0 also
+    runs a middle chunk, whose input gradients do feed a stage) or with explicit unequal caps."""
+
     def __post_init__(self) -> None:
         problems = []
         for name in ("max_inflight", "max_live"):
@@ -150,9 +163,12 @@ class DynamicPolicy:
         split_backward: bool,
     ) -> None:
         self.name = name
-        self.split_backward = split_backward
         self.options = options
         self.cap, self.live_cap = options.resolve_caps(shape, stage, split_backward)
+        if (split_backward and not options.split_first_stage and stage == 0 and shape.num_chunks == 1
+                and self.live_cap == self.cap):
+            split_backward, self.live_cap = False, None  # whole backwards there: see split_first_stage
+        self.split_backward = split_backward
         reserve = options.reserve_owed
         self.reserve_owed = (not split_backward) if reserve is None else reserve
         self._num_chunks = shape.num_chunks
