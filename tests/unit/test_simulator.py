@@ -116,6 +116,7 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
                     order = rng.choice(["oldest", "youngest", "default"])  # default: by v
                     if order != "default":
                         options["weight_order"] = str(order)
+                    options["split_first_stage"] = bool(rng.choice([True, False]))
             elif name != "interleaved" or m_count % p == 0:
                 options = {"microbatch_order": str(rng.choice(["cost", "index"]))}
             costs = CostModel(forward=float(rng.uniform(0.3, 2)), input_grad=float(rng.uniform(0.3, 2)),
