@@ -212,7 +212,7 @@ def test_runtime_refuses_a_split_policy_without_the_store() -> None:
     chunk = torch.nn.Linear(1, 1)
     chunk.config = config
     context = DppContext(topology=Topology(world_size=1, rank=0),
-                         policy=make_policy("dpp-zb", PipelineShape(1, 2), 0), links=None,
+                         policy=make_policy("dpp-zb", PipelineShape(1, 2), 0, split_first_stage=True), links=None,
                          microbatch_data=lambda m, c: None)
     with pytest.raises(ValueError, match="'dpp-zb' splits the backward"):
         forward_backward_dpp(forward_step_func=None, data_iterator=None, model=[chunk], num_microbatches=2,
