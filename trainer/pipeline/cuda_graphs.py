@@ -293,6 +293,10 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
             wgt = torch.cuda.CUDAGraph()
             with torch.cuda.graph(wgt, pool=backward_pool, stream=stream):
                 store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
+            leftover = [p for p in params if p.grad is not None]
+            if leftover:  # W added to .grad, a tensor of the capture: a replay would accumulate nowhere
+                raise RuntimeError(f"--dpp-cuda-graphs: the W graph left {len(leftover)} weight gradient(s) in .grad "
+                                   "instead of main_grad (is the chunk wrapped in megatron's DDP?)")
         pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt, grad_buffers)
         x.grad = None
         del out
@@ -360,7 +364,6 @@ class ChunkGraphs:
         self.recomputes: list[bool | None] = [None] * slots
         if recompute_slots:
             self.recomputes = [i >= slots - recompute_slots for i in range(slots)]
-        self.split = split is not None
         with _rng_state_bypassed():
             if capture is None:
                 operands = None
