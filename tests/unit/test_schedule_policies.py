@@ -77,6 +77,9 @@ def test_default_caps_are_megatrons_bounds():
     # (stage 0 runs whole backwards: see DynamicOptions.split_first_stage)
     assert [(p.cap, p.live_cap) for p in zb] == [(4, None), (4, 3), (4, 2), (4, 1)]
     assert [p.split_backward for p in zb] == [False, True, True, True]
+    from trainer.schedule.compare import describe_caps
+
+    assert describe_caps(zb) == "4,4/3,4/2,4/1"  # the simulator's caps column
     assert make_policy("dpp-zb", shape, 0, split_first_stage=True).split_backward
     assert all(make_policy("dpp-zb", PipelineShape(4, 32, 2), s).split_backward for s in range(4))
     # v > 1: Megatron's interleaved warm-up count + 1 = 2 (p - s - 1) + (v - 1) p + 1.

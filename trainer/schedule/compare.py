@@ -71,7 +71,8 @@ def describe_caps(policies: list[Policy]) -> str:
     lives = [getattr(p, "live_cap", None) for p in policies]
     if all(live is None for live in lives):
         return ",".join(map(str, caps))
-    return ",".join(f"{c}/{live}" for c, live in zip(caps, lives, strict=True))
+    # A stage with no live cap (dpp-zb's stage 0, which runs whole backwards) shows its held cap alone.
+    return ",".join(str(c) if live is None else f"{c}/{live}" for c, live in zip(caps, lives, strict=True))
 
 
 def compare(specs: list[ScheduleSpec], num_stages: int, num_microbatches: int, costs: CostModel,
