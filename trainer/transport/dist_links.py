@@ -355,6 +355,10 @@ class ProcessGroupReceiver:
         self.polled = polled
         self._ready: collections.deque[Message] = collections.deque()  # polled: read, not handed out yet
         self._partial = bytearray()  # polled: the start of a header whose rest has not arrived
+        # polled: one reader of the line at a time. The consumer reads it (try_receive) and so does
+        # whichever thread pumps the rank's progress (post_announced, e.g. a sender waiting for
+        # credit): two unserialised reads can append their chunks to _partial out of order.
+        self._read_lock = threading.Lock()
         self._thread = None if polled else threading.Thread(
             target=self._header_loop, name=f"mdpp-headers-{edge.src}-{rank}-{edge.direction}", daemon=True
         )
@@ -391,9 +395,16 @@ class ProcessGroupReceiver:
         return not self._ended.is_set()
 
     def _read_headers(self) -> None:
-        """Decode every whole header the line holds; never blocks. A failure is kept in ``_failure``
+        """Decode every whole header the line holds; never waits on the line (only, briefly, on another
+        thread reading it). A failure is kept in ``_failure``
         (raised by :meth:`try_receive` / :meth:`check_peer`, after the messages read before it)."""
         if not self.polled or self._ended.is_set():
+            return
+        with self._read_lock:
+            self._read_headers_locked()
+
+    def _read_headers_locked(self) -> None:
+        if self._ended.is_set():
             return
         try:
             data = self._edge.header.read_available()
