@@ -5,6 +5,8 @@
 # 4-GPU machine), then one group on all four. The groups: scripts/device/gpu_tier_groups.py (a unit
 # test holds them to the collected GPU tests). Logs and junit XML under $OUT.
 #   scripts/device/call_4gpu_tier.sh [PART (1|2|3)] [SECONDS_FOR_THE_PAIRS] [SECONDS_FOR_THE_4_GPU_GROUP]
+# On a 2-GPU machine the side-by-side groups get one GPU each (their two ranks share it over gloo,
+# as the tests do on one GPU) and the last group runs on both: part 2 fits there, part 3 needs four.
 set -u
 source scripts/device/env.sh >/dev/null || exit 1
 part=${1:-1}
@@ -19,6 +21,10 @@ PY
 )
 [ -n "${ALL:-}" ] || { echo "unknown part $part (see scripts/device/gpu_tier_groups.py)"; exit 2; }
 pairs=${2:-$pairs}; last=${3:-$last}
+ngpu=$(nvidia-smi -L | wc -l)
+if [ "$ngpu" -ge 4 ]; then FIRST=0,1; SECOND=2,3; ALLGPUS=0,1,2,3
+elif [ "$ngpu" -eq 2 ]; then FIRST=0; SECOND=1; ALLGPUS=0,1; echo "2 GPUs: side-by-side groups on one GPU each"
+else echo "need 2 or 4 GPUs, found $ngpu"; exit 2; fi
 run_group() {  # run_group NAME GPUS SECONDS
     local name=$1 gpus=$2 secs=$3
     mapfile -t ids < <(python3 scripts/device/gpu_tier_groups.py "$name")
@@ -31,16 +37,16 @@ start=$SECONDS
 done_groups=()
 if [ "$PAIRS" != "-" ]; then
     IFS=, read -r P1 P2 <<< "$PAIRS"
-    run_group "$P1" 0,1 "$pairs" &
-    run_group "$P2" 2,3 "$pairs" &
+    run_group "$P1" "$FIRST" "$pairs" &
+    run_group "$P2" "$SECOND" "$pairs" &
     wait
     echo "pairs done in $((SECONDS - start)) s"
     for name in "$P1" "$P2"; do grep -E "passed|failed|error|PASSED|FAILED|ERROR|^[0-9.]+s (call|setup)" "$OUT/$name.log" | tail -20; done
     done_groups=("$P1" "$P2")
 fi
 start=$SECONDS
-run_group "$ALL" 0,1,2,3 "$last"
-echo "4-GPU group in $((SECONDS - start)) s"; tail -3 "$OUT/$ALL.log"
+run_group "$ALL" "$ALLGPUS" "$last"
+echo "last group (GPUs $ALLGPUS) in $((SECONDS - start)) s"; tail -3 "$OUT/$ALL.log"
 python3 - "$OUT" "${done_groups[@]}" "$ALL" <<'PY'
 import sys, os, xml.etree.ElementTree as ET
 total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
