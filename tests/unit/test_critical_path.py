@@ -1,0 +1,82 @@
+"""trainer.profiling.critical_path: the critical path of a traced iteration and the backwards queued
+behind a weight gradient, on simulator traces (same format as the runtime's) and hand-made spans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer.profiling.critical_path import OpSpan, analyse, main
+from trainer.schedule.compare import ScheduleSpec
+from trainer.schedule.costs import CostModel
+from trainer.schedule.simulator import simulate
+from trainer.schedule.trace import write_trace
+
+
+def _spans(ops: list[tuple[int, str, int, float, float]]) -> dict[int, list[OpSpan]]:
+    out: dict[int, list[OpSpan]] = {}
+    for stage, op, m, start, end in ops:
+        out.setdefault(stage, []).append(OpSpan(stage, op, m, 0, start * 1000, end * 1000))
+    return out
+
+
+def test_path_of_uniform_1f1b_runs_the_fill_and_the_last_stage() -> None:
+    """1F1B, p = 2, M = 2, F = 1, B = 2, no transfer: the path is s0:F0 -> s1:F0 -> s1:B0 -> s1:F1 ->
+    s1:B1 -> s0:B1 and its ops fill the whole span."""
+    ops = [(0, "F", 0, 0, 1), (0, "F", 1, 1, 2), (0, "B", 0, 4, 6), (0, "B", 1, 8, 10),
+           (1, "F", 0, 1, 2), (1, "B", 0, 2, 4), (1, "F", 1, 4, 5), (1, "B", 1, 5, 7)]
+    # s0:B1 needs s1:B1 (ends 7), s0's previous op B0 ends 6: the producer gates it, one unit late.
+    report = analyse(_spans(ops))
+    assert [o.label for o, _ in report.path] == ["s0:F0.c0", "s1:F0.c0", "s1:B0.c0", "s1:F1.c0", "s1:B1.c0",
+                                                 "s0:B1.c0"]
+    assert report.span_ms == pytest.approx(10.0)
+    assert report.gap_ms == pytest.approx(1.0)
+    assert sum(report.op_ms.values()) + report.gap_ms == pytest.approx(report.span_ms)
+    assert report.behind_w_ms == {}
+
+
+def test_a_backward_whose_gradient_was_there_before_a_w_started_is_counted() -> None:
+    # stage 1: I0 at 2-3; W0 3-6 was queued although stage 2's I1 ended at 2.5 -> I1 waits 3 units.
+    ops = [(1, "F", 0, 0, 1), (1, "F", 1, 1, 2), (1, "I", 0, 2, 3), (1, "W", 0, 3, 6), (1, "I", 1, 6, 7),
+           (2, "I", 0, 1, 2), (2, "I", 1, 2, 2.5)]
+    report = analyse(_spans(ops))
+    assert report.behind_w_count == {1: 1}
+    assert report.behind_w_ms[1] == pytest.approx(3.0)
+    # the same W started before the gradient came: not counted (the W filled real idle time)
+    late = [o if o[:3] != (2, "I", 1) else (2, "I", 1, 3.5, 4.0) for o in ops]
+    assert analyse(_spans(late)).behind_w_ms == {}
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("dpp-zb", 1), ("dpp", 2)])
+def test_path_covers_the_span_of_simulated_steps(name: str, v: int, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """On a simulated step (no transfer time) every moment of the span is on the path: op time plus
+    gaps equals the span, and the path starts at stage 0's first forward."""
+    spec = ScheduleSpec(name, num_chunks=v) if v > 1 else ScheduleSpec(name)
+    shape, policies = spec.policies(4, 8)
+    costs = CostModel(jitter=0.3).draw(shape, np.random.default_rng(3))
+    result = simulate(shape, policies, costs, record=True)
+    path = write_trace(tmp_path / "sim.json", result, transfer=0.0)
+    assert main(["--trace", str(path), "--detail"]) == 0
+    out = capsys.readouterr().out
+    assert "iteration 0: span" in out and "s0:F0.c0 ->" in out
+    from trainer.profiling.critical_path import collect_spans
+    from trainer.profiling.loading import read_trace_file
+    from trainer.profiling.merge import merge_traces
+    report = analyse(collect_spans(merge_traces([read_trace_file(path)]), "host")[0])
+    assert report.span_ms == pytest.approx(result.step_time)
+    assert sum(report.op_ms.values()) + report.gap_ms == pytest.approx(report.span_ms)
+    assert report.path[0][0].label == "s0:F0.c0"
+
+
+def test_cli_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shape, policies = ScheduleSpec("1f1b").policies(2, 4)
+    result = simulate(shape, policies, CostModel().draw(shape, np.random.default_rng(0)), record=True)
+    path = write_trace(tmp_path / "sim.json", result)
+    assert main(["--trace", str(path), "--spans", "gpu"]) == 1
+    assert "no gpu spans" in capsys.readouterr().err
+    assert main(["--trace", str(path), "--iterations", "5"]) == 2
+    assert "iterations [5] not in the trace" in capsys.readouterr().err
+    assert main(["--benchmark_dir", str(tmp_path / "empty")]) == 1

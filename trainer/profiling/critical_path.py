@@ -1,0 +1,257 @@
+"""Why an iteration took as long as it did: its critical path through the stages' ops.
+
+    python -m trainer.profiling.critical_path --benchmark_dir DIR [--iterations 3,4] [--spans gpu|host] [--detail]
+    python -m trainer.profiling.critical_path --trace FILE ...   # one trace file (merged, or the simulator's)
+
+Per-stage busy time says which GPU worked most, not what the step waited for. This walks one
+iteration backwards from the op that ended last: each op was held back either by the op before it
+on its stage's stream or by the producer of its input (an F by the upstream F of its microbatch, an
+I/B by the downstream I/B), whichever ended later. The chain of those ops is the critical path; its
+length is the iteration's span, split into op time per stage and kind and into the gaps between
+them (transfers, launches, host decisions).
+
+It also counts **backwards queued behind a weight gradient**: an I or B whose input gradient was on
+the stage (its producer had ended) before the stage's previous op, a deferred W, even started — so
+a W decided on the host before that gradient's header arrived held it back for the W's whole run.
+That is dpp-zb's host-time hazard (docs/schedules.md, host-time decisions); the delay is summed per
+stage.
+
+Spans: ``gpu`` (CUDA runs traced with --profile-dir: each op's GPU time from CUDA events) or
+``host`` (CPU runs, where an op runs while its host span lasts; also simulator traces). Where a stage
+has several ranks (TP/DP replicas), the lowest rank stands for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.profiling.loading import load_rank_traces, read_trace_file
+from trainer.profiling.merge import merge_traces
+
+COMPUTE_OPS = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True)
+class OpSpan:
+    stage: int
+    op: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+    """Microseconds."""
+
+    @property
+    def label(self) -> str:
+        return f"s{self.stage}:{self.op}{self.microbatch}.c{self.chunk}"
+
+
+@dataclass
+class PathReport:
+    iteration: int
+    span_ms: float
+    """First op start to last op end over all stages."""
+    path: list[tuple[OpSpan, float]]
+    """Critical path, first op first: (op, gap before it in ms)."""
+    op_ms: dict[tuple[int, str], float] = field(default_factory=dict)
+    """(stage, op kind) -> time of that stage's ops of that kind on the path."""
+    gap_ms: float = 0.0
+    """Time on the path between ops (transfers, launches, decisions)."""
+    behind_w_ms: dict[int, float] = field(default_factory=dict)
+    """stage -> summed delay of backwards queued behind a W started after their gradient was there."""
+    behind_w_count: dict[int, int] = field(default_factory=dict)
+
+
+def _op_of(event: dict[str, Any]) -> str | None:
+    args = event.get("args", {})
+    op = args.get("op")
+    if op in COMPUTE_OPS:
+        return op
+    name = event.get("name", "")
+    if name[:1] in COMPUTE_OPS and event.get("cat") in COMPUTE_OPS + ("gpu",):
+        return name[:1]
+    return None
+
+
+def collect_spans(merged: dict[str, Any], spans: str = "gpu") -> dict[int, dict[int, list[OpSpan]]]:
+    """iteration -> stage -> its ops in stream order. ``spans``: "gpu" (cat gpu) or "host" (F/B/I/W)."""
+    if spans not in ("gpu", "host"):
+        raise ValueError(f"spans={spans!r} must be 'gpu' or 'host'")
+    rank_of_stage: dict[int, int] = {}
+    picked: list[dict[str, Any]] = []
+    for event in merged["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        cat = event.get("cat")
+        if (spans == "gpu") != (cat == "gpu") or (spans == "host" and cat not in COMPUTE_OPS):
+            continue
+        args = event.get("args", {})
+        if "microbatch" not in args or _op_of(event) is None:
+            continue
+        stage, rank = int(args["stage"]), int(args.get("rank", -1))
+        rank_of_stage[stage] = min(rank, rank_of_stage.get(stage, rank))
+        picked.append(event)
+    out: dict[int, dict[int, list[OpSpan]]] = defaultdict(lambda: defaultdict(list))
+    for event in picked:
+        args = event["args"]
+        stage = int(args["stage"])
+        if int(args.get("rank", -1)) != rank_of_stage[stage]:
+            continue
+        out[int(args["iteration"])][stage].append(OpSpan(
+            stage, _op_of(event), int(args["microbatch"]), int(args.get("chunk", 0)),  # type: ignore[arg-type]
+            float(event["ts"]), float(event["ts"]) + float(event["dur"])))
+    for stages in out.values():
+        for ops in stages.values():
+            ops.sort(key=lambda o: o.start)
+    return out
+
+
+def _neighbour(stage: int, chunk: int, step: int, p: int, v: int) -> tuple[int, int] | None:
+    """(stage, chunk) of the virtual stage ``step`` away (+1 downstream, -1 upstream), interleaved
+    placement: virtual stage c * p + s."""
+    virtual = chunk * p + stage + step
+    if virtual < 0 or virtual >= p * v:
+        return None
+    return virtual % p, virtual // p
+
+
+def analyse(stages: dict[int, list[OpSpan]], iteration: int = 0) -> PathReport:
+    """The critical path of one iteration's ops (``stages``: stage -> ops in stream order)."""
+    if not stages or not any(stages.values()):
+        raise ValueError(f"iteration {iteration}: no ops to analyse")
+    p = max(stages) + 1
+    v = 1 + max(o.chunk for ops in stages.values() for o in ops)
+    index: dict[tuple[int, str, int, int], OpSpan] = {}
+    previous: dict[OpSpan, OpSpan | None] = {}
+    for ops in stages.values():
+        for i, o in enumerate(ops):
+            index[(o.stage, o.op, o.microbatch, o.chunk)] = o
+            previous[o] = ops[i - 1] if i else None
+
+    def producer(o: OpSpan) -> OpSpan | None:
+        if o.op == "F":
+            up = _neighbour(o.stage, o.chunk, -1, p, v)
+            return index.get((up[0], "F", o.microbatch, up[1])) if up else None
+        if o.op in ("B", "I"):
+            down = _neighbour(o.stage, o.chunk, +1, p, v)
+            if down is None:
+                return None
+            return (index.get((down[0], "I", o.microbatch, down[1]))
+                    or index.get((down[0], "B", o.microbatch, down[1])))
+        return None  # W: its own I, earlier on the same stream
+
+    all_ops = [o for ops in stages.values() for o in ops]
+    first = min(o.start for o in all_ops)
+    last = max(all_ops, key=lambda o: o.end)
+    report = PathReport(iteration, (last.end - first) / 1000.0, [])
+    chain: list[tuple[OpSpan, float]] = []
+    cur: OpSpan | None = last
+    while cur is not None:
+        candidates = [c for c in (previous[cur], producer(cur)) if c is not None]
+        pred = max(candidates, key=lambda c: c.end) if candidates else None
+        chain.append((cur, ((cur.start - pred.end) / 1000.0) if pred else 0.0))
+        cur = pred
+    chain.reverse()
+    report.path = chain
+    for o, gap in chain:
+        key = (o.stage, o.op)
+        report.op_ms[key] = report.op_ms.get(key, 0.0) + (o.end - o.start) / 1000.0
+        report.gap_ms += max(gap, 0.0)
+    for o in all_ops:
+        before = previous[o]
+        src = producer(o) if o.op in ("B", "I") else None
+        if before is None or src is None or before.op != "W":
+            continue
+        if src.end <= before.start:  # the gradient was there before the W began
+            delay = (before.end - max(src.end, before.start)) / 1000.0
+            report.behind_w_ms[o.stage] = report.behind_w_ms.get(o.stage, 0.0) + delay
+            report.behind_w_count[o.stage] = report.behind_w_count.get(o.stage, 0) + 1
+    return report
+
+
+def format_report(report: PathReport, detail: bool = False) -> str:
+    stages = sorted({s for s, _ in report.op_ms} | set(report.behind_w_ms))
+    parts = []
+    for s in stages:
+        kinds = " ".join(f"{k} {report.op_ms[(s, k)]:.1f}" for k in COMPUTE_OPS if (s, k) in report.op_ms)
+        parts.append(f"s{s}[{kinds}]" if kinds else f"s{s}[-]")
+    behind = ", ".join(f"s{s} {report.behind_w_count[s]}x {report.behind_w_ms[s]:.1f} ms"
+                       for s in sorted(report.behind_w_ms)) or "none"
+    lines = [f"iteration {report.iteration}: span {report.span_ms:.1f} ms; critical path {len(report.path)} ops: "
+             f"{' '.join(parts)} gaps {report.gap_ms:.1f} ms; backwards queued behind a W: {behind}"]
+    if detail:
+        lines.append("  " + " -> ".join(f"{o.label}" + (f" (+{gap:.2f})" if gap > 0.05 else "")
+                                         for o, gap in report.path))
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer.profiling.critical_path", description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--benchmark_dir", help="a --profile-dir folder of one run (rank traces)")
+    where.add_argument("--trace", help="one trace file: merged.json, or the simulator's --trace output")
+    parser.add_argument("--iterations", default=None, help="comma-separated iterations (default: all traced)")
+    parser.add_argument("--spans", choices=("gpu", "host"), default=None,
+                        help="gpu: CUDA-event spans (default when the trace has them); host: F/B/I/W host spans")
+    parser.add_argument("--detail", action="store_true", help="also print each path op by op")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> dict[str, Any]:
+    if args.trace:
+        trace = read_trace_file(Path(args.trace))
+        if trace.metadata.get("source") == "simulator":
+            return merge_traces([trace])
+        return {"traceEvents": trace.events, "metadata": trace.metadata}  # merged.json: already merged
+    loaded = load_rank_traces(args.benchmark_dir)
+    for problem in loaded.problems:
+        print(f"critical_path: {problem}", file=sys.stderr)
+    if not loaded.traces:
+        raise ValueError(f"no readable rank trace in {args.benchmark_dir}")
+    return merge_traces(loaded.traces, loaded.missing_ranks, loaded.problems)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    source = args.benchmark_dir or args.trace
+    try:
+        merged = _load(args)
+    except ValueError as err:
+        print(f"critical_path: {err}", file=sys.stderr)
+        return 1
+    spans = args.spans or ("gpu" if any(e.get("cat") == "gpu" for e in merged["traceEvents"]) else "host")
+    by_iteration = collect_spans(merged, spans)
+    wanted = sorted(by_iteration)
+    if args.iterations:
+        try:
+            wanted = [int(x) for x in args.iterations.split(",")]
+        except ValueError:
+            print(f"critical_path: --iterations={args.iterations!r} must be comma-separated integers", file=sys.stderr)
+            return 2
+        missing = [i for i in wanted if i not in by_iteration]
+        if missing:
+            print(f"critical_path: iterations {missing} not in the trace (it has {sorted(by_iteration)})", file=sys.stderr)
+            return 2
+    if not by_iteration:
+        print(f"critical_path: {source} has no {spans} spans of F/B/I/W ops"
+              + (" (a CUDA run traces them with --profile-dir; try --spans host)" if spans == "gpu" else ""),
+              file=sys.stderr)
+        return 1
+    print(f"critical path ({spans} spans) of {source}")
+    reports = [analyse(by_iteration[i], i) for i in wanted]
+    for report in reports:
+        print(format_report(report, args.detail))
+    if len(reports) > 1:
+        print(f"median span {statistics.median(r.span_ms for r in reports):.1f} ms over {len(reports)} iterations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
