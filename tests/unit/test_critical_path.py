@@ -33,6 +33,8 @@ def test_path_of_uniform_1f1b_runs_the_fill_and_the_last_stage() -> None:
                                                  "s0:B1.c0"]
     assert report.span_ms == pytest.approx(10.0)
     assert report.gap_ms == pytest.approx(1.0)
+    assert report.stream_gap_ms == 0.0  # the one gap waited for stage 1's B1: an input
+    assert report.largest_gaps == [(pytest.approx(1.0), "s0:B1.c0", "input")]
     assert sum(report.op_ms.values()) + report.gap_ms == pytest.approx(report.span_ms)
     assert report.behind_w_ms == {}
 

@@ -64,6 +64,11 @@ class PathReport:
     """(stage, op kind) -> time of that stage's ops of that kind on the path."""
     gap_ms: float = 0.0
     """Time on the path between ops (transfers, launches, decisions)."""
+    stream_gap_ms: float = 0.0
+    """The part of ``gap_ms`` between two ops of one stage: its GPU idled with the input there --
+    waiting for its host (a decision, a launch, a Python pause), not for a neighbour."""
+    largest_gaps: list[tuple[float, str, str]] = field(default_factory=list)
+    """The three longest gaps on the path: (ms, the op that waited, "stream" or "input")."""
     behind_w_ms: dict[int, float] = field(default_factory=dict)
     """stage -> summed delay of backwards queued behind a W started after their gradient was there."""
     behind_w_count: dict[int, int] = field(default_factory=dict)
@@ -152,14 +157,22 @@ def analyse(stages: dict[int, list[OpSpan]], iteration: int = 0) -> PathReport:
     last = max(all_ops, key=lambda o: o.end)
     report = PathReport(iteration, (last.end - first) / 1000.0, [])
     chain: list[tuple[OpSpan, float]] = []
+    gaps: list[tuple[float, str, str]] = []
     cur: OpSpan | None = last
     while cur is not None:
         candidates = [c for c in (previous[cur], producer(cur)) if c is not None]
         pred = max(candidates, key=lambda c: c.end) if candidates else None
-        chain.append((cur, ((cur.start - pred.end) / 1000.0) if pred else 0.0))
+        gap = ((cur.start - pred.end) / 1000.0) if pred else 0.0
+        chain.append((cur, gap))
+        if pred is not None and gap > 0:
+            same = pred.stage == cur.stage
+            gaps.append((gap, cur.label, "stream" if same else "input"))
+            if same:
+                report.stream_gap_ms += gap
         cur = pred
     chain.reverse()
     report.path = chain
+    report.largest_gaps = sorted(gaps, reverse=True)[:3]
     for o, gap in chain:
         key = (o.stage, o.op)
         report.op_ms[key] = report.op_ms.get(key, 0.0) + (o.end - o.start) / 1000.0
@@ -184,8 +197,10 @@ def format_report(report: PathReport, detail: bool = False) -> str:
         parts.append(f"s{s}[{kinds}]" if kinds else f"s{s}[-]")
     behind = ", ".join(f"s{s} {report.behind_w_count[s]}x {report.behind_w_ms[s]:.1f} ms"
                        for s in sorted(report.behind_w_ms)) or "none"
+    largest = ", ".join(f"{ms:.2f} before {label} ({kind})" for ms, label, kind in report.largest_gaps) or "none"
     lines = [f"iteration {report.iteration}: span {report.span_ms:.1f} ms; critical path {len(report.path)} ops: "
-             f"{' '.join(parts)} gaps {report.gap_ms:.1f} ms; backwards queued behind a W: {behind}"]
+             f"{' '.join(parts)}; gaps {report.gap_ms:.1f} ms ({report.stream_gap_ms:.1f} on one stage; largest "
+             f"{largest}); backwards queued behind a W: {behind}"]
     if detail:
         lines.append("  " + " -> ".join(f"{o.label}" + (f" (+{gap:.2f})" if gap > 0.05 else "")
                                          for o, gap in report.path))
