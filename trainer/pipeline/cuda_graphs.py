@@ -223,6 +223,16 @@ class _Replayed(torch.autograd.Function):
         return pair.grad_x.detach(), None
 
 
+def _check_grads_went_to_main_grad(params: list, captured: str) -> None:
+    """After a backward or W capture every weight gradient must have gone to ``main_grad`` (megatron
+    DDP's hook, inside the capture): one left in ``.grad`` is a tensor of the capture, which a replay
+    would overwrite instead of accumulating anywhere."""
+    leftover = sum(1 for p in params if p.grad is not None)
+    if leftover:
+        raise RuntimeError(f"--dpp-cuda-graphs: {captured} left {leftover} weight gradient(s) in .grad instead of "
+                           "accumulating them into main_grad (is the chunk wrapped in megatron's DDP?)")
+
+
 def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device,
                  backward_pool=None, split: SplitBackward | None = None,
                  operands: list[tuple[torch.Size, torch.dtype]] | None = None) -> dict:
@@ -281,10 +291,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
               else contextlib.nullcontext()):
             with torch.cuda.graph(bwd, pool=backward_pool, stream=stream):
                 out.backward(grad_out)
-        leftover = [p for p in params if p.grad is not None]
-        if leftover:  # no DDP hook consumed them: the replay would not accumulate them anywhere
-            raise RuntimeError(f"--dpp-cuda-graphs: {len(leftover)} parameter gradient(s) were not accumulated "
-                               "into main_grad during capture (is the chunk wrapped in megatron's DDP?)")
+        _check_grads_went_to_main_grad(params, f"the backward graph at length {length}")
         wgt = None
         if store is not None:
             if len(store) != len(grad_buffers):
@@ -293,10 +300,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
             wgt = torch.cuda.CUDAGraph()
             with torch.cuda.graph(wgt, pool=backward_pool, stream=stream):
                 store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
-            leftover = [p for p in params if p.grad is not None]
-            if leftover:  # W added to .grad, a tensor of the capture: a replay would accumulate nowhere
-                raise RuntimeError(f"--dpp-cuda-graphs: the W graph left {len(leftover)} weight gradient(s) in .grad "
-                                   "instead of main_grad (is the chunk wrapped in megatron's DDP?)")
+            _check_grads_went_to_main_grad(params, f"the W graph at length {length}")
         pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt, grad_buffers)
         x.grad = None
         del out
