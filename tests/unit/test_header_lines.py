@@ -11,7 +11,14 @@ import time
 import pytest
 
 from trainer.transport.base import TransportError, TransportTimeout
-from trainer.transport.header_lines import _HELLO, HeaderLine, _accept, _connect, advertised_address
+from trainer.transport.header_lines import (
+    _HELLO,
+    HeaderLine,
+    _accept,
+    _connect,
+    advertised_address,
+    listen_any,
+)
 
 
 def _listener() -> tuple[socket.socket, tuple[str, int]]:
@@ -103,6 +110,44 @@ def test_advertised_address_prefers_the_explicit_setting_then_the_route_to_maste
     monkeypatch.delenv("MDPP_HEADER_ADDR")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert advertised_address() == "127.0.0.1"
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_listener_takes_lines_from_ipv4_and_ipv6_addresses(host, monkeypatch):
+    """Ranks may advertise either family (MDPP_HEADER_ADDR, or the route to an IPv6 MASTER_ADDR):
+    one listener serves both."""
+    if host == "::1" and not _has_ipv6_loopback():
+        pytest.skip("this host has no IPv6 loopback")
+    monkeypatch.delenv("MDPP_HEADER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", host)
+    assert advertised_address() == host
+    listener = listen_any()
+    address = (advertised_address(), listener.getsockname()[1])
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(
+        _accept(listener, {(0, 1, "next")}, 1, time.monotonic() + 5, 5.0)))
+    thread.start()
+    line = _connect((0, 1, "next"), 0, address, time.monotonic() + 5, 5.0)
+    thread.join(5)
+    line.send(b"x" * 128, 5.0)
+    assert got[(0, 1, "next")].receive(128) == b"x" * 128
+    line.close()
+    got[(0, 1, "next")].close()
+    listener.close()
+
+
+def test_a_failed_connect_names_an_ipv6_peer_with_brackets():
+    with pytest.raises(TransportTimeout, match=r"rank 1 at \[::1\]:1 within"):
+        _connect((0, 1, "next"), 0, ("::1", 1), time.monotonic() + 0.2, 0.2)
 
 
 class _FakeReceiver:

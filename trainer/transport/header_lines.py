@@ -17,7 +17,8 @@ an error names the rank, the peer and the edge.
 
 The address a rank advertises: ``MDPP_HEADER_ADDR`` if set, else the local address of the route to
 ``MASTER_ADDR`` (the interface the job's rendezvous already reaches other nodes through), else the
-host name's address.
+host name's address. IPv4 or IPv6 alike: the listener is dual-stack where the kernel allows it
+(one IPv6 socket that also accepts IPv4), so a rank may advertise either family.
 """
 
 from __future__ import annotations
@@ -143,13 +144,25 @@ def advertised_address() -> str:
         return explicit
     master = os.environ.get("MASTER_ADDR")
     if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((master, 9))  # no packet is sent: this only picks the route
+        try:  # MASTER_ADDR may be a name or an address of either family
+            family, _, _, _, sockaddr = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(sockaddr)  # no packet is sent: this only picks the route
                 return probe.getsockname()[0]
         except OSError:
             pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def listen_any() -> socket.socket:
+    """A listener on an ephemeral port of every interface: dual-stack (IPv6 and IPv4) where the
+    kernel supports it, else IPv4 only."""
+    if socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=64)
+        except OSError:  # IPv6 disabled on this host (e.g. ipv6.disable=1): fall back
+            pass
+    return socket.create_server(("0.0.0.0", 0), family=socket.AF_INET, backlog=64)
 
 
 def connect_header_lines(
@@ -163,10 +176,7 @@ def connect_header_lines(
     listener = None
     address = None
     if incoming:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("0.0.0.0", 0))
-        listener.listen(len(incoming) + 4)
+        listener = listen_any()
         address = (advertised_address(), listener.getsockname()[1])
     try:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -182,6 +192,11 @@ def connect_header_lines(
             listener.close()
 
 
+def _host_port(address) -> str:  # noqa: ANN001
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -193,13 +208,13 @@ def _connect(key: EdgeKey, rank: int, address, deadline: float, timeout_s: float
     pause = 0.01
     while True:
         try:
-            sock = socket.create_connection(tuple(address), timeout=max(deadline - time.monotonic(), 0.01))
+            sock = socket.create_connection(tuple(address[:2]), timeout=max(deadline - time.monotonic(), 0.01))
             break
         except OSError as exc:
             if time.monotonic() >= deadline:
                 raise TransportTimeout(
                     f"rank {rank}: could not connect the header line of edge {src}->{dst} ({direction}) to "
-                    f"rank {dst} at {address[0]}:{address[1]} within {timeout_s:.1f}s: {exc}"
+                    f"rank {dst} at {_host_port(address)} within {timeout_s:.1f}s: {exc}"
                 ) from None
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
