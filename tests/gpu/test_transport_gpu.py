@@ -111,3 +111,44 @@ def test_gpu_peer_killed_is_reported_naming_it():
     survivor, killed = run_processes(_killed_scenario, 2, timeout_s=90)
     assert killed.exitcode == -signal.SIGKILL
     assert "rank 1" in check_all_ok([survivor])[0]
+
+
+def _landed_scenario(rank: int, world: int, transport: str) -> tuple[bool, bool, float]:
+    """Rank 0 queues ~0.3 s of GPU sleep, then sends: its header goes at once, its data only after the
+    sleep. Rank 1 asks StageLinks.landed right away (must say no) and until it says yes."""
+    transport, _, signals = transport.partition("-")
+    options = {"gpu_signals": signals} if signals else {}
+    links, device = _links(rank, world, transport, shm_slot_bytes=1 << 20, credits=3, **options)
+    if rank == 0:
+        t = torch.ones(4096, device=device)
+        torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s at ~2 GHz, on the stream the send orders after
+        links.send("next", t * 2, header_for(t, "act", 0, 0))
+        torch.cuda.synchronize(device)
+        links.wait_any(30)  # the receiver's "done" message: keep the channel open until then
+        links.close()
+        return True, True, 0.0
+    msg = links.wait_any(30)
+    first = links.landed(msg)
+    start = time.monotonic()
+    while not links.landed(msg):
+        assert time.monotonic() - start < 10, "rank 1: the payload never showed as landed"
+        time.sleep(0.001)
+    waited = time.monotonic() - start
+    correct = bool(torch.equal(msg.tensor, torch.full((4096,), 2.0, device=device)))
+    links.release(msg)
+    links.send("prev", torch.zeros(1, device=device), header_for(torch.zeros(1), "grad", 0, 0))
+    links.close()
+    return first, correct, waited
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm-flags", "shm-events", "nccl"])
+def test_landed_says_no_until_the_payload_is_on_the_gpu(transport):
+    """StageLinks.landed (dpp-zb's fill_transit reads it): a header that came before its data (the
+    sender queued the send behind long GPU work) is reported in transit, then landed."""
+    if transport == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs two GPUs")
+    outcomes = check_all_ok(run_processes(_landed_scenario, 2, transport, timeout_s=100))
+    first, correct, waited = outcomes[1]
+    assert first is False and correct, outcomes[1]
+    assert waited > 0.05, f"landed after {waited:.3f} s: the 0.3 s of sleep should show"

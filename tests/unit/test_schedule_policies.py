@@ -187,3 +187,38 @@ def test_dpp_zb_first_stage_runs_w_to_unblock_a_forward_before_an_i_that_feeds_n
             state.mark_activation_arrived(2, 0)
         assert state.inflight >= policy.cap and state.ready_of(Op.F) and state.ready_of(Op.W)
         assert policy.choose(state) == expected, stage
+
+
+def _stage1_of_four_with_two_live_and_one_w() -> tuple[PipelineShape, StageState]:
+    """PP=4, stage 1 (live cap 3, held cap 4): F0..F2 ran, I0 ran (W0 deferred), F3's activation is
+    not here; gradients of microbatches 1 and 2 arrive below."""
+    shape = PipelineShape(4, 8)
+    state = StageState(shape, 1, split_backward=True)
+    for m in range(3):
+        state.mark_activation_arrived(m, 0)
+        state.mark_done(Action(Op.F, m))
+    state.mark_grad_arrived(0, 0)
+    state.mark_done(Action(Op.I, 0))
+    return shape, state
+
+
+def test_dpp_zb_fills_with_w_while_every_ready_gradient_is_still_on_its_way():
+    shape, state = _stage1_of_four_with_two_live_and_one_w()
+    policy = make_policy("dpp-zb", shape, 1)
+    assert policy.tracks_landing
+    state.mark_grad_arrived(1, 0, landed=False)  # header here, data not: a W runs meanwhile
+    assert state.grads_in_transit == {(1, 0)}
+    assert policy.choose(state) == Action(Op.W, 0)
+    state.mark_grad_arrived(2, 0)  # a landed one goes before the one still travelling
+    assert policy.choose(state) == Action(Op.I, 2)
+    state.mark_grad_landed(1, 0)
+    assert policy.choose(state) == Action(Op.I, 1)
+    state.mark_done(Action(Op.I, 1))
+    assert state.grads_in_transit == set()
+    # without the option the header is enough, as before
+    shape, state = _stage1_of_four_with_two_live_and_one_w()
+    state.mark_grad_arrived(1, 0, landed=False)
+    off = make_policy("dpp-zb", shape, 1, fill_transit=False)
+    assert not off.tracks_landing and off.choose(state) == Action(Op.I, 1)
+    # plain dpp has no W to fill with: it runs the travelling gradient's B (the stream waits)
+    assert not make_policy("dpp", shape, 1).tracks_landing

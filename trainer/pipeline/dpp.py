@@ -176,6 +176,8 @@ class _Step:
         # Summed where the loss lives (never copied to the host inside the step: that would sync).
         self.num_tokens: torch.Tensor | None = None
         self.decisions = 0
+        # dpp-zb: which arrived gradients are still on their way to this device (policy fill_transit)
+        self._tracks_landing = bool(getattr(ctx.policy, "tracks_landing", False)) and ctx.links is not None
 
     # ---- data ------------------------------------------------------------------------------
     def _data_source(self, data_iterator) -> MicrobatchData:
@@ -252,6 +254,10 @@ class _Step:
 
     def _choose(self) -> Action | None:
         if not self.forward_only:
+            if self.state.grads_in_transit:  # look again at the gradients still on their way
+                links = self.ctx.links
+                for key in [k for k in self.state.grads_in_transit if links.landed(self.grads[k])]:
+                    self.state.mark_grad_landed(*key)
             return self.ctx.policy.choose(self.state)
         # Inference: forwards only, oldest first; the policy's backward-aware caps do not apply.
         ready = [a for a in self.state.ready_actions() if a.op is Op.F]
@@ -290,7 +296,7 @@ class _Step:
         else:
             assert key not in self.grads, f"rank {self.rank}: gradient {key} arrived twice"
             self.grads[key] = msg
-            self.state.mark_grad_arrived(*key)
+            self.state.mark_grad_arrived(*key, landed=not self._tracks_landing or self.ctx.links.landed(msg))
 
     # ---- actions ---------------------------------------------------------------------------
     def _execute(self, action: Action, grad_sync: GradSync) -> None:

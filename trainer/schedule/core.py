@@ -114,6 +114,11 @@ class StageState:
     """(microbatch, chunk) whose input activation has arrived from upstream."""
     grads_arrived: set[tuple[int, int]] = field(default_factory=set)
     """(microbatch, chunk) whose output gradient has arrived from downstream."""
+    grads_in_transit: set[tuple[int, int]] = field(default_factory=set)
+    """The part of ``grads_arrived`` whose header is here but whose data, as far as this stage has
+    looked, is not on its device yet (a host-time runtime learns of a gradient when the sender
+    *queued* it; :meth:`mark_grad_landed` when it is there). Empty where arrival means the data is
+    there (the GPU-time simulator, CPU runs)."""
     inflight: int = 0
     """Forwards whose activations are still held (F done, backward not finished)."""
     peak_inflight: int = 0
@@ -178,9 +183,15 @@ class StageState:
         if (microbatch, chunk) not in self._done_keys[Op.F]:
             self._ready[Op.F].add(Action(Op.F, microbatch, chunk))
 
-    def mark_grad_arrived(self, microbatch: int, chunk: int) -> None:
+    def mark_grad_arrived(self, microbatch: int, chunk: int, landed: bool = True) -> None:
+        """The gradient's header is here; ``landed=False``: its data is still on the way."""
         self.grads_arrived.add((microbatch, chunk))
+        if not landed:
+            self.grads_in_transit.add((microbatch, chunk))
         self._refresh_backward(microbatch, chunk)
+
+    def mark_grad_landed(self, microbatch: int, chunk: int) -> None:
+        self.grads_in_transit.discard((microbatch, chunk))
 
     def mark_done(self, action: Action) -> None:
         assert action not in self.done, f"stage {self.stage}: {action} ran twice"
@@ -199,8 +210,10 @@ class StageState:
             entry[1] += 1
             self._refresh_backward(m, c)
         elif action.op is Op.I:
+            self.grads_in_transit.discard((m, c))
             self._ready[Op.W].add(Action(Op.W, m, c))
         else:
+            self.grads_in_transit.discard((m, c))  # B (W: already gone with its I)
             # Activations are released when the whole backward of (m, c) has run: for a split
             # backward W still reads the saved inputs, so they are held until W.
             self.inflight -= 1

@@ -107,6 +107,15 @@ class DynamicOptions:
     busiest one). True: split there as well (for measurements). No effect at v > 1 (stage 0 also
     runs a middle chunk, whose input gradients do feed a stage) or with explicit unequal caps."""
 
+    fill_transit: bool = True
+    """dpp-zb: when every ready input gradient is still on its way to the device (its header came
+    first: ``StageState.grads_in_transit``), run a deferred W meanwhile instead of queueing the I
+    to wait on the stream. Why: a runtime that decides at host time hears of a gradient as soon
+    as the neighbour *queued* the op producing it, so at host time "nothing but W ready" almost
+    never holds -- W never fills idle time, the deferred W's fill the held cap instead, and each
+    forward then waits for a W right when the next stage needs it (host-time simulator with the
+    GPU's I/W split, docs/schedules.md). No effect where arrival means landed (GPU-time simulator)."""
+
     def __post_init__(self) -> None:
         problems = []
         for name in ("max_inflight", "max_live"):
@@ -179,6 +188,9 @@ class DynamicPolicy:
         self._forward_first = options.priority == "forward"
         weight_order = options.weight_order or ("youngest" if shape.num_chunks == 1 else "oldest")
         self._youngest_weight = weight_order == "youngest"
+        self.fill_transit = options.fill_transit
+        self.tracks_landing = split_backward and options.fill_transit
+        """Whether this policy reads ``StageState.grads_in_transit`` (the runtime then keeps it)."""
         self._keys_for: object = ()  # the microbatch_costs the cached keys were built for
         self._set_keys(list(range(shape.num_microbatches)))
 
@@ -272,6 +284,15 @@ class DynamicPolicy:
             # is what the next stage waits for: the oldest W frees the slot that forward needs.
             pick = max if self._youngest_weight else min
             return pick(state.ready_of(Op.W), key=self._backward_key)
+        if backward is not None and state.grads_in_transit:
+            landed = [a for a in backward_ready if (a.microbatch, a.chunk) not in state.grads_in_transit]
+            if landed:  # one whose gradient is on the device runs now, not after one still on the way
+                return min(landed, key=self._backward_key)
+            if self.split_backward and self.fill_transit and state.ready_of(Op.W):
+                # Every ready gradient is still on the way: a deferred W fills the wait (the I
+                # would only hold the stream). See DynamicOptions.fill_transit.
+                pick = max if self._youngest_weight else min
+                return pick(state.ready_of(Op.W), key=self._backward_key)
         if backward is not None:
             return backward
         if self.split_backward:

@@ -15,7 +15,10 @@ that arrived by ``h``; the op is queued (``h += launch``), runs on the GPU from
 ``max(GPU free, h, its input data on this GPU)`` for its drawn duration, posts its header at
 ``h + header_latency`` and its data at ``end + edge transfer``. ``max_queued_ops = K`` is the
 runtime's ``--dpp-max-queued-ops``: the host decides only once at most K of its queued ops are
-unfinished on the GPU (K = None: unbounded, the runtime's default). Policies are the same objects
+unfinished on the GPU (K = None: unbounded, the runtime's default). ``data_aware``: the host also
+knows, when it decides, which arrived gradients have landed on its GPU (``StageState.
+grads_in_transit``), as the runtime does for dpp-zb (``StageLinks.landed``: the transport looks at
+the payload's GPU-side completion). Policies are the same objects
 the runtime and the GPU-time simulator use. Static schedules are unaffected in their order (they
 do not look at arrivals beyond readiness) but pay the same stream waits.
 """
@@ -34,7 +37,8 @@ _ACTIVATION, _GRADIENT, _WAKE = 0, 1, 2
 
 def simulate_host_ahead(
     shape: PipelineShape, policies: Sequence[Policy], costs: CostTable, *, launch: float = 0.02,
-    header_latency: float = 0.05, max_queued_ops: int | None = None, record: bool = False,
+    header_latency: float = 0.05, max_queued_ops: int | None = None, data_aware: bool = False,
+    record: bool = False,
 ) -> SimResult:
     """One step of ``policies`` with host-time decisions (see the module docstring); time units as
     ``costs``. ``launch``: host time to queue one op; ``header_latency``: header's host-to-host
@@ -70,7 +74,10 @@ def simulate_host_ahead(
         now, kind, _, s, m, c = heapq.heappop(events)
         state = states[s]
         if kind != _WAKE:  # a header: the input counts as arrived for the host from now on
-            (state.mark_activation_arrived if kind == _ACTIVATION else state.mark_grad_arrived)(m, c)
+            if kind == _ACTIVATION:
+                state.mark_activation_arrived(m, c)
+            else:
+                state.mark_grad_arrived(m, c, landed=not data_aware or data_at[(s, _GRADIENT, m, c)] <= now)
             wake(s, now)
             continue
         wake_pending[s] = False
@@ -82,6 +89,9 @@ def simulate_host_ahead(
                 wake_pending[s] = True
                 push(bound, _WAKE, s)
                 continue
+        if data_aware and state.grads_in_transit:  # the runtime looks at its in-transit gradients before deciding
+            for key in [k for k in state.grads_in_transit if data_at[(s, _GRADIENT, *k)] <= t]:
+                state.mark_grad_landed(*key)
         action = policies[s].choose(state)
         if action is None:
             continue  # the next header for this stage wakes it

@@ -114,6 +114,9 @@ def _parser() -> OneLineParser:
     add("--max-queued-ops", type=int, default=0,
         help="with --host-ahead: decide only with at most this many queued ops unfinished on the GPU"
         " (the runtime's --dpp-max-queued-ops; default 0 = unbounded)")
+    add("--data-aware", action="store_true",
+        help="with --host-ahead: the host also knows which arrived gradients have landed on its GPU"
+        " (the runtime does, for dpp-zb: StageLinks.landed)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
     add("--cap-sweep", default=None,
@@ -297,13 +300,15 @@ def _resplits(costs: LayerCosts, args: argparse.Namespace) -> list[LayerSplit]:
 def _simulator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Simulator:
     """GPU-time decisions (the default) or, with --host-ahead, the runtime's host-time decisions."""
     if not args.host_ahead:
+        if args.data_aware:
+            parser.error("--data-aware applies to --host-ahead (at GPU time every arrived input has landed)")
         return simulate
     bad = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in ("launch_cost", "header_latency", "max_queued_ops")
            if getattr(args, n) < 0]
     if bad:
         parser.error(problems_text(bad, "must be >= 0"))
     return functools.partial(simulate_host_ahead, launch=args.launch_cost, header_latency=args.header_latency,
-                             max_queued_ops=args.max_queued_ops or None)
+                             max_queued_ops=args.max_queued_ops or None, data_aware=args.data_aware)
 
 
 def main(argv: list[str] | None = None) -> int:

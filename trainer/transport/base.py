@@ -98,6 +98,12 @@ class StageLinks(abc.ABC):
     def release(self, message: Message) -> None:  # noqa: B027 - optional for copying transports
         """Give the slot behind ``message`` back to the sender once its tensor is no longer needed."""
 
+    def landed(self, message: Message) -> bool:
+        """Whether ``message``'s payload is on this rank's device now (never blocks). A hint for the
+        schedule, never needed for correctness: a GPU payload may still be in flight when its header
+        is handed out (the stream that reads it waits). Default: yes (copying transports, CPU)."""
+        return True
+
     @abc.abstractmethod
     def close(self) -> None:
         """Flush pending sends, free shared memory and other OS resources. Idempotent."""

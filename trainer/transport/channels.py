@@ -345,6 +345,11 @@ class ChannelStageLinks(StageLinks):
         if isinstance(token, Delivery):
             token.channel.release(message)
 
+    def landed(self, message: Message) -> bool:
+        token = message.token
+        landed = getattr(token.channel, "landed", None) if isinstance(token, Delivery) else None
+        return True if landed is None else landed(message)
+
     def _release_undelivered(self) -> None:
         for item in self._inbox.drain():
             if isinstance(item, Message):

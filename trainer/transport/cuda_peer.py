@@ -217,6 +217,14 @@ class CudaPeerReceiver(ShmReceiver):
             consumer.wait_event(handle.done)
             handle.buffer.record_stream(consumer)  # allocated on the copy stream, used on the consumer's
 
+    def landed(self, message: Message) -> bool:
+        """Whether the sender's copy of ``message`` into its slot is done (a host-side look at the
+        "filled" signal; StageLinks.landed)."""
+        handle = message.token.handle
+        if isinstance(handle, GpuSlotView):
+            return self._signals.signalled(handle.slot, handle.fill)
+        return handle.done.query()
+
     def release(self, message: Message) -> None:
         handle = message.token.handle
         if not isinstance(handle, GpuSlotView):

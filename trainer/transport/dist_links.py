@@ -489,6 +489,11 @@ class ProcessGroupReceiver:
         arrival.state = "delivered"
         message.tensor = from_bytes(arrival.buffer, message.header)
 
+    def landed(self, message: Message) -> bool:
+        """An NCCL payload is on this GPU once its receive's work completed (an event query)."""
+        done = getattr(message.token.handle, "done", None)
+        return not isinstance(done, _NcclDone) or done.work.is_completed()
+
     def _complete(self, arrival: _Arrival, timeout_s: float) -> None:
         """CPU: wait until the payload is in (bounded). CUDA: the current stream waits for it."""
         if arrival.done is None:  # empty payload

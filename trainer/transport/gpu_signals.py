@@ -29,6 +29,7 @@ microseconds each on these hosts.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 import torch
@@ -36,6 +37,12 @@ import torch
 from trainer.transport import _cuda_hop
 
 log = logging.getLogger(__name__)
+
+SNAPSHOT_S = 30e-6
+"""FlagSignals.signalled: a host copy of the flags younger than this is reused (one decision of the
+runtime asks about every gradient in transit)."""
+PROBE_WAIT_S = 0.5e-3
+"""FlagSignals.signalled: longest host wait for the flags' copy before answering "landed"."""
 
 
 def current_stream_handle(device_index: int) -> int:
@@ -71,6 +78,10 @@ class Signals(Protocol):
         ``producer`` (if given), after the peer freed fill ``count - 1``, copy ``nbytes`` from
         ``src`` to ``dst``, then signal ``count``."""
 
+    def signalled(self, slot: int, count: int) -> bool:
+        """Host side, never blocking for long: has the peer's signal ``count`` for ``slot`` been
+        given on the GPU yet? A scheduling hint (``StageLinks.landed``); True when it cannot tell."""
+
 
 class EventSignals:
     """Interprocess events: ``mine[k]`` is recorded here, ``theirs[k]`` (opened from the peer's
@@ -89,6 +100,11 @@ class EventSignals:
 
     def wait(self, stream: int, slot: int, count: int) -> None:
         _cuda_hop.wait_event(self._context, stream, self._theirs[slot])  # never recorded yet: no wait, as a first fill needs
+
+    def signalled(self, slot: int, count: int) -> bool:
+        # The sender records the slot's event before it posts the header (see CudaPeerSender.send),
+        # so the event's last record is this fill's.
+        return self._keep[1][slot].query()
 
     def fill(self, stream: int, slot: int, count: int, dst: int, src: int, nbytes: int,
              order: int = 0, producer: int = 0) -> None:  # fmt: skip
@@ -109,6 +125,32 @@ class FlagSignals:
         self._context = context
         self._peer, self._own = peer_flags.data_ptr(), own_flags.data_ptr()
         self._keep = (peer_flags, own_flags)  # the addresses live as long as the tensors
+        self._snapshot: torch.Tensor | None = None  # pinned host copy of own_flags (signalled())
+        self._snapshot_at = -1.0
+        self._probe_stream: torch.cuda.Stream | None = None
+        self._probe_done: torch.cuda.Event | None = None
+
+    def signalled(self, slot: int, count: int) -> bool:
+        # Our flags live in GPU memory: read them through a small copy on a side stream of their
+        # own (never behind this rank's compute), at most once per SNAPSHOT_S, waiting <= PROBE_WAIT_S.
+        now = time.monotonic()
+        if self._snapshot is None:
+            own = self._keep[1]
+            self._snapshot = torch.empty(own.shape, dtype=own.dtype, pin_memory=True)
+            self._snapshot_values = self._snapshot.numpy()
+            self._probe_stream = torch.cuda.Stream(own.device)
+            self._probe_done = torch.cuda.Event()
+        elif now - self._snapshot_at <= SNAPSHOT_S:
+            return bool(self._snapshot_values[slot] >= count)
+        with torch.cuda.stream(self._probe_stream):
+            self._snapshot.copy_(self._keep[1], non_blocking=True)
+            self._probe_done.record()
+        deadline = now + PROBE_WAIT_S
+        while not self._probe_done.query():
+            if time.monotonic() > deadline:
+                return True  # cannot tell in time: as if landed (the schedule's old behaviour)
+        self._snapshot_at = time.monotonic()
+        return bool(self._snapshot_values[slot] >= count)
 
     def signal(self, stream: int, slot: int, count: int) -> None:
         _cuda_hop.write(self._context, stream, self._peer + 4 * slot, count)
