@@ -214,6 +214,11 @@ class ParallelConfig:
     hold back a ready backward on the stream. 0 = unbounded. Default: 1 with --dpp-cuda-graphs (on
     4xH100, issue-12 model: 482 ms/iteration at 1, 524 at 2, 559 unbounded; docs/benchmarks.md), 0
     otherwise (eager DPP not measured with it). CUDA only in effect."""
+    dpp_fill_transit: bool = True
+    """dpp-zb: while every ready input gradient is still on its way to this GPU (its header comes
+    when the neighbour *queued* the op making it), run a deferred W meanwhile, and a landed gradient's
+    I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, as before the
+    eleventh session; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
     dpp_policy: Literal["dpp", "dpp-zb", "zb-h1"] = "dpp"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
@@ -292,6 +297,8 @@ class ParallelConfig:
             p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} must be >= 0")
         elif self.dpp_max_queued_ops and not self.use_dpp:
             p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} applies to --use-dpp")
+        if not self.dpp_fill_transit and not (self.use_dpp and self.dpp_policy == "dpp-zb"):
+            p.append("--no-dpp-fill-transit applies to --use-dpp --dpp-policy dpp-zb (only it defers W)")
         if not (math.isfinite(self.dpp_cap_factor) and self.dpp_cap_factor >= 1.0):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} must be a finite number >= 1")
         elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:

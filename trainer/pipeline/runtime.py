@@ -62,7 +62,10 @@ def policy_choice(cfg: TrainConfig, topology: Topology) -> tuple[str, dict[str, 
     for, else the static 1f1b (interleaved with VP) that CPU and gloo runs use in megatron's place."""
     par = cfg.parallel
     if par.use_dpp and par.dpp_policy != "zb-h1":
-        return par.dpp_policy, {"max_inflight": par.dpp_max_inflight, "cap_factor": par.dpp_cap_factor}
+        options: dict[str, Any] = {"max_inflight": par.dpp_max_inflight, "cap_factor": par.dpp_cap_factor}
+        if par.dpp_policy == "dpp-zb":
+            options["fill_transit"] = par.dpp_fill_transit
+        return par.dpp_policy, options
     if par.dpp_policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
         return "zb-h1", {}
     return ("interleaved" if topology.virtual_pipeline > 1 else "1f1b"), {}

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.cli import OneLineParser
 from trainer.profiling.loading import load_rank_traces, read_trace_file
 from trainer.profiling.merge import merge_traces
 
@@ -207,8 +208,8 @@ def format_report(report: PathReport, detail: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer.profiling.critical_path", description=__doc__.split("\n\n")[0])
+def _parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m trainer.profiling.critical_path", description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--benchmark_dir", help="a --profile-dir folder of one run (rank traces)")
     where.add_argument("--trace", help="one trace file: merged.json, or the simulator's --trace output")
@@ -234,7 +235,8 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     source = args.benchmark_dir or args.trace
     try:
         merged = _load(args)
@@ -248,12 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             wanted = [int(x) for x in args.iterations.split(",")]
         except ValueError:
-            print(f"critical_path: --iterations={args.iterations!r} must be comma-separated integers", file=sys.stderr)
-            return 2
+            return parser.report(f"--iterations={args.iterations!r} must be comma-separated integers")
         missing = [i for i in wanted if i not in by_iteration]
         if missing:
-            print(f"critical_path: iterations {missing} not in the trace (it has {sorted(by_iteration)})", file=sys.stderr)
-            return 2
+            return parser.report(f"iterations {missing} not in the trace (it has {sorted(by_iteration)})")
     if not by_iteration:
         print(f"critical_path: {source} has no {spans} spans of F/B/I/W ops"
               + (" (a CUDA run traces them with --profile-dir; try --spans host)" if spans == "gpu" else ""),
