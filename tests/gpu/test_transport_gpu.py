@@ -113,32 +113,38 @@ def test_gpu_peer_killed_is_reported_naming_it():
     assert "rank 1" in check_all_ok([survivor])[0]
 
 
-def _landed_scenario(rank: int, world: int, transport: str) -> tuple[bool, bool, float]:
-    """Rank 0 queues ~0.3 s of GPU sleep, then sends: its header goes at once, its data only after the
-    sleep. Rank 1 asks StageLinks.landed right away (must say no) and until it says yes."""
+def _landed_scenario(rank: int, world: int, transport: str) -> tuple[bool, bool, float, float]:
+    """Rank 0 queues ~1.5 s of GPU sleep, then sends: its header goes at once, its data only after the
+    sleep. Rank 1 asks StageLinks.landed as soon as the header is in (must say no), then until yes."""
     transport, _, signals = transport.partition("-")
     options = {"gpu_signals": signals} if signals else {}
     links, device = _links(rank, world, transport, shm_slot_bytes=1 << 20, credits=3, **options)
     if rank == 0:
         t = torch.ones(4096, device=device)
-        torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s at ~2 GHz, on the stream the send orders after
-        links.send("next", t * 2, header_for(t, "act", 0, 0))
-        torch.cuda.synchronize(device)
-        links.wait_any(30)  # the receiver's "done" message: keep the channel open until then
+        links.send("next", t, header_for(t, "act", 0, 0))  # a first message: lazy set-up out of the way
+        links.wait_any(30)  # rank 1 has it: both sides are past their set-up
+        torch.cuda._sleep(int(1.5 * 2e9))  # ~1.5 s at ~2 GHz, on the stream the send orders after
+        sent = time.monotonic()
+        links.send("next", t * 2, header_for(t, "act", 1, 0))
+        links.wait_any(30)  # the receiver's "done": keep the channel open until then
         links.close()
-        return True, True, 0.0
+        return True, True, 0.0, time.monotonic() - sent
+    warm = links.wait_any(30)
+    links.landed(warm)  # the landed probe's set-up, on a message that is here
+    links.release(warm)
+    links.send("prev", torch.zeros(1, device=device), header_for(torch.zeros(1), "grad", 0, 0))
     msg = links.wait_any(30)
+    got = time.monotonic()
     first = links.landed(msg)
-    start = time.monotonic()
     while not links.landed(msg):
-        assert time.monotonic() - start < 10, "rank 1: the payload never showed as landed"
+        assert time.monotonic() - got < 10, "rank 1: the payload never showed as landed"
         time.sleep(0.001)
-    waited = time.monotonic() - start
+    waited = time.monotonic() - got
     correct = bool(torch.equal(msg.tensor, torch.full((4096,), 2.0, device=device)))
     links.release(msg)
-    links.send("prev", torch.zeros(1, device=device), header_for(torch.zeros(1), "grad", 0, 0))
+    links.send("prev", torch.zeros(1, device=device), header_for(torch.zeros(1), "grad", 1, 0))
     links.close()
-    return first, correct, waited
+    return first, correct, waited, 0.0
 
 
 @pytest.mark.timeout(120)
@@ -149,6 +155,6 @@ def test_landed_says_no_until_the_payload_is_on_the_gpu(transport):
     if transport == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs two GPUs")
     outcomes = check_all_ok(run_processes(_landed_scenario, 2, transport, timeout_s=100))
-    first, correct, waited = outcomes[1]
-    assert first is False and correct, outcomes[1]
-    assert waited > 0.05, f"landed after {waited:.3f} s: the 0.3 s of sleep should show"
+    first, correct, waited, _ = outcomes[1]
+    assert first is False and correct, outcomes
+    assert waited > 0.3, f"landed {waited:.3f} s after its header: the 1.5 s of sleep should show ({outcomes})"

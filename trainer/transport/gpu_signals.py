@@ -133,14 +133,14 @@ class FlagSignals:
     def signalled(self, slot: int, count: int) -> bool:
         # Our flags live in GPU memory: read them through a small copy on a side stream of their
         # own (never behind this rank's compute), at most once per SNAPSHOT_S, waiting <= PROBE_WAIT_S.
-        now = time.monotonic()
         if self._snapshot is None:
             own = self._keep[1]
             self._snapshot = torch.empty(own.shape, dtype=own.dtype, pin_memory=True)
             self._snapshot_values = self._snapshot.numpy()
             self._probe_stream = torch.cuda.Stream(own.device)
             self._probe_done = torch.cuda.Event()
-        elif now - self._snapshot_at <= SNAPSHOT_S:
+        now = time.monotonic()  # after the first call's set-up, which is slower than PROBE_WAIT_S
+        if now - self._snapshot_at <= SNAPSHOT_S:
             return bool(self._snapshot_values[slot] >= count)
         with torch.cuda.stream(self._probe_stream):
             self._snapshot.copy_(self._keep[1], non_blocking=True)
