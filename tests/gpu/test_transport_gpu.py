@@ -113,7 +113,7 @@ def test_gpu_peer_killed_is_reported_naming_it():
     assert "rank 1" in check_all_ok([survivor])[0]
 
 
-def _landed_scenario(rank: int, world: int, transport: str) -> tuple[bool, bool, float, float]:
+def _landed_scenario(rank: int, world: int, transport: str) -> tuple:
     """Rank 0 queues ~1.5 s of GPU sleep, then sends: its header goes at once, its data only after the
     sleep. Rank 1 asks StageLinks.landed as soon as the header is in (must say no), then until yes."""
     transport, _, signals = transport.partition("-")
@@ -123,12 +123,14 @@ def _landed_scenario(rank: int, world: int, transport: str) -> tuple[bool, bool,
         t = torch.ones(4096, device=device)
         links.send("next", t, header_for(t, "act", 0, 0))  # a first message: lazy set-up out of the way
         links.wait_any(30)  # rank 1 has it: both sides are past their set-up
+        t * 2  # loads the kernel now: a lazily loaded module's first launch waits for the GPU to idle
         torch.cuda._sleep(int(1.5 * 2e9))  # ~1.5 s at ~2 GHz, on the stream the send orders after
-        sent = time.monotonic()
+        start = time.monotonic()
         links.send("next", t * 2, header_for(t, "act", 1, 0))
+        sent = time.monotonic() - start
         links.wait_any(30)  # the receiver's "done": keep the channel open until then
         links.close()
-        return True, True, 0.0, time.monotonic() - sent
+        return True, True, 0.0, sent
     warm = links.wait_any(30)
     links.landed(warm)  # the landed probe's set-up, on a message that is here
     links.release(warm)
@@ -144,7 +146,7 @@ def _landed_scenario(rank: int, world: int, transport: str) -> tuple[bool, bool,
     links.release(msg)
     links.send("prev", torch.zeros(1, device=device), header_for(torch.zeros(1), "grad", 1, 0))
     links.close()
-    return first, correct, waited, 0.0
+    return first, correct, waited, got
 
 
 @pytest.mark.timeout(120)
@@ -156,5 +158,6 @@ def test_landed_says_no_until_the_payload_is_on_the_gpu(transport):
         pytest.skip("NCCL needs two GPUs")
     outcomes = check_all_ok(run_processes(_landed_scenario, 2, transport, timeout_s=100))
     first, correct, waited, _ = outcomes[1]
+    assert outcomes[0][3] < 0.3, f"rank 0's send took {outcomes[0][3]:.3f} s of host time: it waited for its GPU"
     assert first is False and correct, outcomes
     assert waited > 0.3, f"landed {waited:.3f} s after its header: the 1.5 s of sleep should show ({outcomes})"
