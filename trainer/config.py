@@ -29,7 +29,7 @@ from trainer.names import TOKENIZERS, TRANSPORTS, TokenizerType, Transport
 from trainer.node_addresses import read_node_ips
 from trainer.stall_injection import stall_problems
 
-DPP_POLICIES = ("dpp", "dpp-zb", "zb-h1")
+DPP_POLICIES = ("auto", "dpp", "dpp-zb", "zb-h1")
 DECAY_STYLES = ("constant", "linear", "cosine")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # megatron-core's AttnBackend names
 # Environment switches megatron-core sets for Transformer Engine per backend (LanguageModule's
@@ -219,10 +219,13 @@ class ParallelConfig:
     when the neighbour *queued* the op making it), run a deferred W meanwhile, and a landed gradient's
     I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, as before the
     eleventh session; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
-    dpp_policy: Literal["dpp", "dpp-zb", "zb-h1"] = "dpp"
+    dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1"] = "auto"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
-    the runtime's non-DPP CPU path). Split backward needs megatron-core's local layer spec."""
+    the runtime's non-DPP CPU path), auto (the default: dpp-zb with --dpp-cuda-graphs where its split
+    backward is possible, else dpp -- what measured fastest at equal memory, eleventh session,
+    docs/schedules.md; the log's layout line says which ran and why). Split backward needs
+    megatron-core's local layer spec."""
     dpp_cuda_graphs: bool = False
     """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
@@ -297,8 +300,6 @@ class ParallelConfig:
             p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} must be >= 0")
         elif self.dpp_max_queued_ops and not self.use_dpp:
             p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} applies to --use-dpp")
-        if not self.dpp_fill_transit and not (self.use_dpp and self.dpp_policy == "dpp-zb"):
-            p.append("--no-dpp-fill-transit applies to --use-dpp --dpp-policy dpp-zb (only it defers W)")
         if not (math.isfinite(self.dpp_cap_factor) and self.dpp_cap_factor >= 1.0):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} must be a finite number >= 1")
         elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:
@@ -705,6 +706,11 @@ class TrainConfig:
         return self.optim.global_batch_size // (self.optim.micro_batch_size * self.data_parallel(world_size))
 
     @property
+    def dpp_policy(self) -> str:
+        """The DPP policy this run uses: ``--dpp-policy``, ``auto`` resolved (:func:`resolve_dpp_policy`)."""
+        return resolve_dpp_policy(self)[0]
+
+    @property
     def virtual_pipeline(self) -> int:
         """Model chunks per stage (v)."""
         if self.parallel.num_virtual_stages_per_pipeline_rank is not None:
@@ -809,6 +815,9 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
         p.append(f"--eval-interval={cfg.run.eval_interval} needs validation samples but --split="
                  f"{cfg.data.split} gives the valid share 0")
     p.extend(_split_backward_problems(cfg))
+    if not cfg.parallel.dpp_fill_transit and not (cfg.parallel.use_dpp and cfg.dpp_policy == "dpp-zb"):
+        p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses "
+                 + resolve_dpp_policy(cfg)[1])
     p.extend(_variable_length_problems(cfg))
     p.extend(_bert_data_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
@@ -883,7 +892,7 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
     why = {
         "--use-dpp (the graphs replace ops of the DPP runtime)": par.use_dpp,
         f"--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its cap; got {par.dpp_policy})":
-            par.dpp_policy in ("dpp", "dpp-zb"),
+            cfg.dpp_policy in ("dpp", "dpp-zb"),
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
         f"--model gpt (got {m.model})": m.model == "gpt",
         f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
@@ -971,10 +980,31 @@ def _variable_length_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
-def _split_backward_problems(cfg: TrainConfig) -> list[str]:
-    """What rules out --dpp-policy dpp-zb / zb-h1 (split backward), knowable before any process group."""
+def resolve_dpp_policy(cfg: TrainConfig) -> tuple[str, str]:
+    """(the policy --dpp-policy names, why) -- ``auto`` resolved: dpp-zb with --dpp-cuda-graphs where
+    split backward is possible, else dpp. Why: on the issue-12 model (4xH100, eleventh session, same
+    call, equal peak memory) graphed dpp-zb ran 474.6 ms per iteration against dpp's 493.2 (510.9 vs
+    519.0 with two recomputing slots), once it waits for a gradient's data rather than its header
+    (fill_transit); eager it did not win (973.1 vs 953.6 at v=1, within noise), so eager runs keep dpp."""
+    par = cfg.parallel
+    if par.dpp_policy != "auto":
+        return par.dpp_policy, "--dpp-policy " + par.dpp_policy
+    if not par.use_dpp:
+        return "dpp", "--dpp-policy auto without --use-dpp (not used)"
+    if not par.dpp_cuda_graphs:
+        return "dpp", "--dpp-policy auto: dpp (without --dpp-cuda-graphs dpp-zb was not measured faster)"
+    blockers = _split_backward_problems(cfg, "dpp-zb")
+    if blockers:
+        return "dpp", "--dpp-policy auto: dpp (dpp-zb's split backward is ruled out: " + "; ".join(blockers) + ")"
+    return "dpp-zb", "--dpp-policy auto: dpp-zb (with --dpp-cuda-graphs the faster one at equal memory)"
+
+
+def _split_backward_problems(cfg: TrainConfig, policy: str | None = None) -> list[str]:
+    """What rules out --dpp-policy dpp-zb / zb-h1 (split backward), knowable before any process group.
+    ``policy``: the one to check (default: the run's, ``auto`` resolved)."""
     par, impl = cfg.parallel, cfg.model.transformer_impl
-    policy = par.dpp_policy
+    if policy is None:
+        policy = cfg.dpp_policy
     if policy not in ("dpp-zb", "zb-h1"):
         return []
     p = []

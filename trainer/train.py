@@ -42,7 +42,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.cli import EXIT_BAD_INPUT, print_error
-from trainer.config import ConfigError, TrainConfig, parse_config
+from trainer.config import ConfigError, TrainConfig, parse_config, resolve_dpp_policy
 from trainer.data.varlen import LENGTH_KEY, Bucketing, bucket_length, parse_length_distribution
 from trainer.distributed import (
     LaunchError,
@@ -539,7 +539,7 @@ class TrainingSession:
         if self.cfg.run.device == "cuda":
             params = params.cuda()
         if self.launch.rank == 0 or self._is_logger:
-            schedule = (cfg.parallel.dpp_policy if cfg.parallel.use_dpp or cfg.parallel.dpp_policy == "zb-h1" else
+            schedule = (resolve_dpp_policy(cfg)[1] if cfg.parallel.use_dpp or cfg.dpp_policy == "zb-h1" else
                         "megatron-core" if self._uses_megatron_schedule() else "1f1b policy")
             log.info("run %s: %s %s | %s | microbatches/iter %d x mbs %d | schedule %s | "
                      "transport %s | vocab %d (padded %d) | this rank holds %.2fM parameters | "

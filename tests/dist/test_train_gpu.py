@@ -34,13 +34,15 @@ def _losses(out: Path, extra: list[str]) -> dict[str, float]:
 
 
 DPP_POLICIES = {
-    "dpp": ["--use-dpp"],
+    "dpp": ["--use-dpp", "--dpp-policy", "dpp"],
     "dpp-zb": ["--use-dpp", "--dpp-policy", "dpp-zb"],
     # The fastest configuration of docs/benchmarks.md: graphs, selective recompute, cap factor 1.5.
-    "dpp-graphs-rc-cf1.5": ["--use-dpp", "--dpp-cuda-graphs", "--recompute-activations", "--dpp-cap-factor", "1.5"],
+    "dpp-graphs-rc-cf1.5": ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--recompute-activations",
+                            "--dpp-cap-factor", "1.5"],
     # The seventh session's candidate: graphs at 1F1B caps, two of stage 0's slots recomputing the core
     # attention, hosts deciding with at most one op queued on their GPU.
-    "dpp-graphs-rs2-q1": ["--use-dpp", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2", "--dpp-max-queued-ops", "1"],
+    "dpp-graphs-rs2-q1": ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2",
+                          "--dpp-max-queued-ops", "1"],
     # Tenth session: split backward with graphs (F, I and W graphs per slot).
     "dpp-zb-graphs": ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs"],
 }

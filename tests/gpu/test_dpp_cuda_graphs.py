@@ -43,14 +43,15 @@ VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--s
 
 
 ZB = ["--dpp-policy", "dpp-zb"]
+DPP = ["--dpp-policy", "dpp"]  # explicit: the default (auto) picks dpp-zb with graphs and dpp without
 
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("chunks, varlen, extra, both", [
-    (1, False, [], []), (2, False, [], []), (1, True, [], []),
-    (1, False, ["--recompute-activations"], []),
-    (1, False, ["--dpp-max-queued-ops", "1"], []),
-    (1, False, ["--dpp-recompute-slots", "1,1"], []),
+    (1, False, [], DPP), (2, False, [], DPP), (1, True, [], DPP),
+    (1, False, ["--recompute-activations"], DPP),
+    (1, False, ["--dpp-max-queued-ops", "1"], DPP),
+    (1, False, ["--dpp-recompute-slots", "1,1"], DPP),
     (1, False, [], ZB), (2, False, [], ZB), (1, True, [], ZB), (1, False, ["--dpp-recompute-slots", "1,1"], ZB)],
     ids=["v1", "v2", "v1-varlen", "v1-recompute", "v1-queued1", "v1-recompute-slot",
          "zb-v1", "zb-v2", "zb-v1-varlen", "zb-v1-recompute-slot"])
@@ -79,7 +80,7 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
     assert counts == {(s, c): (ITERS * M, 0) for s in range(2) for c in range(chunks)}, counts
     if "--dpp-recompute-slots" in extra:
         logs = "".join(r.output for r in results)
-        held = "2 slot(s) each (1 recomputing" if both else "1 slot(s) each (1 recomputing"
+        held = "2 slot(s) each (1 recomputing" if both == ZB else "1 slot(s) each (1 recomputing"
         assert "2 slot(s) each (1 recomputing" in logs and held in logs, logs[-3000:]
     if both == ZB:
         logs = "".join(r.output for r in results)

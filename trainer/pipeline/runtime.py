@@ -60,13 +60,13 @@ def link_options(cfg: TrainConfig, shape: PipelineShape) -> LinkOptions:
 def policy_choice(cfg: TrainConfig, topology: Topology) -> tuple[str, dict[str, Any]]:
     """(policy name, its options) for this run: --dpp-policy under --use-dpp, zb-h1 whenever asked
     for, else the static 1f1b (interleaved with VP) that CPU and gloo runs use in megatron's place."""
-    par = cfg.parallel
-    if par.use_dpp and par.dpp_policy != "zb-h1":
+    par, policy = cfg.parallel, cfg.dpp_policy  # --dpp-policy auto resolved (trainer.config.resolve_dpp_policy)
+    if par.use_dpp and policy != "zb-h1":
         options: dict[str, Any] = {"max_inflight": par.dpp_max_inflight, "cap_factor": par.dpp_cap_factor}
-        if par.dpp_policy == "dpp-zb":
+        if policy == "dpp-zb":
             options["fill_transit"] = par.dpp_fill_transit
-        return par.dpp_policy, options
-    if par.dpp_policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
+        return policy, options
+    if policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
         return "zb-h1", {}
     return ("interleaved" if topology.virtual_pipeline > 1 else "1f1b"), {}
 
