@@ -145,3 +145,31 @@ def test_data_aware_needs_host_ahead_on_the_cli(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         simulate_main(["--data-aware"])
     assert "--data-aware applies to --host-ahead" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_dpp_zb_deciding_on_landed_gradients_never_deadlocks_over_1000_draws() -> None:
+    """Issue 14's invariants for the fill_transit rule, which only acts where arrival is not landing
+    (host-time decisions, data-aware): over 1000 random shapes, costs, options and host latencies no
+    stage deadlocks (DeadlockError), every op runs once and only when ready (StageState asserts), and
+    no stage holds more activations than its cap."""
+    rng = np.random.default_rng(1114)
+    for _ in range(1000):
+        p = int(rng.choice([2, 3, 4, 8]))
+        v = int(rng.choice([1, 2]))
+        m_count = int(rng.integers(p, 4 * p + 1))
+        options = {"cap_factor": float(rng.choice([1.0, 1.5, 2.0])),
+                   "priority": str(rng.choice(["forward", "backward"])),
+                   "weight_order": str(rng.choice(["oldest", "youngest"])),
+                   "split_first_stage": bool(rng.integers(2)), "fill_transit": bool(rng.integers(4))}
+        shape = PipelineShape(p, m_count, v)
+        policies = [make_policy("dpp-zb", shape, s, **options) for s in range(p)]
+        costs = CostModel(forward=float(rng.uniform(0.3, 2)), input_grad=float(rng.uniform(0.3, 2)),
+                          weight_grad=float(rng.uniform(0.2, 2)), jitter=float(rng.uniform(0, 0.6)),
+                          seq_len_sigma=float(rng.uniform(0, 0.6)),
+                          edge_transfer=tuple(rng.uniform(0, float(rng.choice([0.1, 2.0])), p).tolist()))
+        result = simulate_host_ahead(shape, policies, costs.draw(shape, rng), launch=float(rng.uniform(0, 0.2)),
+                                     header_latency=float(rng.uniform(0, 0.3)),
+                                     max_queued_ops=int(rng.choice([0, 1, 2])) or None, data_aware=True)
+        assert result.step_time > 0
+        assert all(peak <= pol.cap for peak, pol in zip(result.peak_inflight, policies, strict=True))
