@@ -640,6 +640,10 @@ class TrainingSession:
         for c, graphs in ((self.runtime.context.graphs or {}) if self.runtime is not None else {}).items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      self.topology.pp_rank, c, graphs.replayed, graphs.eager)
+        context = self.runtime.context if self.runtime is not None else None
+        if context is not None and context.landing_checks:
+            log.info("stage %d: dpp-zb looked %d time(s) whether gradients had landed, %.3f s of host time in all",
+                     self.topology.pp_rank, context.landing_checks, context.landing_check_s)
         bound = self.runtime.context.run_ahead if self.runtime is not None else None
         if bound is not None:
             log.info("stage %d: --dpp-max-queued-ops %d: the host waited %.2f s in all for its GPU before deciding",

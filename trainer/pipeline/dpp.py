@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,10 @@ class DppContext:
     """--dpp-max-queued-ops: how far the host may run ahead of its GPU; None = unbounded."""
     peak_inflight: int = field(default=0, init=False)
     """Largest number of held activations seen in the last step (for logs/benchmarks)."""
+    landing_checks: int = field(default=0, init=False)
+    """dpp-zb (fill_transit): how often this rank asked the transport whether a gradient had landed,
+    and the host time those looks took in all (end-of-run log line)."""
+    landing_check_s: float = field(default=0.0, init=False)
 
 
 def make_forward_backward_func(context: DppContext) -> Callable[..., list]:
@@ -255,9 +260,11 @@ class _Step:
     def _choose(self) -> Action | None:
         if not self.forward_only:
             if self.state.grads_in_transit:  # look again at the gradients still on their way
-                links = self.ctx.links
-                for key in [k for k in self.state.grads_in_transit if links.landed(self.grads[k])]:
+                ctx, start = self.ctx, time.perf_counter()
+                for key in [k for k in self.state.grads_in_transit if ctx.links.landed(self.grads[k])]:
                     self.state.mark_grad_landed(*key)
+                ctx.landing_checks += 1
+                ctx.landing_check_s += time.perf_counter() - start
             return self.ctx.policy.choose(self.state)
         # Inference: forwards only, oldest first; the policy's backward-aware caps do not apply.
         ready = [a for a in self.state.ready_actions() if a.op is Op.F]
@@ -296,7 +303,8 @@ class _Step:
         else:
             assert key not in self.grads, f"rank {self.rank}: gradient {key} arrived twice"
             self.grads[key] = msg
-            self.state.mark_grad_arrived(*key, landed=not self._tracks_landing or self.ctx.links.landed(msg))
+            # Tracked: counted in transit until a decision looks (one look per decision serves them all).
+            self.state.mark_grad_arrived(*key, landed=not self._tracks_landing)
 
     # ---- actions ---------------------------------------------------------------------------
     def _execute(self, action: Action, grad_sync: GradSync) -> None:

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 SNAPSHOT_S = 30e-6
 """FlagSignals.signalled: a host copy of the flags younger than this is reused (one decision of the
 runtime asks about every gradient in transit)."""
-PROBE_WAIT_S = 0.5e-3
+PROBE_WAIT_S = 0.2e-3
 """FlagSignals.signalled: longest host wait for the flags' copy before answering "landed"."""
 
 
