@@ -992,11 +992,11 @@ def resolve_dpp_policy(cfg: TrainConfig) -> tuple[str, str]:
     if not par.use_dpp:
         return "dpp", "--dpp-policy auto without --use-dpp (not used)"
     if not par.dpp_cuda_graphs:
-        return "dpp", "--dpp-policy auto: dpp (without --dpp-cuda-graphs dpp-zb was not measured faster)"
+        return "dpp", "--dpp-policy auto: without --dpp-cuda-graphs dpp-zb was not measured faster"
     blockers = _split_backward_problems(cfg, "dpp-zb")
     if blockers:
-        return "dpp", "--dpp-policy auto: dpp (dpp-zb's split backward is ruled out: " + "; ".join(blockers) + ")"
-    return "dpp-zb", "--dpp-policy auto: dpp-zb (with --dpp-cuda-graphs the faster one at equal memory)"
+        return "dpp", "--dpp-policy auto: dpp-zb's split backward is ruled out: " + "; ".join(blockers)
+    return "dpp-zb", "--dpp-policy auto: with --dpp-cuda-graphs dpp-zb is the faster at equal memory"
 
 
 def _split_backward_problems(cfg: TrainConfig, policy: str | None = None) -> list[str]:

@@ -539,7 +539,9 @@ class TrainingSession:
         if self.cfg.run.device == "cuda":
             params = params.cuda()
         if self.launch.rank == 0 or self._is_logger:
-            schedule = (resolve_dpp_policy(cfg)[1] if cfg.parallel.use_dpp or cfg.dpp_policy == "zb-h1" else
+            policy, why = resolve_dpp_policy(cfg)
+            named = policy if cfg.parallel.dpp_policy != "auto" else f"{policy} ({why})"
+            schedule = (named if cfg.parallel.use_dpp or policy == "zb-h1" else
                         "megatron-core" if self._uses_megatron_schedule() else "1f1b policy")
             log.info("run %s: %s %s | %s | microbatches/iter %d x mbs %d | schedule %s | "
                      "transport %s | vocab %d (padded %d) | this rank holds %.2fM parameters | "

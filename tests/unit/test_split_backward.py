@@ -262,7 +262,7 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
     base = ["--mock-data", "--use-dpp", "--device", "cuda", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
             "--hidden-dropout", "0", "--attention-dropout", "0"]
     graphed = parse_config([*base, "--dpp-cuda-graphs"], world_size=2)
-    assert graphed.dpp_policy == "dpp-zb" and "auto: dpp-zb" in resolve_dpp_policy(graphed)[1]
+    assert graphed.dpp_policy == "dpp-zb" and "auto: with --dpp-cuda-graphs" in resolve_dpp_policy(graphed)[1]
     name, options = policy_choice(graphed, Topology(world_size=2, rank=1, pipeline_parallel=2))
     assert name == "dpp-zb" and options["fill_transit"] is True
     eager = parse_config(base, world_size=2)
