@@ -52,7 +52,14 @@ def test_cli_merges_validates_and_summarises(tmp_path, capsys):
     assert summary["mean_iteration_time_ms"] == pytest.approx(step_time_us(COSTS) / 1000)
     assert [s["peak_inflight"] for s in summary["stages"]] == [4, 3, 2, 1]  # 1F1B holds p - s
     assert summary["median_op_ms"] == {"F": 1.0, "B": 2.0}
+    # uniform 1F1B with no transfer time: the critical path covers the whole step, F0 of stage 0 first
+    paths = summary["critical_path"]
+    assert paths["spans"] == "host" and [p["iteration"] for p in paths["iterations"]] == [0, 1]
+    first = paths["iterations"][0]
+    assert first["path"][0] == "s0:F0.c0"
+    assert sum(sum(k.values()) for k in first["op_ms"].values()) + first["gap_ms"] == pytest.approx(first["span_ms"])
     table = capsys.readouterr().out
+    assert "critical path (host spans" in table and "iteration 1: span" in table
     assert "bubble fraction: 0.2727" in table and "merged 4 of 4 ranks" in table
     assert "dropped" not in table and merged["metadata"]["dropped_iterations"] == 0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.cli import OneLineParser
+from trainer.profiling.critical_path import PathReport, critical_paths, format_report, report_dict
 from trainer.profiling.loading import load_rank_traces, read_trace_file
 from trainer.profiling.merge import merge_traces
 from trainer.profiling.plot import plot_timeline
@@ -59,9 +60,10 @@ def _pick_compare_iteration(compare: dict[str, Any], wanted: int) -> int:
 
 
 def _summary_document(summary: TraceSummary, problems: list[str], warnings: list[str],
-                      compare: TraceSummary | None) -> dict[str, Any]:
+                      compare: TraceSummary | None, paths: list[PathReport], spans: str) -> dict[str, Any]:
     document = summary.to_dict()
     document.update(problems=problems, validation_warnings=warnings)
+    document["critical_path"] = {"spans": spans, "iterations": [report_dict(r) for r in paths]}
     if compare is not None:
         document["compare"] = compare.to_dict()
     return document
@@ -102,12 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:  # why each iteration took as long as it did (trainer/profiling/critical_path.py)
+        spans, paths = critical_paths(merged, summary.iterations)
+    except ValueError as err:  # a damaged iteration: the rest of the summary still stands
+        print(f"warning: critical path: {err}", file=sys.stderr)
+        spans, paths = "none", []
 
     write_json_atomic(out, merged)
     write_json_atomic(out.parent / "summary.json",
-                      _summary_document(summary, run.problems, warnings, compare_summary))
+                      _summary_document(summary, run.problems, warnings, compare_summary, paths, spans))
     plot_timeline(merged, png, draw, compare=compare, compare_iteration=compare_iteration)
     print(format_table(summary))
+    drawn = [r for r in paths if r.iteration == draw]
+    if drawn:
+        print(f"critical path ({spans} spans; every iteration in summary.json): {format_report(drawn[0])}")
     if compare_summary is not None:
         print(f"simulated ({compare_summary.schedule}): iteration {compare_iteration} "
               f"{compare_summary.mean_iteration_time_ms:.2f} ms, bubble {compare_summary.bubble_fraction:.4f}")

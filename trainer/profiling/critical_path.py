@@ -190,6 +190,28 @@ def analyse(stages: dict[int, list[OpSpan]], iteration: int = 0) -> PathReport:
     return report
 
 
+def report_dict(report: PathReport) -> dict[str, Any]:
+    """``report`` as plain JSON values (the aggregation job's summary.json)."""
+    op_ms: dict[str, dict[str, float]] = {}
+    for (stage, kind), ms in sorted(report.op_ms.items()):
+        op_ms.setdefault(f"s{stage}", {})[kind] = round(ms, 3)
+    return {"iteration": report.iteration, "span_ms": round(report.span_ms, 3), "op_ms": op_ms,
+            "gap_ms": round(report.gap_ms, 3), "stream_gap_ms": round(report.stream_gap_ms, 3),
+            "largest_gaps": [{"ms": round(ms, 3), "before": label, "kind": kind} for ms, label, kind in report.largest_gaps],
+            "behind_w": {f"s{s}": {"count": report.behind_w_count[s], "ms": round(report.behind_w_ms[s], 3)}
+                         for s in sorted(report.behind_w_ms)},
+            "path": [o.label for o, _ in report.path]}
+
+
+def critical_paths(merged: dict[str, Any], iterations: Sequence[int] | None = None) -> tuple[str, list[PathReport]]:
+    """(the spans read, one report per iteration) of a merged trace: its gpu spans where it has any,
+    else its host spans; ``iterations``: those only (default: all it has)."""
+    spans = "gpu" if any(e.get("cat") == "gpu" for e in merged["traceEvents"]) else "host"
+    by_iteration = collect_spans(merged, spans)
+    wanted = [i for i in (iterations if iterations is not None else sorted(by_iteration)) if i in by_iteration]
+    return spans, [analyse(by_iteration[i], i) for i in wanted]
+
+
 def format_report(report: PathReport, detail: bool = False) -> str:
     stages = sorted({s for s, _ in report.op_ms} | set(report.behind_w_ms))
     parts = []
