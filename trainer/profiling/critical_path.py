@@ -203,10 +203,15 @@ def report_dict(report: PathReport) -> dict[str, Any]:
             "path": [o.label for o, _ in report.path]}
 
 
+def default_spans(merged: dict[str, Any]) -> str:
+    """The spans to read from a merged trace: "gpu" where it has any (CUDA runs), else "host"."""
+    return "gpu" if any(e.get("cat") == "gpu" for e in merged["traceEvents"]) else "host"
+
+
 def critical_paths(merged: dict[str, Any], iterations: Sequence[int] | None = None) -> tuple[str, list[PathReport]]:
-    """(the spans read, one report per iteration) of a merged trace: its gpu spans where it has any,
-    else its host spans; ``iterations``: those only (default: all it has)."""
-    spans = "gpu" if any(e.get("cat") == "gpu" for e in merged["traceEvents"]) else "host"
+    """(the spans read, one report per iteration) of a merged trace: its :func:`default_spans`;
+    ``iterations``: those only (default: all it has)."""
+    spans = default_spans(merged)
     by_iteration = collect_spans(merged, spans)
     wanted = [i for i in (iterations if iterations is not None else sorted(by_iteration)) if i in by_iteration]
     return spans, [analyse(by_iteration[i], i) for i in wanted]
@@ -265,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"critical_path: {err}", file=sys.stderr)
         return 1
-    spans = args.spans or ("gpu" if any(e.get("cat") == "gpu" for e in merged["traceEvents"]) else "host")
+    spans = args.spans or default_spans(merged)
     by_iteration = collect_spans(merged, spans)
     wanted = sorted(by_iteration)
     if args.iterations:
