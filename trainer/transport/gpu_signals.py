@@ -126,6 +126,7 @@ class FlagSignals:
         self._peer, self._own = peer_flags.data_ptr(), own_flags.data_ptr()
         self._keep = (peer_flags, own_flags)  # the addresses live as long as the tensors
         self._snapshot: torch.Tensor | None = None  # pinned host copy of own_flags (signalled())
+        self._snapshot_values = None  # its numpy view, read without a torch call per look
         self._snapshot_at = -1.0
         self._probe_stream: torch.cuda.Stream | None = None
         self._probe_done: torch.cuda.Event | None = None
