@@ -258,7 +258,11 @@ def test_killed_peer_in_a_2_plus_2_split_leaves_no_shared_memory():
 def _readers_scenario(rank: int, world: int, transport: str, nodes: tuple[int, ...], job: str) -> tuple:
     links = _links(rank, world, transport, nodes=nodes, job=job)
     kinds = sorted(type(r).__name__ for r in links._receivers)
-    header_threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("mdpp-headers"))
+    # The receivers' own threads, not threading.enumerate(): a header thread ends once it reads its
+    # peer's end of stream, which a fast peer can send before this rank gets here (CI saw it).
+    header_threads = sorted(r._thread.name for r in links._receivers if getattr(r, "_thread", None) is not None)
+    running = [t.name for t in threading.enumerate() if t.name.startswith("mdpp-headers")]
+    assert set(running) <= set(header_threads), (running, header_threads)  # no header thread of anyone else's
     t = torch.full((5,), float(rank))
     links.send("next", t, header_for(t, "act", rank, 0))
     got = links.wait_any(10.0)
