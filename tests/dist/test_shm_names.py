@@ -9,7 +9,6 @@ trainer named its segments /mdpp-none-..., and segments are created O_EXCL: a se
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -17,6 +17,9 @@ single-process reference:
   loss / M, backward), i.e. what megatron's forward_backward_no_pipelining does, without our runtime;
   with Megatron's 3-tuple loss and calculate_per_token_loss (``--variable-seq-lengths``), the summed
   loss and a 1 / total-tokens gradient scaling in finalize_model_grads, as megatron does.
+* ``--landing-delay N``: stand-in for GPU payloads still in flight (CPU has none): the links answer
+  "not landed yet" to the first N looks at each message (``StageLinks.landed``, a scheduling hint
+  dpp-zb reads); ``landing_rank<R>.json`` counts the looks and the "no" answers.
 """
 
 from __future__ import annotations
@@ -81,12 +84,41 @@ def sequential_reference(*, forward_step_func, data_iterator, model, num_microba
     return losses
 
 
+def delay_landing(looks: int, counts: dict[str, int]) -> None:
+    """Make every concrete StageLinks answer ``landed() == False`` to its first ``looks`` looks at a
+    message. Only the hint changes: the payload itself is there (CPU), so the maths must not."""
+    from trainer.transport.base import StageLinks
+
+    seen: dict[int, int] = {}
+
+    def patch(cls: type) -> None:
+        original = cls.__dict__.get("landed")
+        if original is not None:
+            def landed(self, message, _original=original) -> bool:
+                counts["looks"] += 1
+                n = seen[id(message)] = seen.get(id(message), 0) + 1
+                if n <= looks:
+                    counts["not_landed"] += 1
+                    return False
+                return _original(self, message)
+            cls.landed = landed
+        for sub in cls.__subclasses__():
+            patch(sub)
+
+    import trainer.transport.channels  # noqa: F401 - the concrete links must exist before patching
+
+    patch(StageLinks)
+
+
 def build_hooks(args: argparse.Namespace) -> TrainHooks:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rank = int(__import__("os").environ.get("RANK", "0"))
     topo_box: dict = {}
     losses: dict[int, dict] = {}
+    landing = {"looks": 0, "not_landed": 0}
+    if args.landing_delay:
+        delay_landing(args.landing_delay, landing)
 
     def after_build(chunks, topology) -> None:
         topo_box["t"] = topology
@@ -119,6 +151,8 @@ def build_hooks(args: argparse.Namespace) -> TrainHooks:
     def after_step(iteration, reduced) -> None:
         losses[iteration] = reduced
         (out / f"losses_rank{rank}.json").write_text(json.dumps(losses, indent=0))
+        if args.landing_delay:
+            (out / f"landing_rank{rank}.json").write_text(json.dumps(landing))
 
     return TrainHooks(after_build=after_build, after_backward=after_backward, after_step=after_step,
                       forward_backward_func=sequential_reference if args.reference else None)
@@ -132,6 +166,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--load-init")
     parser.add_argument("--dump-grads", type=int, default=0)
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--landing-delay", type=int, default=0)
     args = parser.parse_args(argv[:split])
     return main(argv[split + 1:], build_hooks(args))
 
