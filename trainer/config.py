@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import math
@@ -705,9 +706,12 @@ class TrainConfig:
     def num_microbatches(self, world_size: int) -> int:
         return self.optim.global_batch_size // (self.optim.micro_batch_size * self.data_parallel(world_size))
 
-    @property
+    @functools.cached_property
     def dpp_policy(self) -> str:
-        """The DPP policy this run uses: ``--dpp-policy``, ``auto`` resolved (:func:`resolve_dpp_policy`)."""
+        """The DPP policy this run uses: ``--dpp-policy``, ``auto`` resolved (:func:`resolve_dpp_policy`).
+        Resolved once per config (its checks look for installed packages); cached_property writes the
+        instance's __dict__ directly, which a frozen dataclass allows, and ``dataclasses.replace``
+        builds a new config that resolves afresh."""
         return resolve_dpp_policy(self)[0]
 
     @property
