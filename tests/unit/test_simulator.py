@@ -324,10 +324,13 @@ def test_cli_cap_sweep_and_bad_flags(capsys):
 
 
 # ---- issue 14: the default dynamic policy against the best static schedules -----------------------
+# Every scenario of the issue's must-show (docs/schedules.md, issue-14 table), 20 seeds each: a few
+# seconds of CPU in all.
 ISSUE14 = {
-    "lengths 0.6": CostModel(seq_len_sigma=0.6),
-    "jitter 30%": CostModel(jitter=0.3),
-    "stalls 5% x 2": CostModel(stall_probability=0.05, stall_duration=2),
+    **{f"lengths {sigma}": CostModel(seq_len_sigma=sigma) for sigma in (0.4, 0.6, 0.8)},
+    **{f"jitter {pct}%": CostModel(jitter=pct / 100) for pct in (10, 20, 30, 40)},
+    **{f"stalls {pct}% x {d}": CostModel(stall_probability=pct / 100, stall_duration=d)
+       for pct, d in ((2, 4), (5, 2), (1, 8))},
 }
 
 
