@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.profiling.critical_path import OpSpan, analyse, main
+from trainer.profiling.critical_path import OpSpan, analyse, format_report, main
 from trainer.schedule.compare import ScheduleSpec
 from trainer.schedule.costs import CostModel
 from trainer.schedule.simulator import simulate
@@ -49,6 +49,26 @@ def test_a_backward_whose_gradient_was_there_before_a_w_started_is_counted() -> 
     # the same W started before the gradient came: not counted (the W filled real idle time)
     late = [o if o[:3] != (2, "I", 1) else (2, "I", 1, 3.5, 4.0) for o in ops]
     assert analyse(_spans(late)).behind_w_ms == {}
+
+
+def test_a_wait_inside_an_op_span_is_not_op_time() -> None:
+    """An op whose GPU span opened before its input existed (the stream's wait for the payload queued
+    inside the span, as in the eleventh session's traces): op time is only the part after its
+    producer ended, the rest is reported as a wait, and op time plus gaps is still the span."""
+    # stage 1's F0 span opens at 0.2 while stage 0's F0 ends at 1 (off the path); F1's opens at 2,
+    # when s0:F1 ends.
+    ops = [(0, "F", 0, 0, 1), (0, "F", 1, 1, 2), (1, "F", 0, 0.2, 1.5), (1, "F", 1, 2, 3)]
+    report = analyse(_spans(ops))
+    assert [o.label for o, _ in report.path] == ["s0:F0.c0", "s0:F1.c0", "s1:F1.c0"]
+    assert report.op_ms == {(0, "F"): pytest.approx(2.0), (1, "F"): pytest.approx(1.0)}
+    assert report.inside_wait_ms == 0.0  # s1:F1 opened at 2, when s0:F1 ended: no wait inside it
+    late_open = [(0, "F", 0, 0, 1), (0, "F", 1, 1, 3), (1, "F", 0, 0.2, 2), (1, "F", 1, 2, 4)]
+    report = analyse(_spans(late_open))  # s1:F1 opened at 2, s0:F1 ended at 3: 1 unit of waiting
+    assert [o.label for o, _ in report.path] == ["s0:F0.c0", "s0:F1.c0", "s1:F1.c0"]
+    assert report.inside_wait_ms == pytest.approx(1.0)
+    assert report.op_ms[(1, "F")] == pytest.approx(1.0)
+    assert sum(report.op_ms.values()) + report.gap_ms == pytest.approx(report.span_ms)
+    assert "waits inside op spans 1.0 ms" in format_report(report)
 
 
 @pytest.mark.parametrize("name, v", [("1f1b", 1), ("dpp-zb", 1), ("dpp", 2)])

@@ -70,6 +70,10 @@ class PathReport:
     waiting for its host (a decision, a launch, a Python pause), not for a neighbour."""
     largest_gaps: list[tuple[float, str, str]] = field(default_factory=list)
     """The three longest gaps on the path: (ms, the op that waited, "stream" or "input")."""
+    inside_wait_ms: float = 0.0
+    """Time path ops' spans ran before the op that held them back had ended: a wait for the input
+    queued *inside* the op's span, counted here and not as op time (traces taken before the runtime
+    queued that wait ahead of the span's start event, twelfth session)."""
     behind_w_ms: dict[int, float] = field(default_factory=dict)
     """stage -> summed delay of backwards queued behind a W started after their gradient was there."""
     behind_w_count: dict[int, int] = field(default_factory=dict)
@@ -175,8 +179,13 @@ def analyse(stages: dict[int, list[OpSpan]], iteration: int = 0) -> PathReport:
     report.path = chain
     report.largest_gaps = sorted(gaps, reverse=True)[:3]
     for o, gap in chain:
+        # A negative gap: the op's span opened before what held it back had ended (it waited inside
+        # its span). Only the part after that end is the op's own time, so op time plus gaps is the
+        # path's length.
+        inside = min(max(-gap, 0.0), (o.end - o.start) / 1000.0)
         key = (o.stage, o.op)
-        report.op_ms[key] = report.op_ms.get(key, 0.0) + (o.end - o.start) / 1000.0
+        report.op_ms[key] = report.op_ms.get(key, 0.0) + (o.end - o.start) / 1000.0 - inside
+        report.inside_wait_ms += inside
         report.gap_ms += max(gap, 0.0)
     for o in all_ops:
         before = previous[o]
@@ -197,6 +206,7 @@ def report_dict(report: PathReport) -> dict[str, Any]:
         op_ms.setdefault(f"s{stage}", {})[kind] = round(ms, 3)
     return {"iteration": report.iteration, "span_ms": round(report.span_ms, 3), "op_ms": op_ms,
             "gap_ms": round(report.gap_ms, 3), "stream_gap_ms": round(report.stream_gap_ms, 3),
+            "inside_wait_ms": round(report.inside_wait_ms, 3),
             "largest_gaps": [{"ms": round(ms, 3), "before": label, "kind": kind} for ms, label, kind in report.largest_gaps],
             "behind_w": {f"s{s}": {"count": report.behind_w_count[s], "ms": round(report.behind_w_ms[s], 3)}
                          for s in sorted(report.behind_w_ms)},
@@ -228,7 +238,8 @@ def format_report(report: PathReport, detail: bool = False) -> str:
     largest = ", ".join(f"{ms:.2f} before {label} ({kind})" for ms, label, kind in report.largest_gaps) or "none"
     lines = [f"iteration {report.iteration}: span {report.span_ms:.1f} ms; critical path {len(report.path)} ops: "
              f"{' '.join(parts)}; gaps {report.gap_ms:.1f} ms ({report.stream_gap_ms:.1f} on one stage; largest "
-             f"{largest}); backwards queued behind a W: {behind}"]
+             f"{largest}); backwards queued behind a W: {behind}"
+             + (f"; waits inside op spans {report.inside_wait_ms:.1f} ms" if report.inside_wait_ms >= 0.05 else "")]
     if detail:
         lines.append("  " + " -> ".join(f"{o.label}" + (f" (+{gap:.2f})" if gap > 0.05 else "")
                                          for o, gap in report.path))
