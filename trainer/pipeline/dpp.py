@@ -207,12 +207,23 @@ class _Step:
         run_ahead = ctx.run_ahead
         if run_ahead is not None:
             run_ahead.begin_step()
+        tracing = self.tracer.enabled
         with grad_sync:
             while not self._finished():
-                if run_ahead is not None:
-                    run_ahead.before_decide()  # decide near GPU time: see trainer/pipeline/run_ahead.py
-                self._drain()
-                action = self._decide()
+                # Traced: the host time from one op to the next decision is a "decide" span, so the
+                # critical path can say what a host did while its GPU idled (profiling.md).
+                with self._span("decide", "decide") as span:
+                    if tracing:
+                        bound0 = run_ahead.waited_s if run_ahead is not None else 0.0
+                        landed0 = ctx.landing_check_s
+                    if run_ahead is not None:
+                        run_ahead.before_decide()  # decide near GPU time: see trainer/pipeline/run_ahead.py
+                    self._drain()
+                    action = self._decide()
+                    if tracing:
+                        span.set(run_ahead_ms=round(1e3 * ((run_ahead.waited_s if run_ahead is not None else 0.0)
+                                                           - bound0), 4),
+                                 landed_ms=round(1e3 * (ctx.landing_check_s - landed0), 4))
                 if action is None:
                     self._wait_for_arrival()
                     continue

@@ -74,6 +74,9 @@ class PathReport:
     """Time path ops' spans ran before the op that held them back had ended: a wait for the input
     queued *inside* the op's span, counted here and not as op time (traces taken before the runtime
     queued that wait ahead of the span's start event, twelfth session)."""
+    gap_host_ms: dict[str, float] = field(default_factory=dict)
+    """What the stage's host did during the path's gaps on one stage (``stream_gap_ms``), by
+    activity (:data:`HOST_ACTIVITIES`); empty where the trace has no host spans to read."""
     behind_w_ms: dict[int, float] = field(default_factory=dict)
     """stage -> summed delay of backwards queued behind a W started after their gradient was there."""
     behind_w_count: dict[int, int] = field(default_factory=dict)
@@ -90,11 +93,13 @@ def _op_of(event: dict[str, Any]) -> str | None:
     return None
 
 
-def collect_spans(merged: dict[str, Any], spans: str = "gpu") -> dict[int, dict[int, list[OpSpan]]]:
-    """iteration -> stage -> its ops in stream order. ``spans``: "gpu" (cat gpu) or "host" (F/B/I/W)."""
+def collect_spans(merged: dict[str, Any], spans: str = "gpu",
+                  ranks: dict[int, int] | None = None) -> dict[int, dict[int, list[OpSpan]]]:
+    """iteration -> stage -> its ops in stream order. ``spans``: "gpu" (cat gpu) or "host" (F/B/I/W).
+    ``ranks``, if given, is filled with stage -> the rank read for it (the lowest)."""
     if spans not in ("gpu", "host"):
         raise ValueError(f"spans={spans!r} must be 'gpu' or 'host'")
-    rank_of_stage: dict[int, int] = {}
+    rank_of_stage: dict[int, int] = {} if ranks is None else ranks
     picked: list[dict[str, Any]] = []
     for event in merged["traceEvents"]:
         if event.get("ph") != "X":
@@ -123,6 +128,66 @@ def collect_spans(merged: dict[str, Any], spans: str = "gpu") -> dict[int, dict[
     return out
 
 
+HOST_ACTIVITIES = ("launch", "send", "wait", "run-ahead", "landed", "decide", "untraced")
+"""What a host can be doing while its GPU idles with the next op's input there: queuing ops (an op's
+host span: its launches, graph replays, Python), sending, waiting for an arrival, waiting for its own
+GPU (--dpp-max-queued-ops), asking whether gradients landed (dpp-zb), the rest of a decision (reading
+headers, the policy), or nothing the runtime traces (loop overhead, a garbage-collector pause, a
+lazily loaded kernel's first launch)."""
+
+
+@dataclass(frozen=True)
+class HostSpan:
+    start: float
+    end: float
+    """Microseconds, the rank's host clock (the gpu spans' axis)."""
+    activity: str
+
+
+def collect_host_spans(merged: dict[str, Any], ranks: dict[int, int]) -> dict[int, list[HostSpan]]:
+    """stage -> the host spans of its rank ``ranks[stage]`` (the rank whose ops the path reads), a
+    "decide" span cut into its run-ahead wait (first), its landed looks (last) and the rest."""
+    stage_of = {rank: stage for stage, rank in ranks.items() if rank >= 0}  # the simulator's are -1: no host
+    out: dict[int, list[HostSpan]] = defaultdict(list)
+    for event in merged["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        args, cat = event.get("args", {}), event.get("cat")
+        stage = stage_of.get(int(args.get("rank", -1)))
+        if stage is None:
+            continue
+        start = float(event["ts"])
+        end = start + float(event["dur"])
+        if cat in COMPUTE_OPS:
+            out[stage].append(HostSpan(start, end, "launch"))
+        elif cat in ("send", "wait"):
+            out[stage].append(HostSpan(start, end, cat))
+        elif cat == "decide":
+            bound = min(1e3 * float(args.get("run_ahead_ms", 0.0)), end - start)
+            landed = min(1e3 * float(args.get("landed_ms", 0.0)), end - start - bound)
+            for a, b, what in ((start, start + bound, "run-ahead"), (start + bound, end - landed, "decide"),
+                               (end - landed, end, "landed")):
+                if b > a:
+                    out[stage].append(HostSpan(a, b, what))
+    for spans in out.values():
+        spans.sort(key=lambda h: h.start)
+    return out
+
+
+def host_activity(spans: Sequence[HostSpan], start: float, end: float) -> dict[str, float]:
+    """Milliseconds of each activity in [start, end] (µs); where spans nest (a TP follower's wait
+    inside its decision) the innermost, i.e. latest-starting, counts; time under no span is
+    "untraced"."""
+    inside = [h for h in spans if h.end > start and h.start < end]
+    cuts = sorted({start, end, *(max(h.start, start) for h in inside), *(min(h.end, end) for h in inside)})
+    out: dict[str, float] = {}
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        active = [h for h in inside if h.start <= a and h.end >= b]
+        what = max(active, key=lambda h: h.start).activity if active else "untraced"
+        out[what] = out.get(what, 0.0) + (b - a) / 1000.0
+    return out
+
+
 def _neighbour(stage: int, chunk: int, step: int, p: int, v: int) -> tuple[int, int] | None:
     """(stage, chunk) of the virtual stage ``step`` away (+1 downstream, -1 upstream), interleaved
     placement: virtual stage c * p + s."""
@@ -132,8 +197,10 @@ def _neighbour(stage: int, chunk: int, step: int, p: int, v: int) -> tuple[int, 
     return virtual % p, virtual // p
 
 
-def analyse(stages: dict[int, list[OpSpan]], iteration: int = 0) -> PathReport:
-    """The critical path of one iteration's ops (``stages``: stage -> ops in stream order)."""
+def analyse(stages: dict[int, list[OpSpan]], iteration: int = 0,
+            host: dict[int, list[HostSpan]] | None = None) -> PathReport:
+    """The critical path of one iteration's ops (``stages``: stage -> ops in stream order); ``host``
+    (stage -> :func:`collect_host_spans`): what each host did in the path's gaps on one stage."""
     if not stages or not any(stages.values()):
         raise ValueError(f"iteration {iteration}: no ops to analyse")
     p = max(stages) + 1
@@ -174,6 +241,7 @@ def analyse(stages: dict[int, list[OpSpan]], iteration: int = 0) -> PathReport:
             gaps.append((gap, cur.label, "stream" if same else "input"))
             if same:
                 report.stream_gap_ms += gap
+                _add_host_activity(report, (host or {}).get(cur.stage), pred.end, cur.start)
         cur = pred
     chain.reverse()
     report.path = chain
@@ -187,16 +255,25 @@ def analyse(stages: dict[int, list[OpSpan]], iteration: int = 0) -> PathReport:
         report.op_ms[key] = report.op_ms.get(key, 0.0) + (o.end - o.start) / 1000.0 - inside
         report.inside_wait_ms += inside
         report.gap_ms += max(gap, 0.0)
-    for o in all_ops:
-        before = previous[o]
-        src = producer(o) if o.op in ("B", "I") else None
+    _count_behind_w(report, [(o, previous[o], producer(o) if o.op in ("B", "I") else None) for o in all_ops])
+    return report
+
+
+def _add_host_activity(report: PathReport, spans: Sequence[HostSpan] | None, start: float, end: float) -> None:
+    if spans:  # a trace with no host spans of that stage (the simulator's) says nothing of its host
+        for what, ms in host_activity(spans, start, end).items():
+            report.gap_host_ms[what] = report.gap_host_ms.get(what, 0.0) + ms
+
+
+def _count_behind_w(report: PathReport, ops: list[tuple[OpSpan, OpSpan | None, OpSpan | None]]) -> None:
+    """``ops``: (op, the op before it on its stream, its input's producer)."""
+    for o, before, src in ops:
         if before is None or src is None or before.op != "W":
             continue
         if src.end <= before.start:  # the gradient was there before the W began
             delay = (before.end - max(src.end, before.start)) / 1000.0
             report.behind_w_ms[o.stage] = report.behind_w_ms.get(o.stage, 0.0) + delay
             report.behind_w_count[o.stage] = report.behind_w_count.get(o.stage, 0) + 1
-    return report
 
 
 def report_dict(report: PathReport) -> dict[str, Any]:
@@ -207,6 +284,8 @@ def report_dict(report: PathReport) -> dict[str, Any]:
     return {"iteration": report.iteration, "span_ms": round(report.span_ms, 3), "op_ms": op_ms,
             "gap_ms": round(report.gap_ms, 3), "stream_gap_ms": round(report.stream_gap_ms, 3),
             "inside_wait_ms": round(report.inside_wait_ms, 3),
+            "gap_host_ms": {what: round(report.gap_host_ms[what], 3) for what in HOST_ACTIVITIES
+                            if what in report.gap_host_ms},
             "largest_gaps": [{"ms": round(ms, 3), "before": label, "kind": kind} for ms, label, kind in report.largest_gaps],
             "behind_w": {f"s{s}": {"count": report.behind_w_count[s], "ms": round(report.behind_w_ms[s], 3)}
                          for s in sorted(report.behind_w_ms)},
@@ -222,9 +301,15 @@ def critical_paths(merged: dict[str, Any], iterations: Sequence[int] | None = No
     """(the spans read, one report per iteration) of a merged trace: its :func:`default_spans`;
     ``iterations``: those only (default: all it has)."""
     spans = default_spans(merged)
-    by_iteration = collect_spans(merged, spans)
+    ranks: dict[int, int] = {}
+    by_iteration = collect_spans(merged, spans, ranks)
+    host = collect_host_spans(merged, ranks)
     wanted = [i for i in (iterations if iterations is not None else sorted(by_iteration)) if i in by_iteration]
-    return spans, [analyse(by_iteration[i], i) for i in wanted]
+    return spans, [analyse(by_iteration[i], i, host) for i in wanted]
+
+
+def _host_text(ms: dict[str, float]) -> str:
+    return ", ".join(f"{what} {ms[what]:.2f}" for what in HOST_ACTIVITIES if ms.get(what, 0.0) >= 0.005) or "-"
 
 
 def format_report(report: PathReport, detail: bool = False) -> str:
@@ -239,7 +324,8 @@ def format_report(report: PathReport, detail: bool = False) -> str:
     lines = [f"iteration {report.iteration}: span {report.span_ms:.1f} ms; critical path {len(report.path)} ops: "
              f"{' '.join(parts)}; gaps {report.gap_ms:.1f} ms ({report.stream_gap_ms:.1f} on one stage; largest "
              f"{largest}); backwards queued behind a W: {behind}"
-             + (f"; waits inside op spans {report.inside_wait_ms:.1f} ms" if report.inside_wait_ms >= 0.05 else "")]
+             + (f"; waits inside op spans {report.inside_wait_ms:.1f} ms" if report.inside_wait_ms >= 0.05 else "")
+             + (f"; hosts in those one-stage gaps: {_host_text(report.gap_host_ms)}" if report.gap_host_ms else "")]
     if detail:
         lines.append("  " + " -> ".join(f"{o.label}" + (f" (+{gap:.2f})" if gap > 0.05 else "")
                                          for o, gap in report.path))
@@ -282,7 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"critical_path: {err}", file=sys.stderr)
         return 1
     spans = args.spans or default_spans(merged)
-    by_iteration = collect_spans(merged, spans)
+    ranks: dict[int, int] = {}
+    by_iteration = collect_spans(merged, spans, ranks)
+    host = collect_host_spans(merged, ranks)
     wanted = sorted(by_iteration)
     if args.iterations:
         try:
@@ -298,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     print(f"critical path ({spans} spans) of {source}")
-    reports = [analyse(by_iteration[i], i) for i in wanted]
+    reports = [analyse(by_iteration[i], i, host) for i in wanted]
     for report in reports:
         print(format_report(report, args.detail))
     if len(reports) > 1:

@@ -34,9 +34,11 @@ TRACE_FILE_FORMAT = "trace_rank{rank:05d}.json"
 THREADS = ("compute", "comm", "wait", "gpu")
 """Allowed ``tid`` values of per-rank events: the aggregator maps them to numbered threads."""
 
-CATEGORIES = ("F", "B", "I", "W", "send", "recv", "wait", "gpu")
-"""Allowed ``cat`` values: the four compute operations, the two transfer directions, waiting, and
-the GPU time of an op (trainer.profiling.gpu_spans, CUDA runs)."""
+CATEGORIES = ("F", "B", "I", "W", "send", "recv", "wait", "gpu", "decide")
+"""Allowed ``cat`` values: the four compute operations, the two transfer directions, waiting, the
+GPU time of an op (trainer.profiling.gpu_spans, CUDA runs), and the DPP host's time from one op to
+its next decision (run-ahead wait, reading arrived headers, landed looks, the policy; args
+``run_ahead_ms`` and ``landed_ms``)."""
 
 DEFAULT_KEEP_ITERATIONS = 20
 """Iterations a tracer keeps (the latest ones): enough to see steady state, bounded memory."""
