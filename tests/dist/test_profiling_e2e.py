@@ -54,10 +54,17 @@ def test_dpp_run_writes_traces_that_aggregate(tmp_path, capsys):
     merged = json.loads((profile_dir / "merged.json").read_text())
     assert validate_trace(merged) == []  # includes: every F and B of every microbatch once per stage
     cats = {e["cat"] for e in merged["traceEvents"] if e["ph"] == "X"}
-    assert {"F", "B", "send", "recv"} <= cats
+    assert {"F", "B", "send", "recv", "decide"} <= cats
+    decides = [e for e in merged["traceEvents"] if e.get("cat") == "decide"]
+    assert all({"run_ahead_ms", "landed_ms"} <= set(e["args"]) for e in decides), decides[:2]
     summary = json.loads((profile_dir / "summary.json").read_text())
     assert len(summary["iterations"]) == ITERATIONS
     assert 0.0 < summary["bubble_fraction"] < 1.0
+    # Each iteration's critical path says what the hosts did in its one-stage gaps, and the parts
+    # add up to those gaps (CPU: host spans, so a gap is host time between two ops of a stage).
+    assert summary["critical_path"]["spans"] == "host"
+    for path in summary["critical_path"]["iterations"]:
+        assert sum(path["gap_host_ms"].values()) == pytest.approx(path["stream_gap_ms"], abs=0.01), path
     # DPP's default cap is 1F1B's: stage s never holds more than p - s activations.
     peaks = {s["stage"]: s["peak_inflight"] for s in summary["stages"]}
     assert all(1 <= peaks[s] <= STAGES - s for s in range(STAGES)), peaks
