@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Twelfth session (written without a GPU; run it first in the next session with one): the GPU checks
+# of this session's changes, then traces that say why dpp-zb's slow iterations are slow.
+# 1. on GPUs 0,1: tests/gpu/test_gpu_spans.py (an op's GPU span opens after its input was produced:
+#    the runtime now queues the payload wait before the span's start event) and the landed test;
+# 2. scripts/device/call_4gpu_u.sh: traced graphed dpp-zb and dpp on the issue-12 model (4 GPUs) or
+#    call t's model (2 GPUs), each iteration's critical path with what each host did in the path's
+#    one-stage gaps (launch / send / wait / run-ahead / landed / decide / untraced) and the runs'
+#    end-of-run "looked ... whether gradients had landed" lines.
+set -u
+source scripts/device/env.sh >/dev/null || exit 1
+CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
+    tests/gpu/test_gpu_spans.py \
+    "tests/gpu/test_transport_gpu.py::test_landed_says_no_until_the_payload_is_on_the_gpu" 2>&1 \
+    | grep -E "PASSED|FAILED|ERROR|passed|failed|assert|Error" | head -20
+bash scripts/device/call_4gpu_u.sh
+grep -h "whether gradients had landed" "$OUT"/*.log | head -8
+true
