@@ -6,13 +6,16 @@
 # 2. scripts/device/call_4gpu_u.sh: traced graphed dpp-zb and dpp on the issue-12 model (4 GPUs) or
 #    call t's model (2 GPUs), each iteration's critical path with what each host did in the path's
 #    one-stage gaps (launch / send / wait / run-ahead / landed / decide / untraced) and the runs'
-#    end-of-run "looked ... whether gradients had landed" lines.
+#    end-of-run "looked ... whether gradients had landed" lines; the same dpp-zb run again with
+#    --manual-gc (the traces now hold every garbage collection as a "gc" span).
 set -u
 source scripts/device/env.sh >/dev/null || exit 1
 CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
     tests/gpu/test_gpu_spans.py \
     "tests/gpu/test_transport_gpu.py::test_landed_says_no_until_the_payload_is_on_the_gpu" 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|passed|failed|assert|Error" | head -20
-bash scripts/device/call_4gpu_u.sh
+# the third run: dpp-zb with Megatron-LM's --manual-gc (no automatic collection inside a step); the
+# traces' gc spans say whether automatic gen-2 collections are the slow iterations' host gaps
+bash scripts/device/call_4gpu_u.sh --manual-gc --manual-gc-interval 0
 grep -h "whether gradients had landed" "$OUT"/*.log | head -8
 true

@@ -46,7 +46,7 @@ def test_cli_merges_validates_and_summarises(tmp_path, capsys):
     names = {(e["pid"], e["args"]["name"]) for e in merged["traceEvents"] if e["name"] == "process_name"}
     assert names == {(s, f"stage {s} (rank {s})") for s in range(4)}
     threads = {e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "thread_name"}
-    assert threads == {"compute", "comm", "wait", "gpu"}  # gpu: CUDA-event op times (CUDA runs)
+    assert threads == {"compute", "comm", "wait", "gpu", "gc"}  # gpu: CUDA-event op times (CUDA runs); gc: collections
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["iterations"] == [0, 1]
     assert summary["mean_iteration_time_ms"] == pytest.approx(step_time_us(COSTS) / 1000)

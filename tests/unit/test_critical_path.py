@@ -107,7 +107,8 @@ def test_cli_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_what_the_host_did_while_its_gpu_idled_is_told() -> None:
     """A one-stage gap of 2 ms between two GPU spans is split by the rank's host spans: sending,
     the decide span cut into its run-ahead wait (first), landed looks (last) and the rest, the next
-    op's launch, and the untraced remainder; the parts add up to the gap."""
+    op's launch, a garbage collection inside that launch, and the untraced remainder; the parts add
+    up to the gap."""
     from trainer.profiling.critical_path import critical_paths, report_dict
 
     def event(cat: str, name: str, ts: float, dur: float, tid: str = "compute", **args) -> dict:
@@ -119,15 +120,17 @@ def test_what_the_host_did_while_its_gpu_idled_is_told() -> None:
         event("gpu", "F0.c0", 0, 1000, "gpu", op="F", **op), event("gpu", "B0.c0", 3000, 1000, "gpu", op="B", **op),
         event("F", "F0.c0", 0, 100, **op), event("send", "send act m0.c0", 1000, 300, "comm"),
         event("decide", "decide", 1300, 1200, run_ahead_ms=0.2, landed_ms=0.3),
-        event("B", "B0.c0", 2700, 200, **op),
+        event("B", "B0.c0", 2700, 250, **op), event("gc", "gc gen2", 2900, 50, "gc", generation=2),
         {"ph": "X", "cat": "wait", "name": "wait", "ts": 1000, "dur": 900, "pid": 1, "tid": "wait",
          "args": {"stage": 1, "rank": 1, "iteration": 3}},  # another rank's: not this stage's host
     ]}
     spans, (report,) = critical_paths(merged)
     assert spans == "gpu" and report.stream_gap_ms == pytest.approx(2.0)
-    want = {"launch": 0.2, "send": 0.3, "run-ahead": 0.2, "landed": 0.3, "decide": 0.7, "untraced": 0.3}
+    # the collection at 2.90-2.95 ms interrupted B0's launch (2.70-2.95): it counts as gc, not launch
+    want = {"launch": 0.2, "send": 0.3, "run-ahead": 0.2, "landed": 0.3, "decide": 0.7, "gc": 0.05,
+            "untraced": 0.25}
     assert report.gap_host_ms == pytest.approx(want)
     assert sum(report.gap_host_ms.values()) == pytest.approx(report.stream_gap_ms)
     assert report_dict(report)["gap_host_ms"] == pytest.approx(want)
     assert ("hosts in those one-stage gaps: launch 0.20, send 0.30, run-ahead 0.20, landed 0.30, decide 0.70, "
-            "untraced 0.30") in format_report(report)
+            "gc 0.05, untraced 0.25") in format_report(report)

@@ -128,3 +128,27 @@ def test_only_the_latest_iterations_are_kept(tmp_path):
     assert document["metadata"]["dropped_iterations"] == 4
     with pytest.raises(ValueError, match="keep_iterations=0"):
         make_tracer(tmp_path, rank=0, metadata=META, keep_iterations=0)
+
+
+def test_garbage_collections_are_gc_spans_until_close(tmp_path):
+    """Each Python collection while a tracer is open is a "gc" span on thread "gc" (a collection
+    stops the host wherever it runs); close() unhooks the tracer from the collector."""
+    import gc
+
+    automatic = gc.isenabled()
+    gc.disable()  # only the collections this test asks for
+    try:
+        tracer = make_tracer(tmp_path, rank=0, metadata=META)
+        tracer.set_iteration(3)
+        before = now_us()
+        gc.collect()
+        gcs = [e for e in tracer.to_chrome()["traceEvents"] if e["cat"] == "gc"]
+        assert len(gcs) == 1 and gcs[0]["name"] == "gc gen2" and gcs[0]["tid"] == "gc", gcs
+        assert before <= gcs[0]["ts"] and gcs[0]["dur"] > 0
+        assert gcs[0]["args"]["iteration"] == 3 and gcs[0]["args"]["generation"] == 2
+        tracer.close()
+        gc.collect()
+        assert [e for e in tracer.to_chrome()["traceEvents"] if e["cat"] == "gc"] == gcs
+    finally:
+        if automatic:
+            gc.enable()

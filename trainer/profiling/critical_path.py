@@ -128,12 +128,13 @@ def collect_spans(merged: dict[str, Any], spans: str = "gpu",
     return out
 
 
-HOST_ACTIVITIES = ("launch", "send", "wait", "run-ahead", "landed", "decide", "untraced")
+HOST_ACTIVITIES = ("launch", "send", "wait", "run-ahead", "landed", "decide", "gc", "untraced")
 """What a host can be doing while its GPU idles with the next op's input there: queuing ops (an op's
 host span: its launches, graph replays, Python), sending, waiting for an arrival, waiting for its own
 GPU (--dpp-max-queued-ops), asking whether gradients landed (dpp-zb), the rest of a decision (reading
-headers, the policy), or nothing the runtime traces (loop overhead, a garbage-collector pause, a
-lazily loaded kernel's first launch)."""
+headers, the policy), a Python garbage collection (which stops the host inside whatever it was
+doing, so it counts before the span it interrupted), or nothing the runtime traces (loop overhead,
+a lazily loaded kernel's first launch)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def collect_host_spans(merged: dict[str, Any], ranks: dict[int, int]) -> dict[in
         end = start + float(event["dur"])
         if cat in COMPUTE_OPS:
             out[stage].append(HostSpan(start, end, "launch"))
-        elif cat in ("send", "wait"):
+        elif cat in ("send", "wait", "gc"):
             out[stage].append(HostSpan(start, end, cat))
         elif cat == "decide":
             bound = min(1e3 * float(args.get("run_ahead_ms", 0.0)), end - start)

@@ -15,6 +15,8 @@ runtime pays an attribute lookup and a call, nothing else.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
@@ -31,14 +33,14 @@ log = logging.getLogger(__name__)
 TRACE_FILE_FORMAT = "trace_rank{rank:05d}.json"
 """Name of one rank's trace file inside the profile directory."""
 
-THREADS = ("compute", "comm", "wait", "gpu")
+THREADS = ("compute", "comm", "wait", "gpu", "gc")
 """Allowed ``tid`` values of per-rank events: the aggregator maps them to numbered threads."""
 
-CATEGORIES = ("F", "B", "I", "W", "send", "recv", "wait", "gpu", "decide")
+CATEGORIES = ("F", "B", "I", "W", "send", "recv", "wait", "gpu", "decide", "gc")
 """Allowed ``cat`` values: the four compute operations, the two transfer directions, waiting, the
-GPU time of an op (trainer.profiling.gpu_spans, CUDA runs), and the DPP host's time from one op to
+GPU time of an op (trainer.profiling.gpu_spans, CUDA runs), the DPP host's time from one op to
 its next decision (run-ahead wait, reading arrived headers, landed looks, the policy; args
-``run_ahead_ms`` and ``landed_ms``)."""
+``run_ahead_ms`` and ``landed_ms``), and Python's garbage collections (thread ``gc``)."""
 
 DEFAULT_KEEP_ITERATIONS = 20
 """Iterations a tracer keeps (the latest ones): enough to see steady state, bounded memory."""
@@ -161,6 +163,11 @@ class Tracer:
         self._by_iteration: dict[int, list[_EventTuple]] = {0: self._current}
         self._dropped_iterations = 0
         self._closed = False
+        # Python's collector stops the host wherever it runs (an automatic gen-2 pass over a model's
+        # objects takes milliseconds): each collection is a "gc" span, so a GPU idle gap it caused
+        # is named in the critical path (Megatron-LM's answer is --manual-gc; trainer/manual_gc.py).
+        self._gc_start_us: float | None = None
+        gc.callbacks.append(self._on_gc)
 
     # ---- recording (hot path) ------------------------------------------------------------------
     def span(self, name: str, cat: str, tid: str = "compute", **args: Any) -> _Span:
@@ -183,6 +190,15 @@ class Tracer:
             for old in sorted(self._by_iteration)[:-self.keep_iterations]:
                 del self._by_iteration[old]
                 self._dropped_iterations += 1
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start_us = now_us()
+        elif self._gc_start_us is not None:
+            generation = info.get("generation", -1)
+            self.record(f"gc gen{generation}", "gc", self._gc_start_us, now_us(), tid="gc",
+                        generation=generation, collected=info.get("collected", 0))
+            self._gc_start_us = None
 
     def set_clock_offset(self, offset_us: float) -> None:
         """µs to add to this rank's timestamps to read rank 0's clock (see clock.py)."""
@@ -217,6 +233,8 @@ class Tracer:
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
         self.flush()
         log.info("rank %d: wrote %d trace events to %s%s", self.rank, self.num_events, self.path,
                     f" ({self._dropped_iterations} earlier iterations dropped)" if self._dropped_iterations else "")
