@@ -213,17 +213,15 @@ class _Step:
                 # Traced: the host time from one op to the next decision is a "decide" span, so the
                 # critical path can say what a host did while its GPU idled (profiling.md).
                 with self._span("decide", "decide") as span:
-                    if tracing:
-                        bound0 = run_ahead.waited_s if run_ahead is not None else 0.0
-                        landed0 = ctx.landing_check_s
+                    before = self._host_waits() if tracing else None
                     if run_ahead is not None:
                         run_ahead.before_decide()  # decide near GPU time: see trainer/pipeline/run_ahead.py
                     self._drain()
                     action = self._decide()
-                    if tracing:
-                        span.set(run_ahead_ms=round(1e3 * ((run_ahead.waited_s if run_ahead is not None else 0.0)
-                                                           - bound0), 4),
-                                 landed_ms=round(1e3 * (ctx.landing_check_s - landed0), 4))
+                    if before is not None:
+                        after = self._host_waits()
+                        span.set(run_ahead_ms=round(1e3 * (after[0] - before[0]), 4),
+                                 landed_ms=round(1e3 * (after[1] - before[1]), 4))
                 if action is None:
                     self._wait_for_arrival()
                     continue
@@ -246,6 +244,12 @@ class _Step:
         if ctx.gpu_timer is not None:
             ctx.gpu_timer.end_step(self.tracer)
         return [self.losses[m] for m in sorted(self.losses)]
+
+    def _host_waits(self) -> tuple[float, float]:
+        """Host seconds so far waiting for this rank's GPU (run-ahead bound) and asking whether
+        gradients landed: a decide span's args are how much each grew inside it."""
+        bound = self.ctx.run_ahead
+        return (bound.total_waited_s if bound is not None else 0.0), self.ctx.landing_check_s
 
     def _finished(self) -> bool:
         if self.forward_only:
@@ -343,7 +347,7 @@ class _Step:
         """Read the op's input message once, before its GPU span opens (tracing on CUDA only). The
         first read of ``Message.tensor`` queues the stream's wait for a payload still in flight; inside
         the span that wait counted as the op's GPU time, so a stage waiting for its neighbour looked
-        busy (eleventh session's traces: ops on the critical path summed to 10% more than the step).
+        busy (eleventh session's traces: ops on the critical path summed to ~11% more than the step).
         The op reads this input before queuing any kernel, so moving the read changes no order."""
         key = (action.microbatch, action.chunk)
         msg = self.acts.get(key) if action.op is Op.F else self.grads.get(key) if action.op in (Op.B, Op.I) else None
