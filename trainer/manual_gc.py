@@ -18,8 +18,11 @@ caller running training in-process gets its interpreter back as it was.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -69,3 +72,63 @@ class ManualGC:
         if self._was_enabled:
             self.collector.enable()
         self._was_enabled = None
+
+
+@dataclass
+class GcPauses:
+    """Python's collections while a training step runs, for the end-of-run log line: a collection
+    stops this rank's host wherever it falls (a gen-2 pass over a model's objects takes milliseconds),
+    and a pipeline stage whose host stops holds up its neighbours. Counted through ``gc.callbacks``
+    (two clock reads per collection); ``--manual-gc`` leaves none inside a step."""
+
+    count: list[int] = field(default_factory=lambda: [0, 0, 0])
+    """Collections inside steps, by generation."""
+    total_s: float = 0.0
+    longest_s: float = 0.0
+    longest_generation: int = -1
+    _in_step: bool = False
+    _started: float | None = None
+    _installed: bool = False
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._on_gc)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._on_gc)
+            self._installed = False
+
+    @contextlib.contextmanager
+    def in_step(self) -> Iterator[None]:
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter() if self._in_step else None
+            return
+        if self._started is None:
+            return
+        took, generation = time.perf_counter() - self._started, int(info.get("generation", 0))
+        self._started = None
+        self.count[min(max(generation, 0), 2)] += 1
+        self.total_s += took
+        if took > self.longest_s:
+            self.longest_s, self.longest_generation = took, generation
+
+    def summary(self, manual: bool, hint_ms: float = 1.0) -> str:
+        """The log line's text (after "stage N: "); it points to --manual-gc where a collection inside
+        a step took ``hint_ms`` or longer (a pause a pipeline neighbour feels)."""
+        n = sum(self.count)
+        text = (f"{n} garbage collection(s) ran inside training steps (generation 0/1/2: "
+                f"{'/'.join(map(str, self.count))}), {1e3 * self.total_s:.1f} ms in all")
+        if n:
+            text += f", longest {1e3 * self.longest_s:.1f} ms (generation {self.longest_generation})"
+            if not manual and 1e3 * self.longest_s >= hint_ms:
+                text += "; --manual-gc runs them between steps instead (Megatron-LM)"
+        return text

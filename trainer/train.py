@@ -54,7 +54,7 @@ from trainer.distributed import (
     read_launch_env,
     shutdown,
 )
-from trainer.manual_gc import ManualGC
+from trainer.manual_gc import GcPauses, ManualGC
 from trainer.model.batches import (
     BatchPlan,
     SampleSource,
@@ -138,6 +138,7 @@ class TrainingSession:
         self.skipped_iterations = self.nan_iterations = 0
         self.tensorboard = None  # --tensorboard-dir's SummaryWriter, on the logging rank only
         self.manual_gc = ManualGC.from_config(cfg.run)  # --manual-gc's collection schedule
+        self.gc_pauses = GcPauses()  # collections inside steps (end-of-run log line)
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -410,10 +411,12 @@ class TrainingSession:
         self.setup()
         cfg = self.cfg
         self.manual_gc.start()  # --manual-gc: automatic collection off from here (Megatron-LM's train())
+        self.gc_pauses.install()
         while self.state.iteration < cfg.optim.total_iters:
             if self.preempt.agreed(self.device):
                 return self._save_on_signal()
-            self._train_step()
+            with self.gc_pauses.in_step():
+                self._train_step()
             if cfg.validates and self.state.iteration % cfg.run.eval_interval == 0:
                 self.manual_gc.before_eval()
                 self._evaluate()
@@ -639,6 +642,9 @@ class TrainingSession:
     def close(self) -> None:
         self.preempt.restore()
         self.manual_gc.stop()
+        self.gc_pauses.uninstall()
+        if self.state.iteration:
+            log.info("stage %d: %s", self.topology.pp_rank, self.gc_pauses.summary(self.cfg.run.manual_gc))
         for c, graphs in ((self.runtime.context.graphs or {}) if self.runtime is not None else {}).items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      self.topology.pp_rank, c, graphs.replayed, graphs.eager)
