@@ -18,4 +18,5 @@ CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprov
 # traces' gc spans say whether automatic gen-2 collections are the slow iterations' host gaps
 bash scripts/device/call_4gpu_u.sh --manual-gc --manual-gc-interval 0
 grep -h "whether gradients had landed" "$OUT"/*.log | head -8
+grep -h "garbage collection(s) ran inside training steps" "$OUT"/*.log | head -12
 true
