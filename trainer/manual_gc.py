@@ -22,7 +22,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -74,12 +74,42 @@ class ManualGC:
         self._was_enabled = None
 
 
+class GcTimer:
+    """Times each Python collection while installed (``gc.callbacks``: a start and a stop call per
+    collection, on whichever thread triggered it) and hands it to ``on_collection(generation,
+    start_us, end_us, collected)``, µs on ``time.time_ns`` (the tracer's clock). What the
+    end-of-run line (:class:`GcPauses`) and the traces' "gc" spans (trainer/profiling/tracer.py) share."""
+
+    def __init__(self, on_collection: Callable[[int, float, float, int], None]) -> None:
+        self._on_collection = on_collection
+        self._start_us: float | None = None
+        self.installed = False
+
+    def install(self) -> None:
+        if not self.installed:
+            gc.callbacks.append(self._on_gc)
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            gc.callbacks.remove(self._on_gc)
+            self.installed = False
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start_us = time.time_ns() / 1000.0
+        elif self._start_us is not None:
+            start, self._start_us = self._start_us, None
+            self._on_collection(int(info.get("generation", -1)), start, time.time_ns() / 1000.0,
+                                int(info.get("collected", 0)))
+
+
 @dataclass
 class GcPauses:
     """Python's collections while a training step runs, for the end-of-run log line: a collection
     stops this rank's host wherever it falls (a gen-2 pass over a model's objects takes milliseconds),
-    and a pipeline stage whose host stops holds up its neighbours. Counted through ``gc.callbacks``
-    (two clock reads per collection); ``--manual-gc`` leaves none inside a step."""
+    and a pipeline stage whose host stops holds up its neighbours. Timed by a :class:`GcTimer`;
+    ``--manual-gc`` leaves none inside a step."""
 
     count: list[int] = field(default_factory=lambda: [0, 0, 0])
     """Collections inside steps, by generation."""
@@ -87,18 +117,16 @@ class GcPauses:
     longest_s: float = 0.0
     longest_generation: int = -1
     _in_step: bool = False
-    _started: float | None = None
-    _installed: bool = False
+    _timer: GcTimer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._timer = GcTimer(self._collected)
 
     def install(self) -> None:
-        if not self._installed:
-            gc.callbacks.append(self._on_gc)
-            self._installed = True
+        self._timer.install()
 
     def uninstall(self) -> None:
-        if self._installed:
-            gc.callbacks.remove(self._on_gc)
-            self._installed = False
+        self._timer.uninstall()
 
     @contextlib.contextmanager
     def in_step(self) -> Iterator[None]:
@@ -108,14 +136,10 @@ class GcPauses:
         finally:
             self._in_step = False
 
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter() if self._in_step else None
+    def _collected(self, generation: int, start_us: float, end_us: float, _collected: int) -> None:
+        if not self._in_step:
             return
-        if self._started is None:
-            return
-        took, generation = time.perf_counter() - self._started, int(info.get("generation", 0))
-        self._started = None
+        took = (end_us - start_us) / 1e6
         self.count[min(max(generation, 0), 2)] += 1
         self.total_s += took
         if took > self.longest_s:

@@ -39,7 +39,7 @@ def test_counts_the_collections_inside_steps_only(no_automatic_gc) -> None:
     assert "--manual-gc runs them between steps" in text
     assert "--manual-gc" not in pauses.summary(manual=True, hint_ms=0.0)  # already on
     assert "--manual-gc" not in pauses.summary(manual=False, hint_ms=1e3 * pauses.longest_s + 1)  # too short
-    assert pauses._on_gc not in gc.callbacks
+    assert pauses._timer._on_gc not in gc.callbacks
 
 
 def test_a_step_that_raises_ends_the_step_and_none_says_none(no_automatic_gc) -> None:

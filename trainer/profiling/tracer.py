@@ -15,8 +15,6 @@ runtime pays an attribute lookup and a call, nothing else.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import logging
 import os
@@ -26,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainer.manual_gc import GcTimer
 from trainer.problems import raise_if_any
 
 log = logging.getLogger(__name__)
@@ -166,8 +165,8 @@ class Tracer:
         # Python's collector stops the host wherever it runs (an automatic gen-2 pass over a model's
         # objects takes milliseconds): each collection is a "gc" span, so a GPU idle gap it caused
         # is named in the critical path (Megatron-LM's answer is --manual-gc; trainer/manual_gc.py).
-        self._gc_start_us: float | None = None
-        gc.callbacks.append(self._on_gc)
+        self._gc_timer = GcTimer(self._record_gc)
+        self._gc_timer.install()
 
     # ---- recording (hot path) ------------------------------------------------------------------
     def span(self, name: str, cat: str, tid: str = "compute", **args: Any) -> _Span:
@@ -191,14 +190,9 @@ class Tracer:
                 del self._by_iteration[old]
                 self._dropped_iterations += 1
 
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._gc_start_us = now_us()
-        elif self._gc_start_us is not None:
-            generation = info.get("generation", -1)
-            self.record(f"gc gen{generation}", "gc", self._gc_start_us, now_us(), tid="gc",
-                        generation=generation, collected=info.get("collected", 0))
-            self._gc_start_us = None
+    def _record_gc(self, generation: int, start_us: float, end_us: float, collected: int) -> None:
+        self.record(f"gc gen{generation}", "gc", start_us, end_us, tid="gc", generation=generation,
+                    collected=collected)
 
     def set_clock_offset(self, offset_us: float) -> None:
         """µs to add to this rank's timestamps to read rank 0's clock (see clock.py)."""
@@ -233,8 +227,7 @@ class Tracer:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(ValueError):
-            gc.callbacks.remove(self._on_gc)
+        self._gc_timer.uninstall()
         self.flush()
         log.info("rank %d: wrote %d trace events to %s%s", self.rank, self.num_events, self.path,
                     f" ({self._dropped_iterations} earlier iterations dropped)" if self._dropped_iterations else "")
