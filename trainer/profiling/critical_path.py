@@ -298,13 +298,18 @@ def default_spans(merged: dict[str, Any]) -> str:
     return "gpu" if any(e.get("cat") == "gpu" for e in merged["traceEvents"]) else "host"
 
 
+def _read(merged: dict[str, Any], spans: str) -> tuple[dict[int, dict[int, list[OpSpan]]], dict[int, list[HostSpan]]]:
+    """(iteration -> stage -> ops, stage -> host spans of the rank read for it)."""
+    ranks: dict[int, int] = {}
+    by_iteration = collect_spans(merged, spans, ranks)
+    return by_iteration, collect_host_spans(merged, ranks)
+
+
 def critical_paths(merged: dict[str, Any], iterations: Sequence[int] | None = None) -> tuple[str, list[PathReport]]:
     """(the spans read, one report per iteration) of a merged trace: its :func:`default_spans`;
     ``iterations``: those only (default: all it has)."""
     spans = default_spans(merged)
-    ranks: dict[int, int] = {}
-    by_iteration = collect_spans(merged, spans, ranks)
-    host = collect_host_spans(merged, ranks)
+    by_iteration, host = _read(merged, spans)
     wanted = [i for i in (iterations if iterations is not None else sorted(by_iteration)) if i in by_iteration]
     return spans, [analyse(by_iteration[i], i, host) for i in wanted]
 
@@ -369,9 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"critical_path: {err}", file=sys.stderr)
         return 1
     spans = args.spans or default_spans(merged)
-    ranks: dict[int, int] = {}
-    by_iteration = collect_spans(merged, spans, ranks)
-    host = collect_host_spans(merged, ranks)
+    by_iteration, host = _read(merged, spans)
     wanted = sorted(by_iteration)
     if args.iterations:
         try:
