@@ -145,7 +145,7 @@ def test_dpp_variable_lengths_match_single_process_reference(layout: str, policy
 # dpp-zb asks the links whether a gradient's payload has landed (StageLinks.landed, issue 14): a landed
 # gradient's I goes before a travelling one's, and while every ready gradient travels a deferred W
 # runs. CPU payloads are always there, so the harness makes the links answer "not yet" to each
-# gradient's first two looks (--landing-delay, a stand-in for GPU copies in flight): the order of the
+# odd microbatch's gradient's first two looks (--landing-delay, a stand-in for GPU copies in flight): the order of the
 # ops changes, the maths must not, and the run must not stall on a gradient said to be travelling.
 # Who looks: a stage that splits its backward and receives gradients. dpp-zb leaves stage 0 unsplit at
 # v=1 (its input gradients feed nobody) and the last stage receives none; with v=2 every stage does both.
@@ -158,7 +158,7 @@ def test_dpp_zb_matches_the_reference_while_gradients_are_in_transit(layout: str
     _check_layout(layout, references[model], args, tmp_path, harness=["--landing-delay", "2"])
     for rank in range(world):
         counts = json.loads((tmp_path / f"landing_rank{rank}.json").read_text())
-        if rank in looking:  # every gradient was first said to be travelling, then landed
+        if rank in looking:  # told both "travelling" (odd) and "landed" (even)
             assert counts["not_landed"] > 0 and counts["looks"] > counts["not_landed"], (rank, counts)
         else:
             assert counts == {"looks": 0, "not_landed": 0}, (rank, counts)
