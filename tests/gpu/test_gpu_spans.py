@@ -78,5 +78,6 @@ def test_an_ops_gpu_span_opens_after_its_input_was_produced(tmp_path) -> None:
         assert len(pairs) == 16, (iteration, len(pairs))  # 8 microbatches, a forward and a backward each
         early += [(iteration, op.label, round(producer.end - op.start)) for op, producer in pairs
                   if op.start < producer.end - CLOCK_SLACK_US]
-        assert analyse(stages, iteration).inside_wait_ms < CLOCK_SLACK_US / 1000.0, iteration
+        report = analyse(stages, iteration)  # each path op may be off by the two clocks' slack, no more
+        assert report.inside_wait_ms < len(report.path) * CLOCK_SLACK_US / 1000.0, (iteration, report.inside_wait_ms)
     assert not early, f"GPU spans opened before their input existed (iteration, op, µs early): {early[:8]}"
