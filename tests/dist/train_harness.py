@@ -94,10 +94,12 @@ def delay_landing(looks: int, counts: dict[str, int]) -> None:
     rank 1 told "no" 13 times out of 13 with every message delayed)."""
     from trainer.transport.base import StageLinks
 
+    # id(message) -> looks so far. The entry goes when the runtime releases the message (every
+    # consumed message is released), so a later message that reuses the id starts again at 0.
     seen: dict[int, int] = {}
 
     def patch(cls: type) -> None:
-        original = cls.__dict__.get("landed")
+        original, release = cls.__dict__.get("landed"), cls.__dict__.get("release")
         if original is not None:
             def landed(self, message, _original=original) -> bool:
                 counts["looks"] += 1
@@ -107,6 +109,11 @@ def delay_landing(looks: int, counts: dict[str, int]) -> None:
                     return False
                 return _original(self, message)
             cls.landed = landed
+        if release is not None:
+            def released(self, message, _release=release) -> None:
+                seen.pop(id(message), None)
+                _release(self, message)
+            cls.release = released
         for sub in cls.__subclasses__():
             patch(sub)
 
