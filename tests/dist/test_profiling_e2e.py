@@ -20,12 +20,16 @@ ITERATIONS = 2
 MICROBATCHES = 8
 
 
+# A lopsided split, 5/1/1/1 layers: the aggregation must name stage 0 the slowest and move layers off it.
+SPLIT = ["--num-layers", "8", "--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "1"]
+
+
 def train_command(profile_dir: Path, use_dpp: bool = True) -> list[str]:
     """torchrun on 4 CPU processes, one pipeline stage each, a tiny GPT on mock data."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={STAGES}",
-        "-m", "trainer.train", "--device", "cpu", "--mock-data",
-        "--num-layers", str(STAGES), "--hidden-size", "64", "--num-attention-heads", "4",
+        "-m", "trainer.train", "--device", "cpu", "--mock-data", *SPLIT,
+        "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--pipeline-model-parallel-size", str(STAGES),
         "--micro-batch-size", "1", "--global-batch-size", str(MICROBATCHES),
         "--train-iters", str(ITERATIONS), "--profile-dir", str(profile_dir),
@@ -48,9 +52,11 @@ def test_dpp_run_writes_traces_that_aggregate(tmp_path, capsys):
         assert (meta["rank"], meta["stage"], meta["world_size"]) == (rank, rank, STAGES)
         assert (meta["schedule"], meta["source"], meta["num_microbatches"]) == ("dpp", "runtime", MICROBATCHES)
         assert isinstance(meta["clock_offset_us"], float)
+        assert meta["layers_per_stage"] == [5, 1, 1, 1]
 
     assert aggregate.main(["--benchmark_dir", str(profile_dir)]) == 0
-    assert "merged 4 of 4 ranks" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "merged 4 of 4 ranks" in printed
     merged = json.loads((profile_dir / "merged.json").read_text())
     assert validate_trace(merged) == []  # includes: every F and B of every microbatch once per stage
     cats = {e["cat"] for e in merged["traceEvents"] if e["ph"] == "X"}
@@ -68,4 +74,10 @@ def test_dpp_run_writes_traces_that_aggregate(tmp_path, capsys):
     # DPP's default cap is 1F1B's: stage s never holds more than p - s activations.
     peaks = {s["stage"]: s["peak_inflight"] for s in summary["stages"]}
     assert all(1 <= peaks[s] <= STAGES - s for s in range(STAGES)), peaks
+    # The persistent slow stage is reported with the re-split that fixes it (fitted to these times).
+    balance = summary["stage_balance"]
+    assert balance["layers"] == [5, 1, 1, 1] and balance["slowest"] == 0 and balance["persistent"], balance
+    assert balance["recommend"] and balance["best"]["layers"][0] < 5, balance
+    assert balance["best"]["flags"][:2] == ["--decoder-first-pipeline-num-layers", str(balance["best"]["layers"][0])]
+    assert "stage balance: stage 0 is slowest" in printed and "  re-split " in printed, printed
     assert (profile_dir / "timeline.png").stat().st_size > 10_000

@@ -118,6 +118,28 @@ def _verdict(results: list[LineResult], scenario: str) -> list[str]:
     return out + [""] if out else []
 
 
+def _balance(results: list[LineResult], scenario: str) -> list[str]:
+    """Each line's stage balance, fitted to its GPU busy per stage and iteration
+    (trainer/schedule/stage_balance.py): a persistent slow stage, and the layer split that would fix it."""
+    from trainer.schedule.stage_balance import describe, stage_balance
+
+    out = []
+    for r in (r for r in results if r.ok and r.scenario == scenario):
+        rows = r.busy_rows or ([list(r.busy_ms.values())] if r.busy_ms else [])
+        if len(r.layers_per_stage) < 2 or not rows or len(rows[0]) != len(r.layers_per_stage):
+            continue
+        try:
+            text = describe(stage_balance(rows, r.layers_per_stage, _vp(r.name)))
+        except ValueError as err:
+            text = f"not fitted: {err}"
+        out.append(f"- **{r.name}**: " + text.removeprefix("stage balance: ").replace("\n  ", "; "))
+    if not out:
+        return []
+    return (["Stage balance (a cost model fitted to each line's busy time per stage -- GPU kernels per profiled "
+             "iteration on CUDA, traced host spans on CPU; the re-split is a prediction a new run must confirm):",
+             ""] + out + [""])
+
+
 def _losses(results: list[LineResult], scenario: str) -> list[str]:
     ok = [r for r in results if r.ok and r.scenario == scenario and r.losses]
     if not ok:
@@ -191,6 +213,7 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
         lines += _table(results, scenario) + [""]
         lines += _verdict(results, scenario)
         lines += _rounds(results, scenario)
+        lines += _balance(results, scenario)
         losses = _losses(results, scenario)
         if losses:
             lines += ["Losses of the first iterations (last stage):", ""] + losses + [""]

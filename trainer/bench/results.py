@@ -40,6 +40,8 @@ class LineResult:
     busy_ms: dict[int, float] = field(default_factory=dict)
     """Stage -> busy time per iteration."""
     busy_source: str = ""
+    busy_rows: list[list[float]] = field(default_factory=list)
+    """Per profiled iteration, each stage's GPU busy ms (mean over its ranks): the stage balance's input."""
     losses: list[float] = field(default_factory=list)
     layers_per_stage: list[int] = field(default_factory=list)
     delayed_ops: int | None = None
@@ -93,6 +95,17 @@ def _gpu_busy(documents: list[dict[str, Any]]) -> dict[int, float]:
     return {stage: statistics.fmean(v) for stage, v in sorted(by_stage.items())}
 
 
+def _gpu_busy_rows(documents: list[dict[str, Any]]) -> list[list[float]]:
+    """Per profiled iteration that every stage has, the stages' busy ms (mean over each stage's ranks)."""
+    cells: dict[int, dict[int, list[float]]] = {}
+    for doc in documents:
+        for it in (doc.get("gpu_busy") or {}).get("iterations", []):
+            cells.setdefault(it["iteration"], {}).setdefault(doc["stage"], []).append(it["compute_ms"])
+    stages = sorted({doc["stage"] for doc in documents})
+    return [[statistics.fmean(by_stage[s]) for s in stages] for _, by_stage in sorted(cells.items())
+            if sorted(by_stage) == stages]
+
+
 def _host_busy(trace_dir: Path) -> dict[int, float]:
     """Busy time of the traced F/B/I/W spans of our runtime (host clock), per stage."""
     if not trace_dir.is_dir():
@@ -126,6 +139,7 @@ def line_result(key: str, name: str, scenario: str, label: str, folder: Path, sk
     result.reserved_gib = max(reserved) / 2**30 if reserved else None
     result.busy_ms = _gpu_busy(documents)
     result.busy_source = "GPU kernels (torch.profiler)" if result.busy_ms else ""
+    result.busy_rows = _gpu_busy_rows(documents)
     if not result.busy_ms:
         result.busy_ms = _host_busy(folder / "traces")
         result.busy_source = "host spans of our runtime (CPU run)" if result.busy_ms else "not measured"

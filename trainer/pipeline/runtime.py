@@ -187,12 +187,18 @@ class PipelineRuntime:
         factory = self.tracer_factory
         if factory is None:
             from trainer.profiling.tracer import make_tracer as factory
-        cfg, topo = self.cfg, self.topology
+        from trainer.layer_split import layers_per_stage
+
+        cfg, topo, par = self.cfg, self.topology, self.cfg.parallel
         return factory(cfg.run.profile_dir, topo.rank, {
             "stage": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank,
             "world_size": topo.world_size, "pipeline_parallel": topo.pipeline_parallel,
             "num_chunks": topo.virtual_pipeline, "num_microbatches": self.shape.num_microbatches,
-            "schedule": schedule, "run_name": cfg.run.run_name, "run_id": self.run_token})
+            "schedule": schedule, "run_name": cfg.run.run_name, "run_id": self.run_token,
+            # The run's layer split: the aggregation fits layer costs to the stage times with it.
+            "layers_per_stage": layers_per_stage(cfg.model.num_layers, topo.pipeline_parallel,
+                                                 par.decoder_first_pipeline_num_layers,
+                                                 par.decoder_last_pipeline_num_layers)})
 
     def _run_ahead(self):
         """--dpp-max-queued-ops K > 0 on CUDA: the host decides only with <= K of its ops unfinished."""

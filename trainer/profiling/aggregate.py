@@ -25,6 +25,8 @@ from trainer.profiling.plot import plot_timeline
 from trainer.profiling.summary import TraceSummary, format_table, iterations_of, summarize
 from trainer.profiling.tracer import write_json_atomic
 from trainer.profiling.validate import validate_trace
+from trainer.schedule.stage_balance import StageBalance, stage_balance
+from trainer.schedule.stage_balance import describe as describe_balance
 
 
 def build_parser() -> OneLineParser:
@@ -59,10 +61,32 @@ def _pick_compare_iteration(compare: dict[str, Any], wanted: int) -> int:
     return wanted if wanted in traced else traced[0]
 
 
+WARM_UP_ITERATIONS = 2
+"""Iterations 1 and 2 (allocator, graph capture, first-touch) are left out of the stage balance
+where later ones were traced, as the benchmark leaves them out of its timings."""
+
+
+def stage_balance_of(summary: TraceSummary) -> tuple[StageBalance | None, str]:
+    """The run's stage balance (trainer/schedule/stage_balance.py), or None and why not."""
+    layers, stages = summary.layers_per_stage, len(summary.stages)
+    if len(layers) < 2:
+        return None, ("the trace does not record the layer split (traces before the thirteenth session, "
+                      "simulated ones)" if not layers else "one stage: nothing to balance")
+    if stages != len(layers):
+        return None, f"{stages} of {len(layers)} stages traced"
+    its = [it for it in summary.iterations if it > WARM_UP_ITERATIONS] or summary.iterations
+    try:
+        return stage_balance([summary.stage_busy_ms[it] for it in its], layers, summary.num_chunks), ""
+    except ValueError as err:
+        return None, str(err)
+
+
 def _summary_document(summary: TraceSummary, problems: list[str], warnings: list[str],
-                      compare: TraceSummary | None, paths: list[PathReport], spans: str) -> dict[str, Any]:
+                      compare: TraceSummary | None, paths: list[PathReport], spans: str,
+                      balance: StageBalance | None) -> dict[str, Any]:
     document = summary.to_dict()
     document.update(problems=problems, validation_warnings=warnings)
+    document["stage_balance"] = balance.to_dict() if balance is not None else None
     document["critical_path"] = {"spans": spans, "iterations": [report_dict(r) for r in paths]}
     if compare is not None:
         document["compare"] = compare.to_dict()
@@ -110,14 +134,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: critical path: {err}", file=sys.stderr)
         spans, paths = "none", []
 
+    balance, no_balance = stage_balance_of(summary)
+
     write_json_atomic(out, merged)
     write_json_atomic(out.parent / "summary.json",
-                      _summary_document(summary, run.problems, warnings, compare_summary, paths, spans))
+                      _summary_document(summary, run.problems, warnings, compare_summary, paths, spans, balance))
     plot_timeline(merged, png, draw, compare=compare, compare_iteration=compare_iteration)
     print(format_table(summary))
     drawn = [r for r in paths if r.iteration == draw]
     if drawn:
         print(f"critical path ({spans} spans; every iteration in summary.json): {format_report(drawn[0])}")
+    print(describe_balance(balance) if balance is not None else f"stage balance: not computed ({no_balance})")
     if compare_summary is not None:
         print(f"simulated ({compare_summary.schedule}): iteration {compare_iteration} "
               f"{compare_summary.mean_iteration_time_ms:.2f} ms, bubble {compare_summary.bubble_fraction:.4f}")

@@ -27,7 +27,8 @@ from trainer.profiling.tracer import THREADS
 THREAD_IDS = MappingProxyType({name: index for index, name in enumerate(THREADS)})
 """Merged ``tid`` of each per-rank thread name."""
 
-RUN_METADATA = ("schedule", "pipeline_parallel", "num_chunks", "num_microbatches", "world_size", "source", "run_id")
+RUN_METADATA = ("schedule", "pipeline_parallel", "num_chunks", "num_microbatches", "world_size", "source", "run_id",
+                "layers_per_stage")
 """Run-wide metadata copied from the rank files into the merged trace."""
 
 

@@ -71,6 +71,11 @@ class TraceSummary:
     """Median duration of each compute kind (F, B, I, W) over all stages: the costs to give the
     simulator (``--forward``, ``--input-grad``/``--weight-grad``) to compare it with this run."""
     missing_ranks: list[int] = field(default_factory=list)
+    stage_busy_ms: dict[int, list[float]] = field(default_factory=dict)
+    """iteration -> each stage's compute time in it (GPU time of its ops where the trace has gpu
+    spans, else host compute spans; mean over the stage's ranks): what the stage balance is fitted to."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """The run's layer split (runtime traces record it); empty where the trace does not say."""
 
     @property
     def mean_iteration_time_ms(self) -> float:
@@ -91,6 +96,7 @@ class TraceSummary:
         out = asdict(self)
         out["iteration_time_ms"] = {str(k): v for k, v in self.iteration_time_ms.items()}
         out["bubble_fraction_by_iteration"] = {str(k): v for k, v in self.bubble_fraction_by_iteration.items()}
+        out["stage_busy_ms"] = {str(k): v for k, v in self.stage_busy_ms.items()}
         out.update(mean_iteration_time_ms=self.mean_iteration_time_ms, bubble_fraction=self.bubble_fraction,
                    theoretical_1f1b_bubble=self.theoretical_1f1b_bubble)
         return out
@@ -220,6 +226,11 @@ def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSumm
         gpu_busy_ms=_gpu_mean(grouped, stage, its, lambda busy, _: busy),
         gpu_idle_ms=_gpu_mean(grouped, stage, its, lambda busy, window: window - busy),
     ) for stage in stages]
+    def stage_busy(it: int) -> list[float]:
+        if it in grouped.gpu_window:
+            return [grouped.gpu_us[(stage, it)] / len(grouped.pids_of_stage[stage]) / US_PER_MS for stage in stages]
+        return [busy_us[(stage, it)] / US_PER_MS for stage in stages]
+
     meta = merged.get("metadata") or {}
     return TraceSummary(
         schedule=str(meta.get("schedule", "?")), source=str(meta.get("source", "?")),
@@ -230,6 +241,8 @@ def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSumm
         bubble_fraction_by_iteration={it: statistics.fmean(bubble(s, it) for s in stages) for it in its},
         stages=summaries, missing_ranks=list(meta.get("missing_ranks", [])),
         median_op_ms=_median_op_ms(e for events in grouped.compute.values() for e in events),
+        stage_busy_ms={it: stage_busy(it) for it in its},
+        layers_per_stage=[int(n) for n in meta.get("layers_per_stage") or []],
     )
 
 
