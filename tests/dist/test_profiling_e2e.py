@@ -80,4 +80,5 @@ def test_dpp_run_writes_traces_that_aggregate(tmp_path, capsys):
     assert balance["recommend"] and balance["best"]["layers"][0] < 5, balance
     assert balance["best"]["flags"][:2] == ["--decoder-first-pipeline-num-layers", str(balance["best"]["layers"][0])]
     assert "stage balance: stage 0 is slowest" in printed and "  re-split " in printed, printed
+    assert "  what the re-split buys the whole schedule: " in printed, printed  # a simulator command, or why not
     assert (profile_dir / "timeline.png").stat().st_size > 10_000

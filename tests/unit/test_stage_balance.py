@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from trainer.schedule import simulate
 from trainer.schedule.layers import LayerCosts, balanced_split
-from trainer.schedule.stage_balance import describe, fit_layer_costs, stage_balance
+from trainer.schedule.stage_balance import describe, fit_layer_costs, simulate_args, stage_balance
 
 
 def _times(costs: LayerCosts, layers: list[int]) -> list[float]:
@@ -93,6 +94,22 @@ def test_interleaved_splits_move_whole_chunks() -> None:
     true = LayerCosts(32, layer=1.0, embedding=2.0, head=4.0)
     balance = stage_balance([_times(true, [8, 8, 8, 8])], [8, 8, 8, 8], num_chunks=2)
     assert all(n % 2 == 0 for n in balance.best.layers) and balance.best.layers == (6, 10, 10, 6)
+
+
+def test_the_simulator_replays_the_fit_and_simulates_the_re_split(capsys) -> None:
+    """The printed simulator command reproduces the measured stage times (in layer units) and
+    simulates the same re-split the balance recommends, for a heavy head and for a slow GPU."""
+    head = stage_balance([_times(LayerCosts(16, layer=24.0, embedding=4.8, head=48.0), [4] * 4)], [4] * 4)
+    slow = stage_balance([_times(LayerCosts(32, layer=3.0, stage_speed=(1.0, 1.25, 1.0, 1.0)), [8] * 4)], [8] * 4)
+    for balance, extra in ((head, []), (slow, ["--straggler", "1:1.25"])):
+        args = simulate_args(balance, 32)
+        assert args is not None and all(a in args for a in extra), args
+        assert simulate.main([*args, "--seeds", "1"]) == 0
+        out = capsys.readouterr().out
+        assert f"layer split: {'/'.join(map(str, balance.layers))} layers" in out
+        assert f"re-split: {'/'.join(map(str, balance.best.layers))} layers" in out, out
+    # Two slower stages: more than the simulator's one --straggler can say.
+    assert simulate_args(stage_balance([[24.0, 30.0, 24.0, 30.0, 24.0]], [8] * 5), 32) is None
 
 
 @pytest.mark.parametrize(("rows", "layers", "message"), [

@@ -25,7 +25,7 @@ from trainer.profiling.plot import plot_timeline
 from trainer.profiling.summary import TraceSummary, format_table, iterations_of, summarize
 from trainer.profiling.tracer import write_json_atomic
 from trainer.profiling.validate import validate_trace
-from trainer.schedule.stage_balance import StageBalance, stage_balance
+from trainer.schedule.stage_balance import StageBalance, simulate_args, stage_balance
 from trainer.schedule.stage_balance import describe as describe_balance
 
 
@@ -87,6 +87,8 @@ def _summary_document(summary: TraceSummary, problems: list[str], warnings: list
     document = summary.to_dict()
     document.update(problems=problems, validation_warnings=warnings)
     document["stage_balance"] = balance.to_dict() if balance is not None else None
+    if balance is not None:
+        document["stage_balance"]["simulate"] = simulate_args(balance, summary.num_microbatches, summary.num_chunks)
     document["critical_path"] = {"spans": spans, "iterations": [report_dict(r) for r in paths]}
     if compare is not None:
         document["compare"] = compare.to_dict()
@@ -145,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     if drawn:
         print(f"critical path ({spans} spans; every iteration in summary.json): {format_report(drawn[0])}")
     print(describe_balance(balance) if balance is not None else f"stage balance: not computed ({no_balance})")
+    if balance is not None and balance.persistent:
+        replay = simulate_args(balance, summary.num_microbatches, summary.num_chunks)
+        print("  what the re-split buys the whole schedule: " + (
+            f"python -m trainer.schedule.simulate {' '.join(replay)}" if replay is not None
+            else "not simulated (the fitted stage speeds are more than the one slower stage the simulator takes)"))
     if compare_summary is not None:
         print(f"simulated ({compare_summary.schedule}): iteration {compare_iteration} "
               f"{compare_summary.mean_iteration_time_ms:.2f} ms, bubble {compare_summary.bubble_fraction:.4f}")

@@ -147,6 +147,32 @@ def stage_balance(per_iteration: Sequence[Sequence[float]], layers: Sequence[int
         free=balanced_split(costs, p, num_chunks, megatron_flags=False))
 
 
+def simulate_args(balance: StageBalance, num_microbatches: int, num_chunks: int = 1) -> list[str] | None:
+    """``python -m trainer.schedule.simulate`` arguments that replay the fitted model (the run's split,
+    embedding and head in layer units, a slower GPU as ``--straggler``) and simulate the re-split
+    beside it: what the re-split buys a whole schedule, not only its slowest stage. None where the
+    simulator cannot express the fit (it takes one straggler) within 2% of every measured stage."""
+    costs = balance.costs
+    layer = costs.layer
+    straggler: list[str] = []
+    expressible = LayerCosts(costs.num_layers, 1.0, costs.embedding / layer, costs.head / layer)
+    if costs.stage_speed:
+        slow = max(range(len(costs.stage_speed)), key=lambda s: costs.stage_speed[s])
+        factor = costs.stage_speed[slow]
+        speed = tuple(factor if s == slow else 1.0 for s in range(len(costs.stage_speed)))
+        expressible = LayerCosts(costs.num_layers, 1.0, costs.embedding / layer, costs.head / layer, speed)
+        if factor > 1.0 + 1e-6:
+            straggler = ["--straggler", f"{slow}:{factor:.3g}"]
+    replayed = [c * layer for c in expressible.stage_costs(balance.layers)]
+    if any(abs(r / m - 1.0) > MIN_GAIN for r, m in zip(replayed, balance.stage_ms, strict=True)):
+        return None
+    schedules = "1f1b,zb-h1,dpp-zb" if num_chunks == 1 else "interleaved,dpp-zb"
+    return ["--pp", str(len(balance.layers)), "--vp", str(num_chunks), "--microbatches", str(num_microbatches),
+            "--schedules", schedules, "--layers", str(costs.num_layers), "--split", ",".join(map(str, balance.layers)),
+            "--embedding-cost", f"{costs.embedding / layer:.3g}", "--head-cost", f"{costs.head / layer:.3g}",
+            *straggler, "--resplit"]
+
+
 def describe(balance: StageBalance) -> str:
     """Two or three lines for a log or report."""
     b = balance
