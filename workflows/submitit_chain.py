@@ -288,6 +288,17 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     for stage in summary.get("stages", []):
         lines.append(f"  stage {stage['stage']}: busy {stage['busy_ms']:.2f} ms, idle {stage['idle_ms']:.2f} ms, "
                      f"bubble {stage['bubble_fraction']:.4f}, peak in-flight {stage['peak_inflight']}")
+    balance = summary.get("stage_balance")
+    if balance:  # trainer/schedule/stage_balance.py's fit; the aggregation log has the whole of it
+        if not balance["persistent"]:
+            lines.append("  stage balance: no stage persistently slowest")
+        else:
+            line = f"  stage balance: stage {balance['slowest']} persistently slowest ({balance['excess']:+.0%})"
+            best = balance["best"]
+            if balance["recommend"]:
+                line += (f"; re-split {'/'.join(map(str, best['layers']))}: {' '.join(best['flags']) or '(even)'} "
+                         f"(slowest stage {-balance['gain']:+.0%} predicted)")
+            lines.append(line)
     return "\n".join(lines)
 
 

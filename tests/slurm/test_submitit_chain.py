@@ -26,6 +26,7 @@ def test_submitit_chain_returns_the_summary_and_reports_a_failed_step_with_its_t
     assert ok.states() == {"preprocess": "COMPLETED", "train": "COMPLETED", "aggregate": "COMPLETED"}
     assert "summary: dpp PP=2 microbatches=8 iterations=4" in ok.stdout, ok.describe()
     assert "bubble" in ok.stdout and "stage 0: busy" in ok.stdout and "stage 1: busy" in ok.stdout
+    assert "  stage balance: " in ok.stdout, ok.describe()  # fitted to the run's own stage times
     batch = (ok.run_dir / "submitit" / f"{ok.job_ids['train']}_submission.sh").read_text()
     for line in ("#SBATCH --dependency=afterok:", "#SBATCH --kill-on-invalid-dep=yes", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR1@60", "#SBATCH --time=00:20:00", "#SBATCH --comment=issue16", "exec "):

@@ -4,7 +4,9 @@
         [--compare sim.json] [--png timeline.png] [--iteration N]
 
 Writes ``merged.json`` (Chrome trace format: open it in https://ui.perfetto.dev or
-chrome://tracing), ``summary.json`` beside it and the PNG, and prints the per-stage table.
+chrome://tracing), ``summary.json`` beside it and the PNG, and prints the per-stage table, the drawn
+iteration's critical path and the stage balance (a persistently slow stage and the layer re-split
+that fixes it, trainer/schedule/stage_balance.py).
 Missing or unreadable rank files are reported by name and the other ranks still merge.
 Exit status: 0 when at least one rank merged, 1 when none could be read, 2 for bad arguments or
 a folder holding traces of several runs (then nothing is written).
