@@ -145,3 +145,4 @@ def test_the_benchmark_report_gives_each_lines_stage_balance(tmp_path) -> None:
     assert "; no Megatron split makes the slowest stage faster by >= 2%" in text
     assert "- **dpp**: stage 3 is slowest in 2 of 2 iterations" in text
     assert "; re-split 4/5/5/2: --decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 2" in text
+    assert "(this benchmark: `--split 4,2`)" in text

@@ -129,9 +129,14 @@ def _balance(results: list[LineResult], scenario: str) -> list[str]:
         if len(r.layers_per_stage) < 2 or not rows or len(rows[0]) != len(r.layers_per_stage):
             continue
         try:
-            text = describe(stage_balance(rows, r.layers_per_stage, _vp(r.name)))
+            balance = stage_balance(rows, r.layers_per_stage, _vp(r.name))
         except ValueError as err:
             text = f"not fitted: {err}"
+        else:
+            text = describe(balance)
+            if balance.recommend:  # the same layout as this command's flag (both ends given: middle even)
+                flag = "--split" if _vp(r.name) == 1 else "--split-vp"
+                text += f" (this benchmark: `{flag} {balance.best.layers[0]},{balance.best.layers[-1]}`)"
         out.append(f"- **{r.name}**: " + text.removeprefix("stage balance: ").replace("\n  ", "; "))
     if not out:
         return []
