@@ -7,7 +7,8 @@
 #    call t's model (2 GPUs), each iteration's critical path with what each host did in the path's
 #    one-stage gaps (launch / send / wait / run-ahead / landed / decide / untraced) and the runs'
 #    end-of-run "looked ... whether gradients had landed" lines; the same dpp-zb run again with
-#    --manual-gc (the traces now hold every garbage collection as a "gc" span).
+#    --manual-gc (the traces now hold every garbage collection as a "gc" span). Each aggregation also
+#    prints the run's stage balance (thirteenth session): the first GPU check of that fit.
 set -u
 source scripts/device/env.sh >/dev/null || exit 1
 CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
