@@ -80,14 +80,17 @@ start_daemon() {
     echo $! >"$(pid_file "$name")"
 }
 
-# tail_logs NAME: the daemon's own log and its captured stdout/stderr, whichever exist.
+# tail_logs NAME: the daemon's own log and its captured stdout/stderr, whichever exist; prints
+# where the logs are, or that it wrote none.
 tail_logs() {
-    local f
+    local f shown=0
     for f in "$DIR/log/$1.log" "$DIR/log/$1.out"; do
         [[ -s $f ]] || continue
         echo "---- last lines of $f" >&2
         tail -n 20 "$f" >&2
+        shown=1
     done
+    if ((shown)); then echo "logs above"; else echo "it wrote nothing to $DIR/log/$1.log or $1.out"; fi
 }
 
 # wait_ready NAME PROBE...: poll PROBE until it succeeds; fail naming the daemon when it exits or
@@ -95,17 +98,20 @@ tail_logs() {
 wait_ready() {
     local name=$1 deadline=$((SECONDS + READY_TIMEOUT))
     shift
-    local pid
+    local pid status where
     pid=$(<"$(pid_file "$name")")
     until "$@" >/dev/null 2>&1; do
         # Plain existence, not running_pid: until exec the new child still has our old environment.
         if ! kill -0 "$pid" 2>/dev/null; then
-            tail_logs "$name"
-            die "$name exited during start-up (logs above)"
+            status=0
+            wait "$pid" 2>/dev/null || status=$?  # our child: its exit status (128+N: killed by signal N)
+            where=$(tail_logs "$name")
+            ((status == 127)) && status="unknown"  # not our child after all
+            die "$name exited during start-up (exit status $status; $where)"
         fi
         if ((SECONDS >= deadline)); then
-            tail_logs "$name"
-            die "$name did not become ready within ${READY_TIMEOUT}s (logs above)"
+            where=$(tail_logs "$name")
+            die "$name did not become ready within ${READY_TIMEOUT}s ($where)"
         fi
         sleep 0.3
     done

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer.layer_split import layers_per_stage
 from trainer.profiling import aggregate
 from trainer.profiling.tracer import trace_file_name
 from trainer.profiling.validate import validate_trace
@@ -78,7 +79,10 @@ def test_dpp_run_writes_traces_that_aggregate(tmp_path, capsys):
     balance = summary["stage_balance"]
     assert balance["layers"] == [5, 1, 1, 1] and balance["slowest"] == 0 and balance["persistent"], balance
     assert balance["recommend"] and balance["best"]["layers"][0] < 5, balance
-    assert balance["best"]["flags"][:2] == ["--decoder-first-pipeline-num-layers", str(balance["best"]["layers"][0])]
+    # ...as Megatron-LM's flags, which lay out exactly that split ([] = the even split: drop both)
+    flags = dict(zip(balance["best"]["flags"][::2], map(int, balance["best"]["flags"][1::2]), strict=True))
+    assert layers_per_stage(8, STAGES, flags.get("--decoder-first-pipeline-num-layers"),
+                            flags.get("--decoder-last-pipeline-num-layers")) == balance["best"]["layers"], balance
     assert "stage balance: stage 0 is slowest" in printed and "  re-split " in printed, printed
     assert "  what the re-split buys the whole schedule: " in printed, printed  # a simulator command, or why not
     assert (profile_dir / "timeline.png").stat().st_size > 10_000

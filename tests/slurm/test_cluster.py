@@ -4,6 +4,7 @@ an idempotent `up`, a `down` that leaves no process, and start-up failures that 
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -132,18 +133,39 @@ def test_up_names_the_daemon_that_cannot_start(spare_cluster_dir):
     assert f"cluster: error: mariadb: port {port} on 127.0.0.1 is taken" in proc.stderr, proc.stderr
 
 
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port_base() -> int:
+    """A cluster port base whose five ports (MariaDB, slurmdbd, slurmctld, two slurmd) are free,
+    below the kernel's ephemeral range (32768+): there any process's client socket can hold a port
+    of the block at any moment (CI once saw slurmdbd, on base + 1, die so instead of slurmd-node2).
+    The default bases (12000-19990, from the cluster folder's path) are below 20000."""
+    for base in random.Random().sample(range(20000, 32000, 10), 200):
+        if all(_bindable("127.0.0.1", port) for port in range(base, base + 4)) and _bindable("127.0.0.12", base + 4):
+            return base
+    raise AssertionError("no free block of five ports in 20000..31999")
+
+
 @pytest.mark.timeout(120)
 def test_up_names_the_daemon_that_died_and_shows_its_log(spare_cluster_dir):
     folder, env = spare_cluster_dir
     # Hold node2's port on node2's own address: the check on 127.0.0.1 passes, slurmd's bind fails.
+    node2_port = _free_port_base() + 4
     with socket.socket() as squatter:
-        squatter.bind(("127.0.0.12", 0))
+        squatter.bind(("127.0.0.12", node2_port))
         squatter.listen()
-        node2_port = squatter.getsockname()[1]
         proc = run_command([str(CLUSTER_SCRIPT), "up"], timeout=100,
                            env={**env, "MDPP_CLUSTER_PORT_BASE": str(node2_port - 4)})
     assert proc.returncode != 0
-    assert proc.stderr.rstrip().endswith("cluster: error: slurmd-node2 exited during start-up (logs above)"), proc.stderr
+    assert re.search(r"cluster: error: slurmd-node2 exited during start-up \(exit status \d+; logs above\)$",
+                     proc.stderr.rstrip()), proc.stderr
     assert f"---- last lines of {folder}/log/slurmd-node2.log" in proc.stderr
     assert f"Unable to bind listen port ({node2_port})" in proc.stderr
 
