@@ -85,12 +85,12 @@ def stage_balance_of(summary: TraceSummary) -> tuple[StageBalance | None, str]:
 
 def _summary_document(summary: TraceSummary, problems: list[str], warnings: list[str],
                       compare: TraceSummary | None, paths: list[PathReport], spans: str,
-                      balance: StageBalance | None) -> dict[str, Any]:
+                      balance: StageBalance | None, replay: list[str] | None) -> dict[str, Any]:
     document = summary.to_dict()
     document.update(problems=problems, validation_warnings=warnings)
     document["stage_balance"] = balance.to_dict() if balance is not None else None
     if balance is not None:
-        document["stage_balance"]["simulate"] = simulate_args(balance, summary.num_microbatches, summary.num_chunks)
+        document["stage_balance"]["simulate"] = replay
     document["critical_path"] = {"spans": spans, "iterations": [report_dict(r) for r in paths]}
     if compare is not None:
         document["compare"] = compare.to_dict()
@@ -139,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         spans, paths = "none", []
 
     balance, no_balance = stage_balance_of(summary)
+    replay = simulate_args(balance, summary.num_microbatches, summary.num_chunks) if balance is not None else None
 
     write_json_atomic(out, merged)
     write_json_atomic(out.parent / "summary.json",
-                      _summary_document(summary, run.problems, warnings, compare_summary, paths, spans, balance))
+                      _summary_document(summary, run.problems, warnings, compare_summary, paths, spans, balance,
+                                        replay))
     plot_timeline(merged, png, draw, compare=compare, compare_iteration=compare_iteration)
     print(format_table(summary))
     drawn = [r for r in paths if r.iteration == draw]
@@ -150,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"critical path ({spans} spans; every iteration in summary.json): {format_report(drawn[0])}")
     print(describe_balance(balance) if balance is not None else f"stage balance: not computed ({no_balance})")
     if balance is not None and balance.persistent:
-        replay = simulate_args(balance, summary.num_microbatches, summary.num_chunks)
         print("  what the re-split buys the whole schedule: " + (
             f"python -m trainer.schedule.simulate {' '.join(replay)}" if replay is not None
             else "not simulated (the fitted stage speeds are more than the one slower stage the simulator takes)"))

@@ -155,14 +155,14 @@ def simulate_args(balance: StageBalance, num_microbatches: int, num_chunks: int 
     costs = balance.costs
     layer = costs.layer
     straggler: list[str] = []
-    expressible = LayerCosts(costs.num_layers, 1.0, costs.embedding / layer, costs.head / layer)
+    speed: tuple[float, ...] = ()  # the slowest stage's speed only: all the simulator's --straggler says
     if costs.stage_speed:
         slow = max(range(len(costs.stage_speed)), key=lambda s: costs.stage_speed[s])
         factor = costs.stage_speed[slow]
         speed = tuple(factor if s == slow else 1.0 for s in range(len(costs.stage_speed)))
-        expressible = LayerCosts(costs.num_layers, 1.0, costs.embedding / layer, costs.head / layer, speed)
         if factor > 1.0 + 1e-6:
             straggler = ["--straggler", f"{slow}:{factor:.3g}"]
+    expressible = LayerCosts(costs.num_layers, 1.0, costs.embedding / layer, costs.head / layer, speed)
     replayed = [c * layer for c in expressible.stage_costs(balance.layers)]
     if any(abs(r / m - 1.0) > MIN_GAIN for r, m in zip(replayed, balance.stage_ms, strict=True)):
         return None
