@@ -101,9 +101,7 @@ def stage_split_problems(num_layers: int, pp: int, first: int | None = None, las
 def layers_per_stage(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
     """Transformer layers on each pipeline stage (all chunks together). Raises ValueError naming the
     rule for a split :func:`split_problems` refuses (12 layers on 8 stages has no even split)."""
-    problems = split_problems(num_layers, pp, 1, first, last)
-    if problems:
-        raise ValueError("; ".join(problems))
+    raise_if_any(split_problems(num_layers, pp, 1, first, last), f"no layer split of {num_layers} layers on {pp} stages")
     middle_stages = pp - (first is not None) - (last is not None)
     middle = (num_layers - (first or 0) - (last or 0)) // middle_stages if middle_stages else 0
     counts = [middle] * pp

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import TrainConfig
-from trainer.layer_split import layers_per_stage
 from trainer.topology import Topology
 
 METRICS_FILE_FORMAT = "metrics_rank{rank:05d}.json"
@@ -60,8 +59,11 @@ class RunMeasurement:
     cfg: TrainConfig
     topology: Topology
     schedule: str
-    """Label of the schedule this rank runs (e.g. "megatron-core 1f1b", "dpp")."""
+    """Label of the schedule this rank runs (the run plan's ``schedule.label``, e.g. "megatron-core 1f1b",
+    "runtime dpp-zb")."""
     num_microbatches: int
+    layers_per_stage: tuple[int, ...]
+    """The run plan's layer split (``layers.per_stage``): the aggregation fits layer costs with it."""
     records: list[dict[str, Any]] = field(default_factory=list)
     gpu_busy: Any = None
     stalls: Any = None
@@ -100,7 +102,7 @@ class RunMeasurement:
 
     def write(self) -> Path | None:
         """Write this rank's file (when --metrics-dir is set); returns its path."""
-        run, t, par = self.cfg.run, self.topology, self.cfg.parallel
+        run, t = self.cfg.run, self.topology
         if not run.metrics_dir:
             return None
         import torch
@@ -113,9 +115,7 @@ class RunMeasurement:
             "world_size": t.world_size, "pipeline_parallel": t.pipeline_parallel,
             "virtual_pipeline": t.virtual_pipeline, "schedule": self.schedule, "run_name": run.run_name,
             "device": run.device,
-            "layers_per_stage": layers_per_stage(self.cfg.model.num_layers, t.pipeline_parallel,
-                                                 par.decoder_first_pipeline_num_layers,
-                                                 par.decoder_last_pipeline_num_layers),
+            "layers_per_stage": list(self.layers_per_stage),
             "num_microbatches": self.num_microbatches,
             "tokens_per_iteration": self.cfg.optim.global_batch_size * self.cfg.model.seq_length,
             "iterations": self.records,

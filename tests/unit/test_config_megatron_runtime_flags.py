@@ -187,18 +187,15 @@ def test_overlap_grad_reduce_reaches_megatron_ddp(monkeypatch) -> None:
     (False, "megatron", False),
 ])
 def test_grad_sync_func_is_set_as_megatron_lm_sets_it(overlap, schedule, expect_grad_sync) -> None:
-    from trainer.train import TrainHooks, TrainingSession
+    from trainer.config import resolve_plan
+    from trainer.session.build import wire_grad_sync
 
     flags = (["--overlap-grad-reduce"] if overlap else []) + (["--use-dpp"] if schedule == "runtime" else [])
-    session = TrainingSession.__new__(TrainingSession)
-    session.cfg = parse_config(["--mock-data", "--num-layers", "4", "--device", "cuda", "--transformer-impl", "local",
-                                *flags], world_size=1)
-    session.hooks = TrainHooks()
+    cfg = parse_config(["--mock-data", "--num-layers", "4", "--device", "cuda", "--transformer-impl", "local",
+                        *flags], world_size=1)
     config = types.SimpleNamespace(no_sync_func=None, grad_sync_func=None)
     chunk = types.SimpleNamespace(config=config, no_sync=object(), start_grad_sync=object())
-    session.model = [chunk]
-    session.optimizer = types.SimpleNamespace(scale_loss=object())
-    session._wire_grad_sync()
+    wire_grad_sync([chunk], types.SimpleNamespace(scale_loss=object()), resolve_plan(cfg, 1).schedule)
     assert config.no_sync_func is chunk.no_sync
     assert config.grad_sync_func is (chunk.start_grad_sync if expect_grad_sync else None)
 
@@ -257,7 +254,7 @@ def test_te_backends_need_cuda_and_transformer_engine(monkeypatch) -> None:
         "--attention-backend fused needs --device cuda (Transformer Engine's attention kernels are CUDA only); on "
         "CPU use --attention-backend auto or local"]
     installed = set()
-    monkeypatch.setattr(config_module, "_installed", lambda module: module in installed)
+    monkeypatch.setattr(config_module.transformer_engine, "installed", lambda module: module in installed)
     cuda = ["--mock-data", "--num-layers", "2", "--device", "cuda"]
     with pytest.raises(ConfigError) as err:
         parse_config(cuda + ["--use-flash-attn"], world_size=1)
@@ -304,6 +301,6 @@ def test_nvte_variables_against_the_backend_are_named() -> None:
 def test_split_backward_names_the_te_backend() -> None:
     cfg = _unchecked(["--attention-backend", "fused", "--pipeline-model-parallel-size", "2", "--use-dpp",
                       "--dpp-policy", "dpp-zb", "--num-layers", "2"], device="cuda")
-    problems = config_module._split_backward_problems(cfg)
+    problems = config_module.split_backward_refusals(cfg)
     assert problems == ["--dpp-policy=dpp-zb splits the backward of megatron-core's local linear layers only: pass "
                         "--transformer-impl local (got --attention-backend=fused)"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainer.bench.lines import BenchConfig, NotRun, plan
-from trainer.config import ConfigError, parse_config
+from trainer.config import ConfigError, parse_config, resolve_plan
 from trainer.pipeline.cuda_graphs import ChunkGraphs, GraphShapes, Replay, _BlockCall
 
 S, B, H, V = 6, 2, 4, 11
@@ -410,6 +410,9 @@ def test_recompute_slots_flag_is_per_stage_and_checked_before_start() -> None:
 
 def test_graphs_default_to_deciding_one_op_ahead() -> None:
     """--dpp-max-queued-ops defaults to 1 with graphs (measured fastest on 4xH100), 0 can be asked for."""
-    assert parse_config(GOOD, world_size=2).parallel.max_queued_ops == 1
-    assert parse_config([*GOOD, "--dpp-max-queued-ops", "0"], world_size=2).parallel.max_queued_ops == 0
-    assert parse_config([*GOOD, "--dpp-max-queued-ops", "3"], world_size=2).parallel.max_queued_ops == 3
+    def queued(argv: list[str]) -> int:
+        return resolve_plan(parse_config(argv, world_size=2), 2).schedule.max_queued_ops
+
+    assert queued(GOOD) == 1
+    assert queued([*GOOD, "--dpp-max-queued-ops", "0"]) == 0
+    assert queued([*GOOD, "--dpp-max-queued-ops", "3"]) == 3

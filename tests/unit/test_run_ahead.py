@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import ConfigError, parse_config
+from trainer.config import ConfigError, parse_config, resolve_plan
 from trainer.pipeline.run_ahead import RunAheadBound
 from trainer.pipeline.stall import DppStallError
 
@@ -97,6 +97,6 @@ def test_flag_is_checked_before_anything_starts() -> None:
         parse_config([*base, "--use-dpp", "--dpp-max-queued-ops", "-1"], world_size=2)
     with pytest.raises(ConfigError, match=r"--dpp-max-queued-ops=2 applies to --use-dpp"):
         parse_config([*base, "--dpp-max-queued-ops", "2"], world_size=2)
-    assert parse_config([*base, "--use-dpp", "--dpp-max-queued-ops", "2"], world_size=2).parallel.max_queued_ops == 2
+    assert resolve_plan(parse_config([*base, "--use-dpp", "--dpp-max-queued-ops", "2"], world_size=2), 2).schedule.max_queued_ops == 2
     # The default: unbounded without graphs (eager DPP was not measured with a bound)...
-    assert parse_config([*base, "--use-dpp"], world_size=2).parallel.max_queued_ops == 0
+    assert resolve_plan(parse_config([*base, "--use-dpp"], world_size=2), 2).schedule.max_queued_ops == 0

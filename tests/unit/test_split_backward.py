@@ -220,7 +220,7 @@ def test_runtime_refuses_a_split_policy_without_the_store() -> None:
 
 
 def test_config_names_every_bad_policy_combination() -> None:
-    from trainer.config import ConfigError, parse_config
+    from trainer.config import ConfigError, parse_config, resolve_plan
 
     with pytest.raises(ConfigError) as err:
         parse_config(["--dpp-policy", "dpp-zb"], world_size=1)
@@ -244,7 +244,7 @@ def test_config_names_every_bad_policy_combination() -> None:
                        world_size=1)
     assert cfg.parallel.dpp_policy == "dpp-zb"
     default = parse_config(["--mock-data"], world_size=1)
-    assert default.parallel.dpp_policy == "auto" and default.dpp_policy == "dpp"
+    assert default.parallel.dpp_policy == "auto" and resolve_plan(default, 1).schedule.dpp_policy == "dpp"
 
 
 def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monkeypatch) -> None:
@@ -253,25 +253,23 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
     for a run that did not ask for dpp-zb."""
     import importlib.util
 
-    from trainer.config import ConfigError, parse_config, resolve_dpp_policy
-    from trainer.pipeline.runtime import policy_choice
-    from trainer.topology import Topology
+    from trainer.config import ConfigError, parse_config, resolve_dpp_policy, resolve_plan
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real(name, *a))
     base = ["--mock-data", "--use-dpp", "--device", "cuda", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
             "--hidden-dropout", "0", "--attention-dropout", "0"]
     graphed = parse_config([*base, "--dpp-cuda-graphs"], world_size=2)
-    assert graphed.dpp_policy == "dpp-zb" and "auto: with --dpp-cuda-graphs" in resolve_dpp_policy(graphed)[1]
-    name, options = policy_choice(graphed, Topology(world_size=2, rank=1, pipeline_parallel=2))
-    assert name == "dpp-zb" and options["fill_transit"] is True
+    schedule = resolve_plan(graphed, 2).schedule
+    assert schedule.dpp_policy == "dpp-zb" and "auto: with --dpp-cuda-graphs" in resolve_dpp_policy(graphed)[1]
+    assert schedule.policy == "dpp-zb" and schedule.policy_kwargs["fill_transit"] is True
     eager = parse_config(base, world_size=2)
-    assert eager.dpp_policy == "dpp" and "without --dpp-cuda-graphs" in resolve_dpp_policy(eager)[1]
-    assert policy_choice(eager, Topology(world_size=2, rank=0, pipeline_parallel=2))[0] == "dpp"
+    assert resolve_plan(eager, 2).schedule.dpp_policy == "dpp" and "without --dpp-cuda-graphs" in resolve_dpp_policy(eager)[1]
+    assert resolve_plan(eager, 2).schedule.policy == "dpp"
     # Transformer Engine rules the split out: auto falls back to dpp and says why (dpp-zb asked for: refused)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
     with_te = parse_config([*base, "--dpp-cuda-graphs", "--transformer-impl", "transformer_engine"], world_size=2)
-    assert with_te.dpp_policy == "dpp" and "--transformer-impl local" in resolve_dpp_policy(with_te)[1]
+    assert resolve_dpp_policy(with_te)[0] == "dpp" and "--transformer-impl local" in resolve_dpp_policy(with_te)[1]
     # --no-dpp-fill-transit only where dpp-zb runs
     with pytest.raises(ConfigError, match="--no-dpp-fill-transit applies to --use-dpp with dpp-zb.*without --dpp-cuda-graphs"):
         parse_config([*base, "--no-dpp-fill-transit"], world_size=2)

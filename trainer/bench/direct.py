@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from trainer.config import parse_config
+    from trainer.config import parse_config, resolve_plan
     from trainer.distributed import (
         build_topology,
         init_megatron_parallel,
@@ -93,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Variable lengths: every iteration's own (a few MB of token ids), made up front all the same.
     per_iteration = [_microbatches(cfg, device, it) for it in range(o.total_iters if cfg.data.variable_seq_lengths
                                                                      else 1)]
-    measure = RunMeasurement(cfg, topo, "direct megatron-core", len(per_iteration[0]))
+    layers = resolve_plan(cfg, launch.world_size).layers.per_stage
+    measure = RunMeasurement(cfg, topo, "direct megatron-core", len(per_iteration[0]), layers)
     forward_step = measure.wrap_forward_step(make_forward_step("gpt", per_token_loss=cfg.data.variable_seq_lengths),
                                              model)
     for step in range(o.total_iters):

@@ -1,11 +1,14 @@
 """One rank's pipeline runtime: the stage links, the TP decision channel, the tracer (with its clock
-offset) and the :class:`DppContext` over them, owned by one context manager (issue 19).
+offset) and the :class:`DppContext` over them, owned by one context manager.
 
 Why one owner: these are opened by collectives in a fixed order and hold shared memory, receiver
 threads and trace files; the training session used to keep each on itself for its ``close()`` to
 know about. Here they are opened in one place, in the order every rank must follow, and closed in
 the reverse order -- also when opening fails halfway, so a failed set-up leaves no ring, segment or
 thread behind. The training session keeps only the loop.
+
+What it runs comes from the run plan (trainer/config/plan.py): the policy and its options, split
+backward, the link options, the run-ahead bound, the recompute slots; nothing here decides from flags.
 
 Opening order (COLLECTIVE, identical on every rank): policy and split backward (local, before any
 channel exists, so an unsupported model fails cleanly), stage links (all ranks, when PP > 1), the
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
+from trainer.config.plan import LinkPlan, RunPlan, link_plan, resolve_plan
 from trainer.names import tp_decision_name
 from trainer.pipeline.dpp import DppContext, MicrobatchData, make_forward_backward_func
 from trainer.schedule.core import PipelineShape
@@ -36,39 +40,12 @@ TracerFactory = Callable[[Any, int, dict[str, Any]], Any]
 
 
 def link_options(cfg: TrainConfig, shape: PipelineShape) -> LinkOptions:
-    """Credits and slot size for this run's stage links.
-
-    Credits >= the largest in-flight activation cap of any stage: the activations (and gradients)
-    waiting unconsumed on one edge never outnumber what the sending stage may hold, so a send never
-    waits for a credit the policy itself withholds, whatever ``--dpp-max-inflight`` says. Slots are
-    sized to one activation (seq x mbs x hidden in the pipeline dtype, seq / TP with
-    ``--sequence-parallel``), so a message is one copy.
-    """
-    from trainer.schedule.dynamic import scaled_cap
-
-    cap = max(cfg.parallel.dpp_max_inflight or 0, scaled_cap(shape, 0, cfg.parallel.dpp_cap_factor))
-    itemsize = cfg.pipeline_itemsize
-    default = LinkOptions()
-    if cfg.run.workload is not None:  # the prototype's per-copy share: slots of N elements (64-byte aligned)
-        return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=-(-cfg.run.workload * itemsize // 64) * 64)
-    # --sequence-parallel: each TP rank sends its 1/TP of the sequence (its own links to its peer).
-    seq = cfg.model.seq_length // (cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1)
-    activation = seq * cfg.optim.micro_batch_size * cfg.model.hidden_size * itemsize
-    return LinkOptions(credits=max(default.credits, cap), shm_slot_bytes=max(4096, -(-activation // 4096) * 4096))
+    """The stage links' options for this run (the plan's :func:`~trainer.config.plan.link_plan`)."""
+    return _link_options(link_plan(cfg, shape))
 
 
-def policy_choice(cfg: TrainConfig, topology: Topology) -> tuple[str, dict[str, Any]]:
-    """(policy name, its options) for this run: --dpp-policy under --use-dpp, zb-h1 whenever asked
-    for, else the static 1f1b (interleaved with VP) that CPU and gloo runs use in megatron's place."""
-    par, policy = cfg.parallel, cfg.dpp_policy  # --dpp-policy auto resolved (trainer.config.resolve_dpp_policy)
-    if par.use_dpp and policy != "zb-h1":
-        options: dict[str, Any] = {"max_inflight": par.dpp_max_inflight, "cap_factor": par.dpp_cap_factor}
-        if policy == "dpp-zb":
-            options["fill_transit"] = par.dpp_fill_transit
-        return policy, options
-    if policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
-        return "zb-h1", {}
-    return ("interleaved" if topology.virtual_pipeline > 1 else "1f1b"), {}
+def _link_options(links: LinkPlan) -> LinkOptions:
+    return LinkOptions(credits=links.credits, shm_slot_bytes=links.shm_slot_bytes)
 
 
 class PipelineRuntime:
@@ -81,8 +58,10 @@ class PipelineRuntime:
     def __init__(self, cfg: TrainConfig, topology: Topology, device: torch.device, run_token: str,
                  num_microbatches: int, model: list, microbatch_data: MicrobatchData,
                  microbatch_costs: Callable[[], Sequence[float] | None] | None = None,
-                 tracer_factory: TracerFactory | None = None) -> None:
+                 tracer_factory: TracerFactory | None = None, plan: RunPlan | None = None) -> None:
         self.cfg, self.topology, self.device, self.run_token = cfg, topology, device, run_token
+        # What runs and with which options: the run plan (resolved here for callers that hold none).
+        self.plan = plan if plan is not None else resolve_plan(cfg, topology.world_size)
         self.model, self.microbatch_data, self.microbatch_costs = model, microbatch_data, microbatch_costs
         self.shape = PipelineShape(topology.pipeline_parallel, num_microbatches, topology.virtual_pipeline)
         self.tracer_factory = tracer_factory
@@ -142,9 +121,9 @@ class PipelineRuntime:
     def _open(self) -> None:
         from trainer.schedule.registry import make_policy
 
-        cfg, topo = self.cfg, self.topology
-        name, options = policy_choice(cfg, topo)
-        policy = make_policy(name, self.shape, topo.pp_rank, **options)
+        cfg, topo, schedule = self.cfg, self.topology, self.plan.schedule
+        name = schedule.policy
+        policy = make_policy(name, self.shape, topo.pp_rank, **schedule.policy_kwargs)
         split = None
         if policy.split_backward:
             from trainer.pipeline.split_backward import install_split_backward
@@ -154,9 +133,9 @@ class PipelineRuntime:
         if topo.pipeline_parallel > 1:
             from trainer.transport.factory import make_stage_links
 
-            self.links = make_stage_links(topo, cfg.parallel.transport, self.device,
-                                          timeout_s=cfg.parallel.dpp_timeout_s, job_id=self.run_token,
-                                          options=link_options(cfg, self.shape))
+            links = self.plan.links
+            self.links = make_stage_links(topo, links.transport, self.device, timeout_s=links.timeout_s,
+                                          job_id=self.run_token, options=_link_options(links))
         if topo.tensor_parallel > 1:
             self.tp_channel = self._tp_channel()
         self.tracer = self._tracer(name)
@@ -187,25 +166,21 @@ class PipelineRuntime:
         factory = self.tracer_factory
         if factory is None:
             from trainer.profiling.tracer import make_tracer as factory
-        from trainer.layer_split import layers_per_stage
-
-        cfg, topo, par = self.cfg, self.topology, self.cfg.parallel
+        cfg, topo = self.cfg, self.topology
         return factory(cfg.run.profile_dir, topo.rank, {
             "stage": topo.pp_rank, "tp_rank": topo.tp_rank, "dp_rank": topo.dp_rank,
             "world_size": topo.world_size, "pipeline_parallel": topo.pipeline_parallel,
             "num_chunks": topo.virtual_pipeline, "num_microbatches": self.shape.num_microbatches,
             "schedule": schedule, "run_name": cfg.run.run_name, "run_id": self.run_token,
             # The run's layer split: the aggregation fits layer costs to the stage times with it.
-            "layers_per_stage": layers_per_stage(cfg.model.num_layers, topo.pipeline_parallel,
-                                                 par.decoder_first_pipeline_num_layers,
-                                                 par.decoder_last_pipeline_num_layers)})
+            "layers_per_stage": list(self.plan.layers.per_stage)})
 
     def _run_ahead(self):
         """--dpp-max-queued-ops K > 0 on CUDA: the host decides only with <= K of its ops unfinished."""
         from trainer.pipeline.run_ahead import RunAheadBound
 
-        par = self.cfg.parallel
-        bound = RunAheadBound.for_device(par.max_queued_ops, self.topology.rank, par.dpp_timeout_s, self.device)
+        bound = RunAheadBound.for_device(self.plan.schedule.max_queued_ops, self.topology.rank,
+                                         self.cfg.parallel.dpp_timeout_s, self.device)
         return bound if bound.active else None
 
     def _gpu_timer(self):
@@ -234,8 +209,7 @@ class PipelineRuntime:
         shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
                              tokens=(mbs, seq), lengths=lengths)
         masks = {n: causal_mask(n, self.device) for n in lengths}
-        listed = cfg.parallel.dpp_recompute_slots  # per stage from stage 0; stages not listed: none
-        recompute_slots = listed[topo.pp_rank] if topo.pp_rank < len(listed) else 0
+        recompute_slots = self.plan.schedule.recompute_slots_of(topo.pp_rank)
         self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device,
                                                    recompute_slots=recompute_slots,
                                                    split=self.context.split_backward)

@@ -1,0 +1,155 @@
+"""trainer.config.plan: the schedule, its options and why, the layer split and the link options are
+decided once (resolve_plan), and no module outside trainer/config/ decides them again from flags."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+
+from trainer import layer_split
+from trainer.bench.lines import balanced_split as bench_balanced_split
+from trainer.config import ModelConfig, ParallelConfig, RunPlan, TrainConfig, parse_config, resolve_plan
+from trainer.config.layout import _stage_split_problems
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCHEDULE_FLAGS = frozenset({"use_dpp", "dpp_policy", "dpp_cuda_graphs", "dpp_max_queued_ops", "dpp_max_inflight",
+                            "dpp_cap_factor", "dpp_fill_transit", "dpp_recompute_slots"})
+"""ParallelConfig fields that decide which schedule runs and with which options: the plan's alone."""
+DECIDERS = frozenset({"resolve_dpp_policy", "uses_megatron_schedule", "schedule_plan", "split_backward_refusals"})
+"""The plan's deciding functions: called by trainer/config/ alone (everyone else reads the RunPlan)."""
+
+
+def _readers(path: Path) -> list[str]:
+    """Places in ``path`` that read a schedule flag off the parallel section or call a decider."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in SCHEDULE_FLAGS:
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in ("parallel", "par"):
+                out.append(f"{path.relative_to(REPO)}:{node.lineno} reads .{node.attr}")
+        elif isinstance(node, ast.Name | ast.Attribute) and (getattr(node, "id", None) or getattr(node, "attr", None)) \
+                in DECIDERS:
+            out.append(f"{path.relative_to(REPO)}:{node.lineno} uses {getattr(node, 'id', None) or node.attr}")
+        elif isinstance(node, ast.ImportFrom) and any(a.name in DECIDERS for a in node.names):
+            out.append(f"{path.relative_to(REPO)}:{node.lineno} imports a decider")
+    return out
+
+
+def test_the_schedule_is_decided_in_the_plan_alone() -> None:
+    """Every reader holds to the plan: outside trainer/config/ no module reads --use-dpp, --dpp-policy,
+    --dpp-cuda-graphs or the policy's options off the configuration, nor calls the plan's deciders."""
+    files = [f for f in sorted((REPO / "trainer").rglob("*.py")) if "config" not in f.relative_to(REPO).parts[1:2]]
+    assert len(files) > 50
+    offenders = [place for f in files for place in _readers(f)]
+    assert not offenders, "decide from the RunPlan (trainer/config/plan.py), not from flags: " + "; ".join(offenders)
+    # The check itself sees such a read (it could fail).
+    probe = REPO / "trainer" / "config" / "layout.py"
+    assert _readers(probe) or "use_dpp" not in probe.read_text()
+
+
+def test_the_config_does_not_reach_back_into_the_checks() -> None:
+    assert not hasattr(TrainConfig, "dpp_policy") and not hasattr(ParallelConfig, "max_queued_ops")
+
+
+CPU_PP2 = ["--mock-data", "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+CUDA_PP2 = [*CPU_PP2, "--device", "cuda", "--transformer-impl", "local"]
+GRAPHS = ["--use-dpp", "--dpp-cuda-graphs", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _plan(argv: list[str], world_size: int = 2) -> RunPlan:
+    return resolve_plan(parse_config(argv, world_size=world_size), world_size)
+
+
+@pytest.mark.parametrize(("argv", "engine", "policy", "log_text", "split"), [
+    (CUDA_PP2, "megatron-core", "1f1b", "megatron-core", False),
+    ([*CUDA_PP2, "--num-virtual-stages-per-pipeline-rank", "2"], "megatron-core", "interleaved", "megatron-core",
+     False),
+    (CPU_PP2 + ["--device", "cpu"], "runtime", "1f1b", "1f1b policy", False),  # megatron's P2P needs CUDA
+    (CPU_PP2 + ["--device", "cpu", "--num-virtual-stages-per-pipeline-rank", "2"], "runtime", "interleaved",
+     "1f1b policy", False),
+    ([*CUDA_PP2, "--distributed-backend", "gloo"], "runtime", "1f1b", "1f1b policy", False),  # ranks share a GPU
+    (CPU_PP2 + ["--device", "cpu", "--use-dpp"], "runtime", "dpp", "dpp (--dpp-policy auto: without "
+     "--dpp-cuda-graphs dpp-zb was not measured faster)", False),
+    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "dpp"], "runtime", "dpp", "dpp", False),
+    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "dpp-zb"], "runtime", "dpp-zb", "dpp-zb", True),
+    (CPU_PP2 + ["--device", "cpu", "--dpp-policy", "zb-h1"], "runtime", "zb-h1", "zb-h1", True),
+    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "zb-h1"], "runtime", "zb-h1", "zb-h1", True),
+    ([*CUDA_PP2, *GRAPHS], "runtime", "dpp-zb", "dpp-zb (--dpp-policy auto: with --dpp-cuda-graphs dpp-zb is the "
+     "faster at equal memory)", True),
+])
+def test_resolve_plan_over_layouts(argv, engine, policy, log_text, split) -> None:
+    schedule = _plan(argv).schedule
+    assert (schedule.engine, schedule.policy, schedule.log_text, schedule.split_backward) == \
+        (engine, policy, log_text, split)
+    assert schedule.label == f"{engine} {policy}" and schedule.reason
+    assert (schedule.options is not None) == (policy in ("dpp", "dpp-zb"))
+
+
+def test_the_plan_holds_the_options_the_runtime_uses() -> None:
+    graphed = _plan([*CUDA_PP2, *GRAPHS, "--dpp-recompute-slots", "1", "--dpp-cap-factor", "1.5"]).schedule
+    assert graphed.cuda_graphs and graphed.max_queued_ops == 1 and graphed.recompute_slots_of(0) == 1
+    assert graphed.recompute_slots_of(1) == 0
+    assert graphed.policy_kwargs == {"max_inflight": None, "cap_factor": 1.5, "fill_transit": True}
+    eager = _plan(CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-max-inflight", "3"]).schedule
+    assert eager.max_queued_ops == 0 and eager.policy_kwargs == {"max_inflight": 3, "cap_factor": 1.0}
+    assert _plan([*CUDA_PP2, "--overlap-grad-reduce"]).schedule.megatron_grad_sync
+    assert not _plan([*CUDA_PP2, "--use-dpp", "--overlap-grad-reduce"]).schedule.megatron_grad_sync
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        eager.policy = "zb-h1"  # type: ignore[misc]
+
+
+def test_the_plan_holds_the_layer_split_and_the_links() -> None:
+    plan = _plan(["--mock-data", "--num-layers", "16", "--pipeline-model-parallel-size", "4", "--device", "cpu",
+                  "--decoder-first-pipeline-num-layers", "6", "--decoder-last-pipeline-num-layers", "2",
+                  "--num-virtual-stages-per-pipeline-rank", "2", "--use-dpp", "--dpp-cap-factor", "2",
+                  "--global-batch-size", "8", "--seq-length", "64", "--hidden-size", "64"], world_size=4)
+    assert plan.layers.per_stage == (6, 4, 4, 2) and plan.layers.per_chunk == (3, 2, 2, 1)
+    assert plan.layers.describe() == "6/4/4/2" and len(plan.layers.stage_layers()[0]) == 2
+    assert (plan.num_microbatches, plan.data_parallel, plan.shape.num_chunks) == (8, 1, 2)
+    assert plan.links.credits >= 4 and plan.links.shm_slot_bytes == 64 * 64 * 4
+
+
+# ---- the layer split: one set of rules, one balanced_split ----------------------------------------
+def _config_accepts(n: int, pp: int, vp: int, first: int | None, last: int | None) -> bool:
+    parallel = ParallelConfig(pipeline_model_parallel_size=pp, num_virtual_stages_per_pipeline_rank=vp if vp > 1 else None,
+                              decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
+    return not _stage_split_problems(TrainConfig(model=ModelConfig(num_layers=n), parallel=parallel))
+
+
+def test_every_split_the_rules_accept_sums_to_the_layers_and_the_trainer_accepts_it() -> None:
+    """split_problems and the trainer's configuration checks agree on every layout (both ways), and an
+    accepted split places every layer once (no 'eight 1s' for 12 layers on 8 stages)."""
+    accepted = 0
+    for n, pp, vp in itertools.product(range(1, 13), range(1, 7), (1, 2)):
+        for first, last in itertools.product([None, *range(1, n + 1)], repeat=2):
+            ok = not layer_split.split_problems(n, pp, vp, first, last)
+            assert ok == _config_accepts(n, pp, vp, first, last), (n, pp, vp, first, last)
+            if ok:
+                accepted += 1
+                counts = layer_split.layers_per_stage(n, pp, first, last)
+                assert sum(counts) == n and all(c >= 1 and c % vp == 0 for c in counts), (n, pp, vp, first, last)
+                placed = sorted(i for stage in layer_split.stage_layers(n, pp, vp, first, last) for c in stage for i in c)
+                assert placed == list(range(n))
+    assert accepted > 500
+    with pytest.raises(ValueError, match="not divisible by --pipeline-model-parallel-size=8"):
+        layer_split.layers_per_stage(12, 8)
+
+
+def test_one_balanced_split_for_the_bench_the_simulator_and_the_advice() -> None:
+    for n, pp, vp, head in itertools.product(range(4, 25), (2, 3, 4), (1, 2), (0.0, 1.0, 2.0, 3.5)):
+        if n < pp * vp or n % vp:
+            continue
+        best = layer_split.balanced_split(layer_split.LayerCosts(n, head=head), pp, vp)
+        assert sum(best.layers) == n and not layer_split.split_problems(n, pp, vp, best.first, best.last)
+        flags = bench_balanced_split(n, pp, vp, head)
+        assert (None if flags is None else flags) == (None if best.first is None and best.last is None
+                                                     else (best.layers[0], best.layers[-1])), (n, pp, vp, head)
+    # The tie-break keeps the split measured best: 5/4/4/3 over the equally costly 4/5/5/2.
+    assert bench_balanced_split(16, 4, 1, 2.0) == (5, 3)
+    assert layer_split.balanced_split(layer_split.LayerCosts(16, head=2.0), 4).layers == (5, 4, 4, 3)

@@ -1,0 +1,388 @@
+"""The run plan: which schedule runs, why, its options, the layer split and the link options, decided once.
+
+:func:`resolve_plan` turns a checked :class:`TrainConfig` and the world size into a frozen
+:class:`RunPlan`; the training session, the pipeline runtime, the first log line, the metrics and
+the benchmark read it, and nothing downstream decides again from the flags (tests/unit/test_plan.py
+holds every module to that). The schedule's refusals live here too (:func:`schedule_problems`,
+run by the layout checks), next to the choice they guard.
+
+Where a change goes (docs/house.md):
+- a new runtime policy: its builder in trainer/schedule/registry.py, then the branch that chooses it
+  in :func:`_choose_schedule` (with its reason) and, if a flag names it, DPP_POLICIES in
+  trainer/config/sections.py;
+- a new refusal of a schedule choice: a line in :func:`schedule_problems` (or the ``why`` table of the
+  check it belongs to), naming the flags and the way out;
+- a new schedule option: a field of :class:`SchedulePlan` (or :class:`PolicyOptions`), set here, read
+  where it acts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainer.config.training import TrainConfig
+from trainer.config.transformer_engine import TE_ATTENTION_BACKENDS, installed, uses_transformer_engine_spec
+from trainer.layer_split import describe_split, layers_per_stage, stage_layers
+from trainer.schedule.core import PipelineShape
+from trainer.schedule.dynamic import scaled_cap
+from trainer.schedule.registry import SPLIT_BACKWARD
+
+Engine = Literal["megatron-core", "runtime"]
+MEGATRON: Engine = "megatron-core"
+"""megatron-core's ``get_forward_backward_func()`` (1F1B, interleaved 1F1B) runs the pipeline."""
+RUNTIME: Engine = "runtime"
+"""This project's pipeline runtime (trainer/pipeline/) runs it, driven by a policy of trainer/schedule/."""
+
+DEFAULT_LINK_CREDITS = 4
+"""Receive slots per channel when no policy needs more (trainer.transport.factory.LinkOptions' default)."""
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Options of the runtime's dynamic policies (``make_policy(name, ..., **as_kwargs())``)."""
+
+    max_inflight: int | None = None
+    """--dpp-max-inflight: a fixed cap on held activations; None: cap_factor x 1F1B's cap."""
+    cap_factor: float = 1.0
+    """--dpp-cap-factor."""
+    fill_transit: bool | None = None
+    """dpp-zb only (--no-dpp-fill-transit); None for the other policies."""
+
+    def as_kwargs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_inflight": self.max_inflight, "cap_factor": self.cap_factor}
+        if self.fill_transit is not None:
+            out["fill_transit"] = self.fill_transit
+        return out
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """Which schedule runs the pipeline, with which options, and why."""
+
+    engine: Engine
+    """megatron-core's schedules or this project's runtime."""
+    policy: str
+    """The schedule: megatron-core's 1f1b / interleaved, or the runtime's policy (trainer.schedule.registry
+    name: 1f1b, interleaved, zb-h1, dpp, dpp-zb)."""
+    dpp_policy: str
+    """--dpp-policy with auto resolved (what the flag means for this run; "dpp" when the runtime's
+    dynamic policy is not used)."""
+    reason: str
+    """Why this schedule runs, in words (the first log line prints it)."""
+    options: PolicyOptions | None = None
+    """The dynamic policy's options; None for static schedules."""
+    split_backward: bool = False
+    """Backwards run as I then W (zb-h1, dpp-zb): the runtime installs split backward."""
+    cuda_graphs: bool = False
+    """--dpp-cuda-graphs: the runtime replays each chunk's block from CUDA graphs."""
+    recompute_slots: tuple[int, ...] = ()
+    """--dpp-recompute-slots, per stage from stage 0 (stages not listed: none)."""
+    max_queued_ops: int = 0
+    """--dpp-max-queued-ops resolved (1 with --dpp-cuda-graphs, else 0 = unbounded)."""
+    megatron_grad_sync: bool = False
+    """megatron-core's schedule launches each chunk's DP gradient reduction (--overlap-grad-reduce under
+    megatron-core's schedule: config.grad_sync_func); under the runtime the DDP hooks launch it."""
+    log_text: str = ""
+    """The ``schedule`` field of the run's first log line."""
+
+    @property
+    def label(self) -> str:
+        """What ran the pipeline, for metrics and benchmark reports ("megatron-core 1f1b", "runtime dpp-zb")."""
+        return f"{self.engine} {self.policy}"
+
+    @property
+    def policy_kwargs(self) -> dict[str, Any]:
+        return self.options.as_kwargs() if self.options is not None else {}
+
+    def recompute_slots_of(self, stage: int) -> int:
+        """Graph slots of ``stage`` (of each of its chunks) that recompute the core attention."""
+        return self.recompute_slots[stage] if stage < len(self.recompute_slots) else 0
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Which transformer layers each stage and chunk holds (trainer.layer_split's placement)."""
+
+    num_layers: int
+    per_stage: tuple[int, ...]
+    """Layers of each stage, all its chunks together."""
+    virtual_pipeline: int
+    """Model chunks per stage (v)."""
+    first: int | None = None
+    """--decoder-first-pipeline-num-layers."""
+    last: int | None = None
+    """--decoder-last-pipeline-num-layers."""
+
+    @property
+    def per_chunk(self) -> tuple[int, ...]:
+        """Layers of each chunk, per stage."""
+        return tuple(n // self.virtual_pipeline for n in self.per_stage)
+
+    def stage_layers(self) -> list[list[list[int]]]:
+        """``[stage][chunk] -> global layer indices`` (megatron-core's placement)."""
+        return stage_layers(self.num_layers, len(self.per_stage), self.virtual_pipeline, self.first, self.last)
+
+    def describe(self) -> str:
+        return describe_split(self.num_layers, len(self.per_stage), self.first, self.last)
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    """The stage links' options (trainer.transport.factory.LinkOptions is built from them)."""
+
+    transport: str
+    """--transport (auto: shm within a node, nccl/gloo across)."""
+    credits: int
+    """Receive slots per channel: at least the largest in-flight cap of any stage."""
+    shm_slot_bytes: int
+    """Bytes per shared-memory slot."""
+    timeout_s: float
+    """--dpp-timeout: how long a link waits for its peer."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything the run decides from its configuration and world size, decided once."""
+
+    schedule: SchedulePlan
+    layers: LayerPlan
+    links: LinkPlan
+    world_size: int
+    data_parallel: int
+    num_microbatches: int
+    """Microbatches per iteration per data-parallel replica."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def shape(self) -> PipelineShape:
+        return PipelineShape(len(self.layers.per_stage), self.num_microbatches, self.layers.virtual_pipeline)
+
+
+def resolve_plan(cfg: TrainConfig, world_size: int) -> RunPlan:
+    """The plan of a run of ``cfg`` on ``world_size`` ranks; ``cfg`` must have passed the layout checks
+    (trainer.config.parse_config runs them)."""
+    par = cfg.parallel
+    shape = PipelineShape(par.pipeline_model_parallel_size, cfg.num_microbatches(world_size), cfg.virtual_pipeline)
+    layers = LayerPlan(cfg.model.num_layers,
+                       tuple(layers_per_stage(cfg.model.num_layers, par.pipeline_model_parallel_size,
+                                              par.decoder_first_pipeline_num_layers,
+                                              par.decoder_last_pipeline_num_layers)),
+                       cfg.virtual_pipeline, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+    return RunPlan(schedule=schedule_plan(cfg), layers=layers, links=link_plan(cfg, shape), world_size=world_size,
+                   data_parallel=cfg.data_parallel(world_size), num_microbatches=shape.num_microbatches)
+
+
+def uses_megatron_schedule(cfg: TrainConfig) -> bool:
+    """megatron-core's own schedule runs CUDA jobs without --use-dpp, except over gloo: its P2P cannot
+    send CUDA tensors through gloo, so ranks sharing a GPU run the runtime's static policy; CPU runs
+    too, because megatron's P2P communicator allocates on CUDA."""
+    par = cfg.parallel
+    return not par.use_dpp and cfg.run.device == "cuda" and par.distributed_backend != "gloo"
+
+
+def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
+    """Which schedule runs, its options and why (see :class:`SchedulePlan`)."""
+    par = cfg.parallel
+    dpp_policy, why = resolve_dpp_policy(cfg)
+    static = "interleaved" if cfg.virtual_pipeline > 1 else "1f1b"
+    common = {"dpp_policy": dpp_policy, "cuda_graphs": par.dpp_cuda_graphs,
+              "recompute_slots": par.dpp_recompute_slots,
+              "max_queued_ops": par.dpp_max_queued_ops if par.dpp_max_queued_ops is not None
+              else 1 if par.dpp_cuda_graphs else 0}
+    named = dpp_policy if par.dpp_policy != "auto" else f"{dpp_policy} ({why})"
+    if uses_megatron_schedule(cfg):
+        return SchedulePlan(MEGATRON, static, reason="without --use-dpp on CUDA: megatron-core's own schedule",
+                            megatron_grad_sync=par.overlap_grad_reduce, log_text="megatron-core", **common)
+    if par.use_dpp and dpp_policy != "zb-h1":
+        options = PolicyOptions(par.dpp_max_inflight, par.dpp_cap_factor,
+                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None)
+        return SchedulePlan(RUNTIME, dpp_policy, reason=why, options=options,
+                            split_backward=dpp_policy in SPLIT_BACKWARD, log_text=named, **common)
+    if dpp_policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
+        return SchedulePlan(RUNTIME, "zb-h1", reason=why, split_backward=True, log_text=named, **common)
+    where = ("--device cpu" if cfg.run.device != "cuda" else
+             "--distributed-backend gloo (ranks may share a GPU)")
+    return SchedulePlan(RUNTIME, static, reason=f"without --use-dpp on {where}: megatron-core's P2P cannot run "
+                        f"there, so the runtime's static {static} policy stands in", log_text="1f1b policy", **common)
+
+
+def link_plan(cfg: TrainConfig, shape: PipelineShape) -> LinkPlan:
+    """Credits and slot size for this run's stage links.
+
+    Credits >= the largest in-flight activation cap of any stage: the activations (and gradients)
+    waiting unconsumed on one edge never outnumber what the sending stage may hold, so a send never
+    waits for a credit the policy itself withholds, whatever ``--dpp-max-inflight`` says. Slots are
+    sized to one activation (seq x mbs x hidden in the pipeline dtype, seq / TP with
+    ``--sequence-parallel``), so a message is one copy.
+    """
+    par = cfg.parallel
+    cap = max(par.dpp_max_inflight or 0, scaled_cap(shape, 0, par.dpp_cap_factor))
+    credits, itemsize = max(DEFAULT_LINK_CREDITS, cap), cfg.pipeline_itemsize
+    if cfg.run.workload is not None:  # the prototype's per-copy share: slots of N elements (64-byte aligned)
+        slot = -(-cfg.run.workload * itemsize // 64) * 64
+    else:
+        # --sequence-parallel: each TP rank sends its 1/TP of the sequence (its own links to its peer).
+        seq = cfg.model.seq_length // (par.tensor_model_parallel_size if par.sequence_parallel else 1)
+        activation = seq * cfg.optim.micro_batch_size * cfg.model.hidden_size * itemsize
+        slot = max(4096, -(-activation // 4096) * 4096)
+    return LinkPlan(par.transport, credits, slot, par.dpp_timeout_s)
+
+
+# ---- the schedule's refusals --------------------------------------------------------------------
+def schedule_problems(cfg: TrainConfig) -> list[str]:
+    """Every way the schedule the flags ask for cannot run, knowable before any process group."""
+    p = split_backward_refusals(cfg)
+    if not cfg.parallel.dpp_fill_transit and not (cfg.parallel.use_dpp and resolve_dpp_policy(cfg)[0] == "dpp-zb"):
+        p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses "
+                 + resolve_dpp_policy(cfg)[1])
+    return p
+
+
+def graph_problems(cfg: TrainConfig) -> list[str]:
+    """What rules out the CUDA graphs asked for: the runtime's (--dpp-cuda-graphs, --dpp-recompute-slots)
+    and megatron-core's (--cuda-graph-impl local)."""
+    return _cuda_graph_problems(cfg) + _recompute_slot_problems(cfg) + _megatron_graph_problems(cfg)
+
+
+def megatron_batch_problems(cfg: TrainConfig, microbatches: int) -> list[str]:
+    """Megatron-LM's batch rule for its interleaved schedule, where the flags ask for megatron-core's
+    schedule on CUDA (without --use-dpp; with gloo too, as before the plan existed)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if cfg.virtual_pipeline > 1 and not cfg.parallel.use_dpp and cfg.run.device == "cuda" and microbatches % pp:
+        return [f"megatron-core's interleaved 1F1B needs microbatches ({microbatches}) divisible "
+                f"by --pipeline-model-parallel-size={pp}; use --use-dpp or change the batch"]
+    return []
+
+
+def megatron_p2p_problems(cfg: TrainConfig) -> list[str]:
+    """Megatron-LM's P2P rule for its interleaved schedule (same condition as megatron_batch_problems)."""
+    par = cfg.parallel
+    if cfg.virtual_pipeline > 1 and not par.overlap_p2p_comm and not par.use_dpp \
+            and par.pipeline_model_parallel_size == 2 and cfg.run.device == "cuda":
+        return ["--no-overlap-p2p-communication with interleaving needs --pipeline-model-parallel-size > 2 "
+                "(Megatron-LM's rule: batched sends and receives between the same 2 ranks)"]
+    return []
+
+
+MAX_GRAPHED_LENGTHS = 32
+"""--dpp-cuda-graphs with --variable-seq-lengths: most bucket lengths captured per slot (capture time
+and each length's static input/output buffers grow with the count; 16 at seq 1024 / 64)."""
+
+
+def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
+    """What rules out --dpp-cuda-graphs (trainer/pipeline/cuda_graphs.py says why each is needed)."""
+    par, m = cfg.parallel, cfg.model
+    if not par.dpp_cuda_graphs:
+        return []
+    why = {
+        "--use-dpp (the graphs replace ops of the DPP runtime)": par.use_dpp,
+        f"--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its cap; got {par.dpp_policy})":
+            resolve_dpp_policy(cfg)[0] in ("dpp", "dpp-zb"),
+        f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
+        f"--model gpt (got {m.model})": m.model == "gpt",
+        f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
+        f"--hidden-dropout 0 --attention-dropout 0 (got {m.hidden_dropout}, {m.attention_dropout}): captured "
+        "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
+        "no --overlap-grad-reduce (a replayed backward runs no gradient hooks, which launch its reduction)":
+            not par.overlap_grad_reduce,
+        f"at most {MAX_GRAPHED_LENGTHS} sequence lengths to capture with --variable-seq-lengths (each slot holds a "
+        f"graph pair per length; --seq-length {m.seq_length} / --seq-length-divisible-by "
+        f"{cfg.data.seq_length_divisible_by} gives {-(-m.seq_length // cfg.data.seq_length_divisible_by)}: "
+        "raise --seq-length-divisible-by)":
+            not cfg.data.variable_seq_lengths
+            or -(-m.seq_length // cfg.data.seq_length_divisible_by) <= MAX_GRAPHED_LENGTHS,
+    }
+    return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
+
+
+def _recompute_slot_problems(cfg: TrainConfig) -> list[str]:
+    """--dpp-recompute-slots: per-slot selective recompute inside the DPP graphs."""
+    par, given = cfg.parallel, cfg.parallel.dpp_recompute_slots
+    if not given:
+        return []
+    flag = "--dpp-recompute-slots " + ",".join(map(str, given))
+    p = []
+    if not par.dpp_cuda_graphs:
+        p.append(f"{flag} needs --dpp-cuda-graphs (it picks which graph slots recompute)")
+    if any(n < 0 for n in given):
+        p.append(f"{flag}: every count must be >= 0")
+    if len(given) > par.pipeline_model_parallel_size:
+        p.append(f"{flag} lists {len(given)} stages; --pipeline-model-parallel-size is "
+                 f"{par.pipeline_model_parallel_size}")
+    if cfg.model.recompute is not None:
+        p.append(f"{flag} and --recompute-granularity {cfg.model.recompute} (or --recompute-activations): give "
+                 "one (per-slot selective recompute, or recompute in every slot and eager op)")
+    return p
+
+
+def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
+    """What rules out --cuda-graph-impl local (megatron-core's per-layer graphs for its schedules)."""
+    par = cfg.parallel
+    if par.cuda_graph_impl == "none":
+        return []
+    why = {
+        "megatron-core's schedules (not --use-dpp: the DPP runtime's graphs are --dpp-cuda-graphs)":
+            not par.use_dpp,
+        f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
+        "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
+            not cfg.data.variable_seq_lengths,
+        f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,
+        # Measured on 4xH100 with megatron-core 0.19.2 (no Transformer Engine there): at PP=4 its graph
+        # creation fails after the first step (assert fwd_buffer_reuse_ref_count == 0 in
+        # _create_cudagraphs); PP=1 ran and matched eager. Refused until a pipeline run has passed.
+        f"--pipeline-model-parallel-size 1 (got {par.pipeline_model_parallel_size}: megatron-core's "
+        "local graphs failed to build under its pipeline schedule in the one configuration tried, "
+        "docs/benchmarks.md)": par.pipeline_model_parallel_size == 1,
+    }
+    return [f"--cuda-graph-impl {par.cuda_graph_impl} needs {need}" for need, ok in why.items() if not ok]
+
+
+def resolve_dpp_policy(cfg: TrainConfig) -> tuple[str, str]:
+    """(the policy --dpp-policy names, why) -- ``auto`` resolved: dpp-zb with --dpp-cuda-graphs where
+    split backward is possible, else dpp. Why: on the benchmark model (4xH100, one measurement,
+    equal peak memory) graphed dpp-zb ran 474.6 ms per iteration against dpp's 493.2 (510.9 vs
+    519.0 with two recomputing slots), once it waits for a gradient's data rather than its header
+    (fill_transit); eager it did not win (973.1 vs 953.6 at v=1, within noise), so eager runs keep dpp."""
+    par = cfg.parallel
+    if par.dpp_policy != "auto":
+        return par.dpp_policy, "--dpp-policy " + par.dpp_policy
+    if not par.use_dpp:
+        return "dpp", "--dpp-policy auto without --use-dpp (not used)"
+    if not par.dpp_cuda_graphs:
+        return "dpp", "--dpp-policy auto: without --dpp-cuda-graphs dpp-zb was not measured faster"
+    blockers = split_backward_refusals(cfg, "dpp-zb")
+    if blockers:
+        return "dpp", "--dpp-policy auto: dpp-zb's split backward is ruled out: " + "; ".join(blockers)
+    return "dpp-zb", "--dpp-policy auto: with --dpp-cuda-graphs dpp-zb is the faster at equal memory"
+
+
+def split_backward_refusals(cfg: TrainConfig, policy: str | None = None) -> list[str]:
+    """What rules out --dpp-policy dpp-zb / zb-h1 (split backward), knowable before any process group.
+    ``policy``: the one to check (default: the run's, ``auto`` resolved)."""
+    par, impl = cfg.parallel, cfg.model.transformer_impl
+    if policy is None:
+        policy = resolve_dpp_policy(cfg)[0]
+    if policy not in ("dpp-zb", "zb-h1"):
+        return []
+    p = []
+    # trainer.pipeline.split_backward defers the weight GEMMs of megatron's local linears only;
+    # "auto" picks Transformer Engine on CUDA where it is installed (trainer.model.build), so only
+    # there must the choice be explicit.
+    if uses_transformer_engine_spec(cfg, installed("transformer_engine")):
+        backend = cfg.model.attention
+        why = f"--attention-backend={backend}" if backend in TE_ATTENTION_BACKENDS else f"--transformer-impl={impl}"
+        p.append(f"--dpp-policy={policy} splits the backward of megatron-core's local linear layers only: "
+                 f"pass --transformer-impl local (got {why})")
+    if par.sequence_parallel:
+        p.append(f"--dpp-policy={policy} with --sequence-parallel: split backward defers the weight GEMMs of "
+                 "linears without sequence parallelism only; drop one of them")
+    if par.overlap_grad_reduce:
+        p.append(f"--dpp-policy={policy} with --overlap-grad-reduce: the reduction would start from the gradient "
+                 "hooks of I, before W has accumulated the weight gradients; drop --overlap-grad-reduce")
+    if policy == "zb-h1" and cfg.virtual_pipeline > 1:
+        p.append(f"--dpp-policy=zb-h1 needs one model chunk per stage, got {cfg.virtual_pipeline}")
+    if policy == "zb-h1" and not par.use_dpp and cfg.run.device == "cuda" and par.distributed_backend != "gloo":
+        p.append("--dpp-policy=zb-h1 without --use-dpp on CUDA: megatron-core's own schedule would run; "
+                 "add --use-dpp")
+    return p

@@ -1,0 +1,462 @@
+"""The configuration's sections as typed frozen dataclasses, Megatron-LM's flag names (docs/training.md#flags).
+
+Each section validates its own fields in ``__post_init__`` (one :class:`ConfigError` naming every bad
+value); what needs several sections or the world size is :mod:`trainer.config.layout`'s, and which
+schedule runs is :mod:`trainer.config.plan`'s. A field's docstring is its ``--help`` text, its type
+hint its choices (trainer/config/parser.py reads both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from trainer.names import TRANSPORTS, Transport
+
+DPP_POLICIES = ("auto", "dpp", "dpp-zb", "zb-h1")
+DECAY_STYLES = ("constant", "linear", "cosine")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # megatron-core's AttnBackend names
+DEFAULT_TRAIN_ITERS = 10  # without --train-iters or --train-samples (Megatron-LM requires one)
+
+
+class ConfigError(ValueError):
+    """One or more bad settings; the message names every one of them."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
+
+
+def _check(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
+
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the transformer (``--model`` picks GPT or BERT from megatron-core)."""
+
+    model: Literal["gpt", "bert"] = "gpt"
+    """Which megatron-core model: GPTModel (causal LM) or BertModel (masked LM + binary head)."""
+    num_layers: int = 2
+    """Transformer layers in the whole model (``--num-layers``)."""
+    hidden_size: int = 64
+    """Hidden width (``--hidden-size``)."""
+    num_attention_heads: int = 4
+    """Attention heads (``--num-attention-heads``); divisible by the TP size."""
+    ffn_hidden_size: int | None = None
+    """MLP width (``--ffn-hidden-size``); None means 4 x hidden_size, Megatron's default."""
+    seq_length: int = 64
+    """Tokens per sample (``--seq-length``)."""
+    max_position_embeddings: int | None = None
+    """Learned position table size (``--max-position-embeddings``); None means seq_length."""
+    vocab_size: int = 1024
+    """Vocabulary size for ``--mock-data`` / NullTokenizer; real tokenizers bring their own."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this x TP, as Megatron does."""
+    hidden_dropout: float = 0.1
+    """Dropout after attention/MLP (``--hidden-dropout``)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (``--attention-dropout``)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer instead of reusing the input embedding (Megatron's flag)."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer spec: local always works; TE when importable ("auto" picks TE on CUDA if present)."""
+    recompute_activations: bool = False
+    """Megatron-LM's shorthand for ``--recompute-granularity selective`` (``--recompute-activations``)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recompute (``--recompute-granularity``, TransformerConfig's field): full recomputes
+    whole transformer layers in the backward (needs --recompute-method and --recompute-num-layers),
+    selective only the core attention (megatron-core's default recompute module). None: off."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """Which layers full recompute covers (``--recompute-method``): uniform = every layer, in groups of
+    --recompute-num-layers; block = the first --recompute-num-layers layers of each model chunk."""
+    recompute_num_layers: int | None = None
+    """Group size (uniform) or layers per chunk (block) of full recompute (``--recompute-num-layers``)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the zero-mean normal initialisation (``--init-method-std``, Megatron-LM's
+    default 0.02); megatron-core scales it by 1/sqrt(2 x layers) for the output projections."""
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    """Megatron-LM's ``--attention-backend`` (megatron-core's ``TransformerConfig.attention_backend``):
+    auto = the layer spec's default (Transformer Engine picks its kernel); flash / fused / unfused =
+    that kernel of Transformer Engine's DotProductAttention (needs TE on CUDA; flash also the
+    flash-attn package), forced as megatron-core forces it (NVTE_FLASH/FUSED/UNFUSED_ATTN); local =
+    megatron-core's own attention, i.e. the local layer spec."""
+    use_flash_attn: bool = False
+    """Megatron-LM's ``--use-flash-attn`` (FlashAttention): here the same as ``--attention-backend
+    flash`` (megatron-core models take the backend from that setting)."""
+
+    def __post_init__(self) -> None:
+        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
+             for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                       "make_vocab_size_divisible_by") if getattr(self, n) < 1]
+        if self.model not in ("gpt", "bert"):
+            p.append(f"--model={self.model!r} must be gpt or bert")
+        if self.hidden_size % max(self.num_attention_heads, 1):
+            p.append(f"--hidden-size={self.hidden_size} is not divisible by "
+                     f"--num-attention-heads={self.num_attention_heads}")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            p.append(f"--ffn-hidden-size={self.ffn_hidden_size} must be >= 1")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+            p.append(f"--max-position-embeddings={self.max_position_embeddings} is smaller than "
+                     f"--seq-length={self.seq_length}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                p.append(f"--{name.replace('_', '-')}={getattr(self, name)} must be in [0, 1)")
+        if not self.init_method_std > 0:
+            p.append(f"--init-method-std={self.init_method_std} must be > 0")
+        p.extend(self._recompute_problems())
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            p.append(f"--attention-backend={self.attention_backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
+        elif self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
+            p.append(f"--use-flash-attn asks for the flash backend but --attention-backend={self.attention_backend}: "
+                     "give one of them")
+        _check(p)
+
+    def _recompute_problems(self) -> list[str]:
+        """Megatron-LM's and megatron-core's recompute rules; and, since megatron-core would silently
+        ignore a method or layer count without a granularity, that is refused too."""
+        granularity, method, layers = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        p = []
+        if granularity not in (None, "full", "selective"):
+            p.append(f"--recompute-granularity={granularity!r} must be full or selective")
+        if method not in (None, "uniform", "block"):
+            p.append(f"--recompute-method={method!r} must be uniform or block")
+        if layers is not None and layers < 1:
+            p.append(f"--recompute-num-layers={layers} must be >= 1")
+        if self.recompute_activations and granularity == "full":
+            # Megatron-LM would quietly turn full into selective; a contradiction is named instead.
+            p.append("--recompute-activations means --recompute-granularity selective, not full: give one of them")
+        if self.recompute == "full":
+            p.extend(f"--recompute-granularity full needs {flag}" for flag, value in
+                     (("--recompute-method uniform|block", method), ("--recompute-num-layers N", layers))
+                     if value is None)
+        elif self.recompute == "selective":
+            p.extend(f"{flag}={value} applies to --recompute-granularity full only, not selective"
+                     for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+                     if value is not None)
+        else:
+            p.extend(f"{flag}={value} needs --recompute-granularity full (without it nothing is recomputed)"
+                     for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+                     if value is not None)
+        return p
+
+    @property
+    def recompute(self) -> str | None:
+        """The recompute granularity megatron-core gets (--recompute-activations means selective)."""
+        return "selective" if self.recompute_activations else self.recompute_granularity
+
+    @property
+    def attention(self) -> str:
+        """The attention backend megatron-core gets (--use-flash-attn means flash)."""
+        return "flash" if self.use_flash_attn else self.attention_backend
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, vocab_size: int, tensor_parallel: int) -> int:
+        """Megatron's padding: next multiple of make_vocab_size_divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model and batch are split over ranks, and how the pipeline is scheduled."""
+
+    tensor_model_parallel_size: int = 1
+    """TP size (``--tensor-model-parallel-size``); TP groups stay within a node."""
+    pipeline_model_parallel_size: int = 1
+    """PP size (``--pipeline-model-parallel-size``): number of pipeline stages."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per model chunk; enables interleaving (VP) when smaller than layers per stage."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP ranks (``--use-distributed-optimizer``)."""
+    use_dpp: bool = False
+    """Run the dynamic pipeline schedule instead of 1F1B (``--use-dpp``)."""
+    dpp_max_inflight: int | None = None
+    """DPP cap on forwards whose activations are held; None means 1F1B's per-stage cap."""
+    dpp_cap_factor: float = 1.0
+    """Multiplies each stage's 1F1B in-flight cap, rounded down (``--dpp-cap-factor``): 1.5 at PP=4
+    gives 6/4/3/1. Headroom on the early stages hides the stage-to-stage round trip (a stage at
+    1F1B's cap must wait for its oldest microbatch's gradient before the next forward) at the
+    memory of the extra activations; the last stage keeps 1F1B's cap (its F and B are adjacent)."""
+    dpp_max_queued_ops: int | None = None
+    """How many of its queued ops a DPP stage's host may have unfinished on the GPU before it decides
+    the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
+    instead of at host time, so a forward whose input is still being computed upstream does not
+    hold back a ready backward on the stream. 0 = unbounded. Default: 1 with --dpp-cuda-graphs (on
+    4xH100, issue-12 model: 482 ms/iteration at 1, 524 at 2, 559 unbounded; docs/benchmarks.md), 0
+    otherwise (eager DPP not measured with it). CUDA only in effect."""
+    dpp_fill_transit: bool = True
+    """dpp-zb: while every ready input gradient is still on its way to this GPU (its header comes
+    when the neighbour *queued* the op making it), run a deferred W meanwhile, and a landed gradient's
+    I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, as before the
+    eleventh session; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
+    dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1"] = "auto"
+    """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
+    deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
+    the runtime's non-DPP CPU path), auto (the default: dpp-zb with --dpp-cuda-graphs where its split
+    backward is possible, else dpp -- what measured fastest at equal memory, eleventh session,
+    docs/schedules.md; the log's layout line says which ran and why). Split backward needs
+    megatron-core's local layer spec."""
+    dpp_cuda_graphs: bool = False
+    """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
+    pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
+    the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
+    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot), TP 1 and dropout 0; costs GPU memory per
+    slot."""
+    dpp_recompute_slots: tuple[int, ...] = ()
+    """With --dpp-cuda-graphs: how many of a stage's graph slots (of each chunk's, at v > 1) recompute
+    the core attention in their backward graph (selective recompute, per slot), listed per stage from
+    stage 0, comma-separated;
+    stages not listed: none (``--dpp-recompute-slots 1`` = one slot of stage 0's). A recomputing slot
+    holds ~55% of a slot's activations on the issue-12 model for a share of the recompute's GPU time, so
+    the stage that decides peak memory can give up memory where it costs least; forwards take a
+    slot that keeps its activations when one is free. --recompute-activations recomputes in every slot
+    and every eager op instead; the two are exclusive."""
+    cuda_graph_impl: Literal["none", "local"] = "none"
+    """megatron-core's own CUDA graphs for its schedules, as Megatron-LM's ``--cuda-graph-impl local``:
+    every transformer layer's forward and backward recorded per in-flight microbatch during the first
+    ``--cuda-graph-warmup-steps`` steps' schedule, then replayed (megatron.core.transformer.cuda_graphs).
+    CUDA, not with --use-dpp (the DPP runtime's graphs are --dpp-cuda-graphs), one sequence length.
+    "transformer_engine" and "full_iteration" need Transformer Engine / are not offered here."""
+    cuda_graph_warmup_steps: int = 3
+    """Eager steps of each graphed layer before megatron-core records its graphs (as Megatron-LM)."""
+    transport: Transport = "auto"
+    """Stage-to-stage transport (``--transport``): shm within a node, nccl/gloo across."""
+    dpp_timeout_s: float = 300.0
+    """Watchdog: a stage that can run nothing for this long fails naming what it waits for."""
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Backend of the default process group (Megatron-LM's ``--distributed-backend``): auto = nccl
+    on CUDA, gloo on CPU. gloo on CUDA lets several ranks share one GPU (NCCL refuses that), e.g. to
+    run the DPP runtime with the CUDA IPC transport on a single-GPU machine."""
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    """Model chunks per stage (Megatron-LM's flag); the way to ask for VP with an uneven split,
+    where layers per virtual stage differ between stages. Exclusive with
+    --num-layers-per-virtual-pipeline-stage."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Transformer layers on the first stage (Megatron-LM's flag; megatron-core's
+    num_layers_in_first_pipeline_stage); None = even split. The rest is spread over the middle stages."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Transformer layers on the last stage (Megatron-LM's flag; num_layers_in_last_pipeline_stage),
+    e.g. one fewer when the output head over a large vocabulary weighs like a layer or two."""
+    overlap_p2p_comm: bool = True
+    """megatron-core's interleaved schedule overlaps P2P with compute (Megatron-LM's default; switched
+    off by its flag --no-overlap-p2p-communication). Like Megatron-LM, only used with VP; without VP
+    overlap is off. batch_p2p_comm (batch_isend_irecv) is its negation, as Megatron-LM sets it."""
+    sequence_parallel: bool = False
+    """Megatron-LM's ``--sequence-parallel`` (TransformerConfig.sequence_parallel): with TP > 1 the
+    layer norms, dropouts and residuals work on 1/TP of the sequence; activations between layers, and
+    between pipeline stages, are [seq/TP, batch, hidden]. Needs --tensor-model-parallel-size > 1
+    (Megatron-LM would switch it off with a warning) and --seq-length divisible by TP."""
+    overlap_grad_reduce: bool = False
+    """Megatron-LM's ``--overlap-grad-reduce`` (megatron-core DDP's overlap_grad_reduce): each model
+    chunk's data-parallel gradient reduction is launched asynchronously, bucket by bucket, while its
+    last backward still runs (instead of all at once in finalize_model_grads), and awaited in
+    finalize_model_grads. Buckets of max(40M, 1M x DP) parameters, as Megatron-LM."""
+    batch_p2p_sync: bool = True
+    """megatron-core syncs the device after each batched P2P (batch_isend_irecv), a workaround for old
+    PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its
+    --no-<field> convention for TransformerConfig.batch_p2p_sync). Only megatron-core's schedules use it."""
+
+    def _dpp_problems(self) -> list[str]:
+        """The DPP runtime's own knobs: policy, caps."""
+        p: list[str] = []
+        if self.dpp_max_queued_ops is not None and self.dpp_max_queued_ops < 0:
+            p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} must be >= 0")
+        elif self.dpp_max_queued_ops and not self.use_dpp:
+            p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} applies to --use-dpp")
+        if not (math.isfinite(self.dpp_cap_factor) and self.dpp_cap_factor >= 1.0):
+            p.append(f"--dpp-cap-factor={self.dpp_cap_factor} must be a finite number >= 1")
+        elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:
+            p.append(f"--dpp-cap-factor={self.dpp_cap_factor} and --dpp-max-inflight={self.dpp_max_inflight}: "
+                     "give one (a fixed cap for every stage, or a multiple of each stage's 1F1B cap)")
+        elif self.dpp_cap_factor != 1.0 and not (self.use_dpp and self.dpp_policy != "zb-h1"):
+            p.append(f"--dpp-cap-factor={self.dpp_cap_factor} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
+        if self.dpp_max_inflight is not None and self.dpp_max_inflight < 1:
+            p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
+        if self.dpp_policy not in DPP_POLICIES:
+            p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
+        elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
+            p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
+        if self.dpp_policy == "zb-h1" and self.dpp_max_inflight is not None:
+            p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
+                     "not to the static zb-h1")
+        return p
+
+    def __post_init__(self) -> None:
+        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
+             for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+             if getattr(self, n) < 1]
+        if self.num_layers_per_virtual_pipeline_stage is not None and self.num_layers_per_virtual_pipeline_stage < 1:
+            p.append(f"--num-layers-per-virtual-pipeline-stage={self.num_layers_per_virtual_pipeline_stage}"
+                     " must be >= 1")
+        p.extend(self._dpp_problems())
+        if self.transport not in TRANSPORTS:
+            p.append(f"--transport={self.transport!r} must be one of {', '.join(TRANSPORTS)}")
+        if self.distributed_backend not in ("auto", "nccl", "gloo"):
+            p.append(f"--distributed-backend={self.distributed_backend!r} must be one of auto, nccl, gloo")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Megatron-LM turns it off with a warning; refused here rather than ignored.
+            p.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence over the "
+                     "tensor-parallel ranks)")
+        if self.dpp_timeout_s <= 0:
+            p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
+        if self.cuda_graph_impl not in ("none", "local"):
+            p.append(f"--cuda-graph-impl={self.cuda_graph_impl!r} must be none or local (megatron-core's own "
+                     "graphs; transformer_engine needs Transformer Engine, full_iteration is not offered)")
+        vs = self.num_virtual_stages_per_pipeline_rank
+        if vs is not None and vs < 1:
+            p.append(f"--num-virtual-stages-per-pipeline-rank={vs} must be >= 1")
+        if vs is not None and self.num_layers_per_virtual_pipeline_stage is not None:
+            p.append(f"--num-virtual-stages-per-pipeline-rank={vs} and --num-layers-per-virtual-pipeline-stage="
+                     f"{self.num_layers_per_virtual_pipeline_stage} are mutually exclusive")
+        uneven = self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+        if uneven and self.num_layers_per_virtual_pipeline_stage is not None:
+            # Megatron-LM's rule: layers per virtual stage differ between stages of an uneven split.
+            p.append(f"--num-layers-per-virtual-pipeline-stage={self.num_layers_per_virtual_pipeline_stage} "
+                     "cannot be used with --decoder-first/last-pipeline-num-layers; give "
+                     "--num-virtual-stages-per-pipeline-rank instead")
+        _check(p)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Batch sizes, optimizer and learning-rate schedule (Megatron-LM's names)."""
+
+    micro_batch_size: int = 1
+    """Samples per microbatch (``--micro-batch-size``)."""
+    global_batch_size: int = 8
+    """Samples per iteration over all DP replicas (``--global-batch-size``)."""
+    train_iters: int | None = None
+    """Iterations to train (``--train-iters``); None: --train-samples // --global-batch-size when
+    --train-samples is given, else 10. Exclusive with --train-samples (Megatron-LM's rule)."""
+    train_samples: int | None = None
+    """Sample-based training (``--train-samples``), as Megatron-LM: train_samples // global_batch_size
+    iterations (a partial last batch is dropped); the LR schedule is then given in samples."""
+    lr: float = 1e-3
+    """Peak learning rate (``--lr``)."""
+    min_lr: float = 0.0
+    """Floor of the decay (``--min-lr``)."""
+    lr_warmup_iters: int = 0
+    """Linear warm-up iterations (``--lr-warmup-iters``); iteration-based training only."""
+    lr_warmup_samples: int = 0
+    """Linear warm-up in samples (``--lr-warmup-samples``); with --train-samples only."""
+    lr_warmup_fraction: float | None = None
+    """Warm-up as a fraction of the decay length (``--lr-warmup-fraction``), in either mode; exclusive
+    with --lr-warmup-iters / --lr-warmup-samples."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
+    """Decay after warm-up (``--lr-decay-style``)."""
+    lr_decay_iters: int | None = None
+    """Iterations over which to decay; None means the training length. Iteration-based only."""
+    lr_decay_samples: int | None = None
+    """Samples over which to decay (``--lr-decay-samples``); None means --train-samples. With
+    --train-samples only."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (``--weight-decay``)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables (``--clip-grad``)."""
+    adam_beta1: float = 0.9
+    """Adam beta1 (``--adam-beta1``)."""
+    adam_beta2: float = 0.999
+    """Adam beta2 (``--adam-beta2``)."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """``--optimizer`` (Megatron-LM's): megatron-core's Adam(W) or SGD (momentum 0.9, Megatron's
+    default), both with fp32 main weights under --bf16/--fp16."""
+    seed: int = 1234
+    """Seed for initialisation, dropout and mock data (``--seed``)."""
+    bf16: bool = False
+    """bfloat16 parameters and compute with fp32 main weights (``--bf16``)."""
+    fp16: bool = False
+    """float16 with dynamic loss scaling (``--fp16``)."""
+
+    def __post_init__(self) -> None:
+        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
+             for n in ("micro_batch_size", "global_batch_size") if getattr(self, n) < 1]
+        p.extend(self._schedule_problems())
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            p.append(f"--lr={self.lr} / --min-lr={self.min_lr} need 0 <= min-lr <= lr and lr > 0")
+        if self.lr_decay_style not in DECAY_STYLES:
+            p.append(f"--lr-decay-style={self.lr_decay_style!r} must be one of {', '.join(DECAY_STYLES)}")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            p.append(f"--weight-decay={self.weight_decay} and --clip-grad={self.clip_grad} must be >= 0")
+        if self.bf16 and self.fp16:
+            p.append("--bf16 and --fp16 are mutually exclusive")
+        if self.optimizer not in ("adam", "sgd"):
+            p.append(f"--optimizer={self.optimizer!r} must be adam or sgd")
+        _check(p)
+
+    def _schedule_problems(self) -> list[str]:
+        """Megatron-LM's rules for iteration- vs sample-based training (validate_args), plus the ranges
+        and megatron-core's OptimizerParamScheduler assertion (warm-up shorter than decay) up front."""
+        p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
+             for n in ("train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples")
+             if getattr(self, n) is not None and getattr(self, n) < 1]
+        p.extend(f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 0"
+                 for n in ("lr_warmup_iters", "lr_warmup_samples") if getattr(self, n) < 0)
+        fraction = self.lr_warmup_fraction
+        if fraction is not None and not 0.0 <= fraction < 1.0:
+            p.append(f"--lr-warmup-fraction={fraction} must be in [0, 1)")
+        if self.train_samples is not None:
+            wrong = [(n, v) for n, v in (("train_iters", self.train_iters), ("lr_decay_iters", self.lr_decay_iters))
+                     if v is not None] + ([("lr_warmup_iters", self.lr_warmup_iters)] if self.lr_warmup_iters else [])
+            p.extend(f"--{n.replace('_', '-')}={v} is iteration-based but --train-samples={self.train_samples} "
+                     "asks for sample-based training" for n, v in wrong)
+            if fraction is not None and self.lr_warmup_samples:
+                p.append(f"--lr-warmup-fraction={fraction} and --lr-warmup-samples={self.lr_warmup_samples}: "
+                         "give only one")
+            if self.global_batch_size >= 1 and 1 <= self.train_samples < self.global_batch_size:
+                p.append(f"--train-samples={self.train_samples} is less than one iteration of "
+                         f"--global-batch-size={self.global_batch_size}")
+        else:
+            p.extend(f"--{n.replace('_', '-')}={v} is sample-based: it needs --train-samples"
+                     for n, v in (("lr_decay_samples", self.lr_decay_samples),
+                                  ("lr_warmup_samples", self.lr_warmup_samples or None)) if v is not None)
+            if fraction is not None and self.lr_warmup_iters:
+                p.append(f"--lr-warmup-fraction={fraction} and --lr-warmup-iters={self.lr_warmup_iters}: "
+                         "give only one")
+        if not p and self.global_batch_size >= 1:
+            warmup, decay, _ = self.lr_schedule_samples
+            if warmup >= decay:
+                p.append(f"LR warm-up of {warmup:g} samples is not shorter than the decay of {decay:g} samples "
+                         "(--lr-warmup-* against --lr-decay-* or the training length)")
+        return p
+
+    @property
+    def total_iters(self) -> int:
+        """Iterations this run trains: --train-iters, else --train-samples // --global-batch-size
+        (Megatron-LM's update_train_iters, no batch-size ramp-up), else 10."""
+        if self.train_iters is not None:
+            return self.train_iters
+        if self.train_samples is not None:
+            return self.train_samples // self.global_batch_size
+        return DEFAULT_TRAIN_ITERS
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters or self.total_iters
+
+    @property
+    def lr_schedule_samples(self) -> tuple[float, int, int]:
+        """(warm-up, decay, weight-decay increment) lengths in samples, the units megatron-core's
+        OptimizerParamScheduler steps in (by global batch size), computed as Megatron-LM's
+        get_optimizer_param_scheduler does in both modes; a warm-up fraction is of the decay."""
+        gbs = self.global_batch_size
+        if self.train_samples is not None:
+            decay, wd_incr = self.lr_decay_samples or self.train_samples, self.train_samples
+            warmup: float = self.lr_warmup_samples
+        else:
+            decay, wd_incr = self.decay_iters * gbs, self.total_iters * gbs
+            warmup = self.lr_warmup_iters * gbs
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        return warmup, decay, wd_incr

@@ -1,0 +1,66 @@
+"""Transformer Engine: whether the model is built from its layer spec, and what rules out the attention
+backend asked for (its kernels, the flash-attn package, NVTE_*_ATTN variables), before any process starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from trainer.config.training import TrainConfig
+
+# Environment switches megatron-core sets for Transformer Engine per backend (LanguageModule's
+# _set_attention_backend), in the order NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN.
+NVTE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+NVTE_ATTENTION_VALUES = {"auto": (1, 1, 1), "flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1),
+                         "local": (0, 0, 0)}
+TE_ATTENTION_BACKENDS = ("flash", "fused", "unfused")  # kernels of Transformer Engine's attention
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def uses_transformer_engine_spec(cfg: TrainConfig, te_installed: bool) -> bool:
+    """Whether the model is built from megatron-core's Transformer Engine layer spec: a TE attention
+    backend needs it, --attention-backend local is the local spec (Megatron-LM's --spec local), and
+    otherwise --transformer-impl decides ("auto": TE on CUDA where it is installed)."""
+    backend, impl = cfg.model.attention, cfg.model.transformer_impl
+    if backend in TE_ATTENTION_BACKENDS:
+        return True
+    if backend == "local" or impl == "local":
+        return False
+    return impl == "transformer_engine" or (cfg.run.device == "cuda" and te_installed)
+
+
+def attention_backend_problems(cfg: TrainConfig, environ: dict[str, str] | None = None) -> list[str]:
+    """What rules out the --attention-backend / --use-flash-attn chosen, before any process starts:
+    a contradicting --transformer-impl, a TE kernel on CPU or without Transformer Engine (or, for
+    flash, without the flash-attn package), and NVTE_*_ATTN variables that megatron-core would find
+    set against the backend (it asserts on them when building the model, even for auto)."""
+    backend, impl = cfg.model.attention, cfg.model.transformer_impl
+    flag = ("--use-flash-attn" if cfg.model.use_flash_attn else
+            f"--attention-backend {backend}" + (" (the default)" if backend == "auto" else ""))
+    p = []
+    if backend == "local" and impl == "transformer_engine":
+        p.append(f"{flag} is megatron-core's own attention (the local layer spec) but --transformer-impl "
+                 "transformer_engine asks for Transformer Engine's: give one of them")
+    if backend in TE_ATTENTION_BACKENDS:
+        if impl == "local":
+            p.append(f"{flag} is a kernel of Transformer Engine's attention but --transformer-impl local builds "
+                     "megatron-core's own: drop one of them (--attention-backend local is the local one)")
+        if cfg.run.device != "cuda":
+            p.append(f"{flag} needs --device cuda (Transformer Engine's attention kernels are CUDA only); "
+                     "on CPU use --attention-backend auto or local")
+        elif not installed("transformer_engine"):
+            p.append(f"{flag} needs Transformer Engine, which is not installed (transformer_engine does not "
+                     "import here); install it, or use --attention-backend auto or local")
+        if backend == "flash" and cfg.run.device == "cuda" and not any(
+                installed(m) for m in ("flash_attn", "flash_attn_interface", "flash_attn_3")):
+            p.append(f"{flag} needs the flash-attn package (Transformer Engine's flash backend calls it), which "
+                     "is not installed; install flash-attn, or use --attention-backend fused/unfused/auto")
+    env = os.environ if environ is None else environ
+    for name, want in zip(NVTE_ATTENTION_ENV, NVTE_ATTENTION_VALUES[backend], strict=True):
+        if env.get(name) not in (None, str(want)):
+            p.append(f"{flag} sets {name}={want} but the environment has {name}={env[name]} "
+                     "(megatron-core refuses the mismatch): unset it")
+    return p
