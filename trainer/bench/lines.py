@@ -299,12 +299,19 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
             args += ["--run-name", f"bench-{scenario}-{name}"]
             label = what
             if cfg.device == "cpu" and name.startswith("megatron-"):
-                policy = "interleaved" if vp > 1 else "1f1b"
-                label = f"CPU stand-in: our runtime's static {policy} policy (megatron-core's schedules need CUDA); " \
-                        + what.split(", ", 1)[-1]
+                schedule = _schedule_of(args, cfg.pipeline_parallel)  # what the trainer's plan runs instead
+                label = f"CPU stand-in: our runtime's static {schedule.policy} policy (megatron-core's schedules " \
+                        "need CUDA); " + what.split(", ", 1)[-1]
             module = "trainer.bench.direct" if name == "direct-megatron" else "trainer.train"
             out.append(Line(name, scenario, label, module, args, split))
     return out
+
+
+def _schedule_of(args: list[str], world_size: int):
+    """The schedule the trainer's run plan picks for these flags (trainer.config.plan)."""
+    from trainer.config import parse_config, resolve_plan
+
+    return resolve_plan(parse_config(args, world_size), world_size).schedule
 
 
 def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policies: tuple[str, ...],
