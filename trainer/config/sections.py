@@ -194,19 +194,19 @@ class ParallelConfig:
     the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
     instead of at host time, so a forward whose input is still being computed upstream does not
     hold back a ready backward on the stream. 0 = unbounded. Default: 1 with --dpp-cuda-graphs (on
-    4xH100, issue-12 model: 482 ms/iteration at 1, 524 at 2, 559 unbounded; docs/benchmarks.md), 0
+    4xH100, the benchmark model: 482 ms/iteration at 1, 524 at 2, 559 unbounded; docs/benchmarks.md), 0
     otherwise (eager DPP not measured with it). CUDA only in effect."""
     dpp_fill_transit: bool = True
     """dpp-zb: while every ready input gradient is still on its way to this GPU (its header comes
     when the neighbour *queued* the op making it), run a deferred W meanwhile, and a landed gradient's
-    I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, as before the
-    eleventh session; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
+    I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, the earlier
+    behaviour; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
     dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1"] = "auto"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
     the runtime's non-DPP CPU path), auto (the default: dpp-zb with --dpp-cuda-graphs where its split
-    backward is possible, else dpp -- what measured fastest at equal memory, eleventh session,
-    docs/schedules.md; the log's layout line says which ran and why). Split backward needs
+    backward is possible, else dpp -- what measured fastest at equal memory,
+    docs/schedules.md; the log's layout line says which ran and why: trainer/config/plan.py). Split backward needs
     megatron-core's local layer spec."""
     dpp_cuda_graphs: bool = False
     """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
@@ -219,7 +219,7 @@ class ParallelConfig:
     the core attention in their backward graph (selective recompute, per slot), listed per stage from
     stage 0, comma-separated;
     stages not listed: none (``--dpp-recompute-slots 1`` = one slot of stage 0's). A recomputing slot
-    holds ~55% of a slot's activations on the issue-12 model for a share of the recompute's GPU time, so
+    holds ~55% of a slot's activations on the benchmark model for a share of the recompute's GPU time, so
     the stage that decides peak memory can give up memory where it costs least; forwards take a
     slot that keeps its activations when one is free. --recompute-activations recomputes in every slot
     and every eager op instead; the two are exclusive."""
