@@ -110,7 +110,7 @@ class TrainingSession:
     def setup(self) -> BuiltRun:
         cfg = self.cfg
         preflight(cfg.checkpoint.load, cfg.checkpoint.save)  # an unreadable --load fails before any process group
-        self.built = run = build_run(cfg, self.plan, self.launch, self.hooks, self.state)
+        self.built = run = build_run(cfg, self.plan, self.launch, self.hooks, lambda: self.state.consumed_samples)
         if cfg.checkpoint.load:
             loaded = load_checkpoint(cfg.checkpoint.load, run.model, run.optimizer, run.scheduler,
                                      self._checkpoint_facts(), cfg.checkpoint.override_checkpoint_config)

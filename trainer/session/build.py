@@ -62,9 +62,11 @@ class BuiltRun:
     """--dpp-cuda-graphs: the side stream the model runs on (trainer.pipeline.cuda_graphs)."""
 
 
-def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any, state: Any) -> BuiltRun:
+def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
+              consumed_samples: Callable[[], int]) -> BuiltRun:
     """Set up this rank's run (COLLECTIVE: every rank calls it). ``hooks``: trainer.train.TrainHooks;
-    ``state``: the TrainState whose consumed samples the feed reads."""
+    ``consumed_samples``: the training state's count at the time of asking (a resumed run replaces
+    the state object after set-up, so the feed must not hold the one it was built with)."""
     device = init_process_group(launch, cfg.run.device, timeout_s=max(600.0, cfg.parallel.dpp_timeout_s),
                                 backend_choice=cfg.parallel.distributed_backend)
     run_token = agreed_run_token(device=device)
@@ -90,7 +92,7 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any, s
                           + "): drop --multi-node, or launch on several nodes")
     init_megatron_parallel(topology)
     _seed(cfg, topology)
-    feed = MicrobatchFeed(cfg, topology, device, plan.num_microbatches, lambda: state.consumed_samples)
+    feed = MicrobatchFeed(cfg, topology, device, plan.num_microbatches, consumed_samples)
     from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
     from trainer.model.steps import uses_per_token_loss
 
