@@ -53,6 +53,12 @@ class JobRecord:
     def finished(self) -> bool:
         return self.state in TERMINAL_STATES
 
+    @property
+    def never_ran(self) -> bool:
+        """Ended without ever being given nodes: cancelled while pending (by hand, or by
+        --kill-on-invalid-dep when its dependency can no longer be met)."""
+        return self.finished and self.nodes in ("None assigned", "")
+
 
 def require(command: str) -> str:
     """Path of a Slurm command, or SlurmError telling how to get one on PATH."""

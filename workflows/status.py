@@ -33,10 +33,13 @@ def chain_records(job_id: str) -> list[slurm.JobRecord]:
     """The chain containing ``job_id`` in chain order; ValueError when sacct does not know it."""
     # Only the record of that very id: `sacct -j 0` lists every job, whose first would otherwise be
     # taken for job 0 and its chain shown.
-    found = slurm.query(job_ids=[job_id])
+    found = slurm.query(job_ids=sweep.query_ids([job_id]))
     own = [r for r in found if r.job_id == job_id or r.job_id.startswith(f"{job_id}_")][:1]
     if not own and len(found) == 1 and re.fullmatch(r"\d+_\d+", found[0].job_id):
         own = found  # an array task's own id: sacct shows it as <array id>_<task>
+    if not own and "_" in job_id:  # a task that never ran: only its array's line 12_[0-1] exists
+        task = sweep.record_of(sweep.records_by_id(found), job_id)
+        own = [task] if task else []
     if not own:
         raise ValueError(f"job {job_id}: not found in sacct")
     names = chain.chain_names(own[0].name)
@@ -66,8 +69,10 @@ def show_sweep(manifest_path: Path) -> int:
     if not manifest_path.is_file():
         raise ValueError(f"a sweep job, but {manifest_path} does not exist: pass the submit's --runs-dir")
     manifest = sweep.read_manifest(manifest_path)
-    records = sweep.records_by_id(slurm.query(job_ids=sweep.job_ids(manifest)))
+    records = sweep.query(manifest)
     print(sweep.table(manifest, records))
+    for line in sweep.never_started(manifest, records):
+        print(line)
     state = sweep.verdict(manifest, records)
     if any(r.finished and r.state != "COMPLETED" for r in records.values()):  # even while others run
         from workflows import submitit_chain  # submitit only where a report needs its pickles
@@ -100,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     print(table(records))
     state, code = verdict(records)
+    if len(records) == len(chain.STEPS):
+        for line in chain.never_started(records):
+            print(line)
     if chain.chain_names(records[0].name) is None:
         print(f"job {job_id}: {state} (not a workflows.submit chain: shown alone)")
     else:

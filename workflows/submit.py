@@ -209,7 +209,7 @@ def follow_sweep(submitted: submitit_chain.SubmittedSweep, timeout_s: float, pol
     seen: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
     while True:
-        records = sweep.records_by_id(slurm.query(job_ids=list(names)))
+        records = sweep.query(manifest)
         for job_id, what in names.items():
             state = sweep.state_of(records, job_id)
             if seen.get(job_id) != state:
@@ -223,6 +223,8 @@ def follow_sweep(submitted: submitit_chain.SubmittedSweep, timeout_s: float, pol
             return EXIT_TIMEOUT
         time.sleep(poll_s)
     print(sweep.table(manifest, records))
+    for line in sweep.never_started(manifest, records):
+        print(line)
     if state != "COMPLETED":
         for report in submitit_chain.sweep_failure_reports(manifest, records):
             print(report, file=sys.stderr)

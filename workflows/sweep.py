@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workflows import jobs, slurm
+from workflows import chain, jobs, slurm
 
 NAME_PREFIX = "mdppsweep-"  # not "mdpp-": chain.chain_names must not take a sweep job for a chain
 MANIFEST = "sweep.json"
@@ -202,6 +202,45 @@ def summary_of(point: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def records_by_id(records: Sequence[slurm.JobRecord]) -> dict[str, slurm.JobRecord]:
     return {r.job_id: r for r in records}
+
+
+def query_ids(ids: Sequence[str]) -> list[str]:
+    """``ids`` and the array id of each array task among them: sacct has no row ``12_1`` for a task
+    that never ran, only the array's one line ``12_[0-1]``, which `sacct -j 12` finds."""
+    arrays = [i.partition("_")[0] for i in ids if "_" in i]
+    return list(dict.fromkeys([*ids, *arrays]))
+
+
+def query(manifest: Mapping[str, Any]) -> dict[str, slurm.JobRecord]:
+    """sacct's records of every job of the sweep, array tasks that never ran included."""
+    return records_by_id(slurm.query(job_ids=query_ids(job_ids(manifest))))
+
+
+def dependency_of(manifest: Mapping[str, Any], job_id: str) -> tuple[str, str, str] | None:
+    """(kind, job id, what) of the job ``job_id`` waited for: a training task waits (afterok) for
+    the preprocessing, an aggregation (afterany) for its training task; None for the preprocessing."""
+    for point in manifest["points"]:
+        if point["train"] == job_id:
+            return "afterok", manifest["preprocess"], "preprocess"
+        if point["aggregate"] == job_id:
+            return "afterany", point["train"], f"train {point['description']}"
+    return None
+
+
+def never_started(manifest: Mapping[str, Any], records: Mapping[str, slurm.JobRecord]) -> list[str]:
+    """One line per job of the sweep that ended without ever running, naming what it waited for."""
+    lines = []
+    for what, _step, job_id in jobs_of(manifest):
+        record = record_of(records, job_id)
+        if record is None or not record.never_ran:
+            continue
+        line = f"{what} job {job_id}: {record.state} before it started"
+        dependency = dependency_of(manifest, job_id)
+        if dependency:
+            kind, other, other_what = dependency
+            line += chain.waited_for(kind, other, other_what, state_of(records, other))
+        lines.append(line)
+    return lines
 
 
 def task_indices(bracket: str) -> set[int]:
