@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from workflows import chain, slurm, sweep
+from workflows import chain, jobs, slurm, sweep
 from workflows.cli import OneLineParser, fail
 from workflows.render import REPO
 
@@ -86,7 +86,7 @@ def show_sweep(manifest_path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("job_id", help="any job id of the chain or sweep")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs",
+    parser.add_argument("--runs-dir", type=Path, default=REPO / jobs.RUNS,
                         help="where the sweep's folder is (submit's --runs-dir; default: runs/)")
     args = parser.parse_args(argv)
     match = re.fullmatch(r"(\d+)(_\d+)?", args.job_id)

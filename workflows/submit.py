@@ -46,7 +46,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--train-iters", type=int, default=None, help="override TRAIN_ITERS")
     parser.add_argument("--env", type=parse_assignment, action="append", default=[], metavar="KEY=VALUE",
                         help="override any sbatch setting, e.g. --env NUM_LAYERS=8 (repeatable)")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs",
+    parser.add_argument("--runs-dir", type=Path, default=REPO / jobs.RUNS,
                         help="parent of the chain's output folder (default: runs/)")
     sbatch = parser.add_argument_group("sbatch parameters (validated together before anything is submitted)")
     sbatch.add_argument("--time", default=None, help="training job's time limit, e.g. 04:00:00 (default: 02:00:00)")

@@ -37,7 +37,7 @@ SHORT_NAMES = {"pp": "PP", "tp": "TP", "schedule": "USE_DPP", "layers": "NUM_LAY
 SCHEDULES = {"1f1b": "0", "dpp": "1"}
 # Training knobs a sweep may vary. Paths and the dataset are the sweep's (one preprocessing run).
 NOT_SWEPT = {"DATA_PATH", "OUTPUT_DIR", "IMAGE", "CONTAINER_WORKDIR", "PYTHON", "DATA_PREFIX", "DATASET",
-             "CHECKPOINT_DIR", "PROFILE_DIR", "RESUME", "EXTRA_TRAIN_ARGS",
+             "CHECKPOINT_DIR", "PROFILE_DIR", "RUN_NAME", "RESUME", "EXTRA_TRAIN_ARGS",
              "TOKENIZER_TYPE", "VOCAB_FILE", "MERGE_FILE"}
 SWEEPABLE = tuple(k.env for k in jobs.TRAIN.knobs if k.env not in NOT_SWEPT)
 SWITCHES = {k.env for k in jobs.TRAIN.knobs if k.switch}
