@@ -61,7 +61,11 @@ class ChainSpec:
         if unknown:
             errors.append(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         errors += jobs.value_problems(self.overrides)
-        if not errors and self.nodes >= 1 and self.ranks % self.nodes:
+        try:
+            ranks = self.ranks if self.nodes >= 1 else 0
+        except ValueError:  # a bad PP, TP or GPUS_PER_NODE, named above
+            ranks = 0
+        if ranks % max(self.nodes, 1):
             errors.append(f"{self.ranks} training ranks (PP={self._knob('PP')} x TP={self._knob('TP')}) do not "
                           f"split evenly over --nodes {self.nodes}")
         raise_if_any(errors)

@@ -57,13 +57,41 @@ def apply_aliases(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     return out, problems
 
 
+# Knobs the trainer or the scripts read as numbers, with their least value; the switches (0/1) are the
+# knobs marked switch=True below, plus RESUME. Checked at submission: a typo fails there, naming the
+# knob, instead of in the trainer after the preprocessing and the queue.
+INTEGER_MINIMUM = {"GPUS_PER_NODE": 0, "PP": 1, "TP": 1, "NUM_LAYERS": 1, "HIDDEN_SIZE": 1, "NUM_ATTENTION_HEADS": 1,
+                   "SEQ_LENGTH": 1, "MAX_POSITION_EMBEDDINGS": 1, "MICRO_BATCH_SIZE": 1, "GLOBAL_BATCH_SIZE": 1,
+                   "TRAIN_ITERS": 1, "SAVE_INTERVAL": 1, "LOG_INTERVAL": 1, "SEED": 0, "WORKERS": 1}
+CHOICES = {"TRANSPORT": TRANSPORTS, "DEVICE": ("cpu", "cuda")}
+
+
+def value_problem(knob: str, value: str) -> str | None:
+    """Why ``value`` cannot be ``knob``'s (None: it can); the message names both."""
+    if knob in INTEGER_MINIMUM:
+        least = INTEGER_MINIMUM[knob]
+        if not (value.isdigit() and int(value) >= least):
+            return f"{knob}={value}: not an integer >= {least}"
+    elif knob in SWITCH_KNOBS:
+        if value not in ("0", "1"):
+            return f"{knob}={value}: must be 0 or 1"
+    elif knob in CHOICES:
+        if value not in CHOICES[knob]:
+            return f"{knob}={value}: not one of {', '.join(CHOICES[knob])}"
+    elif knob == "LR":
+        try:
+            ok = float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"LR={value}: not a positive number"
+    return None
+
+
 def value_problems(env: Mapping[str, str]) -> list[str]:
-    """Settings whose value no job could run with, named (checked before anything is submitted)."""
-    problems = []
-    transport = env.get("TRANSPORT")
-    if transport and transport not in TRANSPORTS:
-        problems.append(f"TRANSPORT={transport}: not one of {', '.join(TRANSPORTS)}")
-    return problems
+    """Settings whose value no job could run with, named (checked before anything is submitted).
+    An empty value is the recipe's default, as in the sbatch files."""
+    return [problem for knob, value in env.items() if value and (problem := value_problem(knob, value))]
 
 
 @dataclass(frozen=True)
@@ -163,6 +191,7 @@ AGGREGATE = Job("aggregate", "3.trace-aggregation.sbatch", "trainer.profiling.ag
 
 JOBS = (PREPROCESS, TRAIN, AGGREGATE)
 KNOB_NAMES = frozenset(k.env for job in JOBS for k in job.knobs)
+SWITCH_KNOBS = frozenset({"RESUME"} | {k.env for job in JOBS for k in job.knobs if k.switch})
 
 
 def defaults(recipe: Recipe) -> dict[str, object]:

@@ -133,9 +133,11 @@ def specs_from_args(
     if spec is not None and axes and not any("more than" in p for p in sweep_problems):
         refused: dict[str, list[str]] = {}  # the same problem once, with every run it concerns
         for point in sweep.points(axes):
+            # A bad value of an axis is named once above, not again for each run that has it.
+            good = {k: v for k, v in point.overrides.items() if not jobs.value_problem(k, v)}
             try:
                 runs.append((point, dataclasses.replace(spec, run_dir=spec.run_dir / point.label,
-                                                        overrides={**overrides, **point.overrides})))
+                                                        overrides={**overrides, **good})))
             except ValueError as exc:
                 refused.setdefault(str(exc), []).append(point.description)
         problems += [f"--sweep run(s) {', '.join(which)}: {why}" for why, which in refused.items()]
@@ -144,6 +146,7 @@ def specs_from_args(
         problems += [f"missing data file(s): {', '.join(missing)} (relative to {REPO})"] if missing else []
         # What only the filesystem and the cluster can tell, still before anything is submitted.
         problems += preflight.image_problems(args.image) + preflight.partition_problems(spec.nodes, spec.partition)
+        problems += preflight.runs_dir_problems(args.runs_dir.resolve())
     if problems or spec is None:
         raise ValueError(problems_text(problems))
     return spec, params, runs
@@ -256,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         return follow(submitted, args.timeout, through) if args.wait else 0
     except slurm.SlurmError as exc:  # the cluster's problem, not the input's: status 1, one line
         print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:  # the run folder could not be written after all (a full or read-only disk)
+        print(f"{PROG}: error: writing the run folder {spec.run_dir} failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
 

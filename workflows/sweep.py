@@ -40,10 +40,6 @@ NOT_SWEPT = {"DATA_PATH", "OUTPUT_DIR", "IMAGE", "CONTAINER_WORKDIR", "PYTHON", 
              "CHECKPOINT_DIR", "PROFILE_DIR", "RUN_NAME", "RESUME", "EXTRA_TRAIN_ARGS",
              "TOKENIZER_TYPE", "VOCAB_FILE", "MERGE_FILE"}
 SWEEPABLE = tuple(k.env for k in jobs.TRAIN.knobs if k.env not in NOT_SWEPT)
-SWITCHES = {k.env for k in jobs.TRAIN.knobs if k.switch}
-INTEGERS = {"GPUS_PER_NODE", "PP", "TP", "NUM_LAYERS", "HIDDEN_SIZE", "NUM_ATTENTION_HEADS", "SEQ_LENGTH",
-            "MAX_POSITION_EMBEDDINGS", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "SAVE_INTERVAL",
-            "LOG_INTERVAL", "SEED"}
 VALUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+-]*$")  # also a folder name part: no '/', '_', '=', space
 
 
@@ -90,11 +86,9 @@ def value_problem(axis_key: str, knob: str, value: str) -> str | None:
     if knob == "USE_DPP":
         if value not in SCHEDULES and value not in ("0", "1"):
             return f"--sweep {axis_key}: {value!r} is not one of 1f1b, dpp (or 0, 1)"
-    elif knob in SWITCHES and value not in ("0", "1"):
-        return f"--sweep {axis_key}: {value!r} must be 0 or 1"
-    elif knob in INTEGERS and not (value.isdigit() and int(value) >= (0 if knob == "GPUS_PER_NODE" else 1)):
-        return f"--sweep {axis_key}: {value!r} is not a positive integer"
-    return None
+        return None
+    problem = jobs.value_problem(knob, value)
+    return f"--sweep {axis_key}: {problem}" if problem else None
 
 
 def parse(texts: Sequence[str], fixed: Mapping[str, str] | None = None) -> tuple[list[Axis], list[str]]:

@@ -39,9 +39,9 @@ def test_every_bad_axis_is_named():
     _axes, problems = sweep.parse(["pp", "pp=", "tp=0,x", "schedule=zb", "bf16=2", "data_path=/x", "nosuch=1",
                                    "layers=2,2", "lr=a/b", "seed=1,", "train_iters=3"], fixed={"TRAIN_ITERS": "4"})
     text = "; ".join(problems)
-    for part in ("--sweep 'pp': expected KEY=VALUE", "--sweep 'pp=': expected", "--sweep tp: '0' is not a positive",
-                 "--sweep tp: 'x' is not a positive", "--sweep schedule: 'zb' is not one of 1f1b, dpp",
-                 "--sweep bf16: '2' must be 0 or 1", "--sweep data_path: not a training setting",
+    for part in ("--sweep 'pp': expected KEY=VALUE", "--sweep 'pp=': expected", "--sweep tp: TP=0: not an integer >= 1",
+                 "--sweep tp: TP=x: not an integer >= 1", "--sweep schedule: 'zb' is not one of 1f1b, dpp",
+                 "--sweep bf16: BF16=2: must be 0 or 1", "--sweep data_path: not a training setting",
                  "--sweep nosuch: not a training setting", "--sweep layers: value(s) given twice: 2",
                  "--sweep lr: value 'a/b' must be", "--sweep seed: empty value",
                  "--sweep train_iters: TRAIN_ITERS is also set to 4"):
