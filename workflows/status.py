@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from workflows import chain, jobs, slurm, sweep
+from workflows import chain, jobs, local_chain, slurm, sweep
 from workflows.cli import OneLineParser, fail
 from workflows.render import REPO
 
@@ -83,12 +83,26 @@ def show_sweep(manifest_path: Path) -> int:
     return {"RUNNING": EXIT_RUNNING, "COMPLETED": 0}.get(state, EXIT_FAILED)
 
 
+def show_local(run_dir: Path) -> int:
+    """A chain run by `submit --via local/debug`: its steps from local.json, as a Slurm chain's."""
+    records = local_chain.records_of(local_chain.read_manifest(run_dir))
+    print(table(records))
+    for line in chain.never_started(records):
+        print(line)
+    state, code = verdict(records)
+    print(f"chain: {state} (--via {local_chain.read_manifest(run_dir)['via']}, on this machine)")
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("job_id", help="any job id of the chain or sweep")
+    parser.add_argument("job_id", help="any job id of the chain or sweep, or the run folder of a chain run "
+                                       "with submit --via local/debug")
     parser.add_argument("--runs-dir", type=Path, default=REPO / jobs.RUNS,
                         help="where the sweep's folder is (submit's --runs-dir; default: runs/)")
     args = parser.parse_args(argv)
+    if (Path(args.job_id) / local_chain.MANIFEST).is_file():
+        return show_local(Path(args.job_id))
     match = re.fullmatch(r"(\d+)(_\d+)?", args.job_id)
     if not match:
         fail(f"job id {args.job_id!r}: expected a number", PROG)
