@@ -8,6 +8,9 @@ before it ever ran. A job submitted by hand with sbatch is shown alone, said to 
 status: 0 all COMPLETED, 1 any job ended otherwise, 3 still pending or running, 2 bad input (not a
 job id, a job sacct does not know, such as 0).
 
+A chain run on one machine by `workflows.submit --via local/debug` is shown from its run folder
+(``python -m workflows.status runs/gpt-...``), read from the folder's local.json.
+
 A sweep's job (named mdppsweep-<folder>-<step> by `workflows.submit --sweep`) shows the whole sweep
 as a table — configuration, training job and state, aggregation state, ms/iteration and bubble from
 each run's summary.json — read from <runs-dir>/<folder>/sweep.json (--runs-dir: the submit's, default
