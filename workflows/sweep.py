@@ -207,7 +207,31 @@ def query_ids(ids: Sequence[str]) -> list[str]:
 
 def query(manifest: Mapping[str, Any]) -> dict[str, slurm.JobRecord]:
     """sacct's records of every job of the sweep, array tasks that never ran included."""
-    return records_by_id(slurm.query(job_ids=query_ids(job_ids(manifest))))
+    records = records_by_id(slurm.query(job_ids=query_ids(job_ids(manifest))))
+    return {**records, **vanished_tasks(manifest, records)}
+
+
+def vanished_tasks(manifest: Mapping[str, Any], records: Mapping[str, slurm.JobRecord]) -> dict[str, slurm.JobRecord]:
+    """Array tasks cancelled while the rest of their array waited or ran: sacct keeps no row of
+    their own (and, once another task has run, no ``12_[...]`` line either) and slurmctld forgets
+    them; each is given a CANCELLED record that says it never ran, rather than staying UNKNOWN."""
+    out: dict[str, slurm.JobRecord] = {}
+    by_array: dict[str, list[str]] = {}
+    for point in manifest["points"]:
+        array, _, task = point["train"].partition("_")
+        record = record_of(records, point["train"])
+        own_row = point["train"] in records
+        if task.isdigit() and not own_row and (record is None or not record.finished):
+            by_array.setdefault(array, []).append(point["train"])
+    for array, tasks in by_array.items():
+        known = [r for i, r in records.items() if i.partition("_")[0] == array]
+        if not known:
+            continue  # sacct does not know the array yet: just submitted
+        held = slurm.array_tasks(array)
+        for task_id in tasks if held is not None else []:
+            if int(task_id.partition("_")[2]) not in held:
+                out[task_id] = slurm.JobRecord(task_id, known[0].name, "CANCELLED", "0:0", "00:00:00", "None assigned")
+    return out
 
 
 def dependency_of(manifest: Mapping[str, Any], job_id: str) -> tuple[str, str, str] | None:

@@ -2,7 +2,8 @@
 row ``<array>_<task>`` for an array that never ran, only the array's one line ``<array>_[0-1]``.
 
 * preprocessing fails (a corpus that is not JSON lines): --kill-on-invalid-dep cancels the array;
-* the sweep is cancelled while its array is still pending on the preprocessing.
+* the sweep is cancelled while its array is still pending on the preprocessing;
+* one task is cancelled while pending and the other runs: then sacct has no line for it at all.
 
 Either way `submit --sweep --wait` returns FAILED (not at its timeout) and names the dependency that
 stopped the runs, and `workflows.status` of a task id that never ran says the same and exits 1.
@@ -105,3 +106,22 @@ def test_a_sweep_cancelled_while_its_array_is_pending_ends_failed(tmp_path):
     check_never_started(manifest, runs_dir, out, ", while waiting for afterok:{pre} (preprocess job {pre} ")
     records = sweep.query(manifest)
     assert sweep.state_of(records, pre) in slurm.TERMINAL_STATES  # the preprocessing itself ran on
+
+
+def test_a_task_cancelled_while_pending_ends_cancelled_while_the_other_completes(tmp_path):
+    # Once task 0 has run, sacct keeps no line at all for a task 1 cancelled while pending.
+    corpus = small_corpus(tmp_path / "corpus.jsonl")
+    runs_dir = tmp_path / "runs"
+    proc = start_sweep(runs_dir, corpus)
+    manifest = manifest_of(runs_dir, proc)
+    first, second = (p["train"] for p in manifest["points"])
+    array = first.partition("_")[0]
+    slurm.run(["scontrol", "hold", array])
+    slurm.run(["scancel", second])
+    slurm.run(["scontrol", "release", array])
+    code, out, err = finish(proc, manifest)
+    assert code == 1, (out, err)
+    assert f"train schedule=dpp job {second}: CANCELLED before it started, while waiting for afterok:" in out, out
+    records = sweep.query(manifest)
+    assert sweep.state_of(records, first) == "COMPLETED", out
+    assert all(r.job_id != second for r in slurm.query(job_ids=[second, array]))  # sacct has no line for it

@@ -238,3 +238,25 @@ def test_a_chain_names_the_dependency_of_a_step_that_never_ran():
     assert chain.never_started(records) == [
         "train job 41: CANCELLED before it started: its dependency afterok:40 can never be met "
         "(preprocess job 40 ended FAILED)"]
+
+
+@pytest.mark.parametrize(("held", "vanished"), [("0", True), ("0-1", False), (None, True)])
+def test_a_task_cancelled_while_its_array_ran_on_is_cancelled_not_unknown(monkeypatch, held, vanished):
+    # Once task 0 ran, sacct keeps no line for a task 1 cancelled while pending; slurmctld has
+    # forgotten it too (`scontrol show job 51` lists the tasks it still holds).
+    import subprocess
+    manifest = {"preprocess": "50", "points": [{"description": f"pp={p}", "train": f"51_{i}", "aggregate": str(53 + i)}
+                                               for i, p in enumerate((2, 4))]}
+    rows = ["50|s-preprocess|COMPLETED|0:0|00:00:01|node1|x|y", "51_0|s-train|RUNNING|0:0|00:00:09|node1|x|y",
+            "53|s-aggregate|PENDING|0:0|00:00:00|None assigned|x|y", "54|s-aggregate|PENDING|0:0|00:00:00|None assigned|x|y"]
+    monkeypatch.setattr(slurm, "run", lambda args, **_kw: "\n".join(rows))
+    answer = (subprocess.CompletedProcess([], 0, f"JobId=52 ArrayJobId=51 ArrayTaskId={held} JobState=RUNNING\n", "")
+              if held else subprocess.CompletedProcess([], 1, "", "slurm_load_jobs error: Invalid job id specified"))
+    monkeypatch.setattr(slurm, "call", lambda args, *a, **kw: answer)
+    records = sweep.query(manifest)
+    assert sweep.state_of(records, "51_0") == "RUNNING"
+    assert sweep.state_of(records, "51_1") == ("CANCELLED" if vanished else "UNKNOWN")
+    if vanished:
+        assert records["51_1"].never_ran
+        assert sweep.never_started(manifest, records) == [
+            "train pp=4 job 51_1: CANCELLED before it started, while waiting for afterok:50 (preprocess job 50 COMPLETED)"]
