@@ -158,6 +158,9 @@ def specs_from_args(
     return spec, params, runs
 
 
+LOCAL_UNUSED = ("IMAGE", "CONTAINER_MOUNTS", "CONTAINER_WORKDIR", "FSX_MOUNT")  # Pyxis's, in the sbatch files
+
+
 def local_problems(args: argparse.Namespace) -> list[str]:
     """Options --via local/debug cannot honour: they are Slurm's (or Pyxis's), and this is one machine."""
     problems = []
@@ -168,8 +171,10 @@ def local_problems(args: argparse.Namespace) -> list[str]:
                   "--exclusive": args.exclusive, "--mem": args.mem, "--cpus-per-task": args.cpus_per_task,
                   "--sbatch-arg": args.sbatch_arg}
     given = [flag for flag, value in slurm_only.items() if value]
+    given += [f"--env {key}" for key, _value in args.env if key in LOCAL_UNUSED]
     if given:
-        problems.append(f"{', '.join(given)}: Slurm options, which --via {args.via} (no Slurm) cannot honour")
+        problems.append(f"{', '.join(given)}: Slurm (or Pyxis) options, which --via {args.via} (no Slurm) "
+                        "cannot honour")
     return problems
 
 

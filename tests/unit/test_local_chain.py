@@ -17,10 +17,11 @@ def specs(tmp_path, *argv: str):
 def test_slurm_options_and_more_than_one_node_are_refused_by_name(tmp_path, via):
     with pytest.raises(ValueError) as info:
         specs(tmp_path, "--via", via, "--nodes", "2", "--partition", "gpu", "--time", "01:00:00",
-              "--sbatch-arg", "mail-type=END", "--sweep", "pp=2,4")
+              "--sbatch-arg", "mail-type=END", "--sweep", "pp=2,4", "--env", "IMAGE=x.sqsh")
     text = str(info.value)
     assert f"--nodes 2: --via {via} runs on this one machine (--nodes 1)" in text
-    assert f"--partition, --time, --sbatch-arg: Slurm options, which --via {via} (no Slurm) cannot honour" in text
+    assert (f"--partition, --time, --sbatch-arg, --env IMAGE: Slurm (or Pyxis) options, which --via {via} "
+            "(no Slurm) cannot honour") in text
     assert "--sweep needs --via submitit" in text
 
 
