@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 STEPS = tuple(job.key for job in jobs.JOBS)  # preprocess, train, aggregate
 NAME_PREFIX = "mdpp-"
+DEPENDENCY = {"preprocess": None, "train": "afterok", "aggregate": "afterany"}  # on the step before
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,11 @@ class ChainSpec:
         if unknown:
             errors.append(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         errors += jobs.value_problems(self.overrides)
-        if not errors and self.nodes >= 1 and self.ranks % self.nodes:
+        try:
+            ranks = self.ranks if self.nodes >= 1 else 0
+        except ValueError:  # a bad PP, TP or GPUS_PER_NODE, named above
+            ranks = 0
+        if ranks % max(self.nodes, 1):
             errors.append(f"{self.ranks} training ranks (PP={self._knob('PP')} x TP={self._knob('TP')}) do not "
                           f"split evenly over --nodes {self.nodes}")
         raise_if_any(errors)
@@ -145,6 +150,22 @@ def chain_names(name: str) -> list[str] | None:
     return None
 
 
+def waited_for(kind: str, job_id: str, what: str, state: str) -> str:
+    """Why a job that never ran did not: its dependency ``kind:job_id`` on ``what`` (now ``state``)."""
+    if kind == "afterok" and state in slurm.TERMINAL_STATES and state != "COMPLETED":
+        return f": its dependency {kind}:{job_id} can never be met ({what} job {job_id} ended {state})"
+    return f", while waiting for {kind}:{job_id} ({what} job {job_id} {state})"
+
+
+def never_started(records: list[slurm.JobRecord]) -> list[str]:
+    """One line per job of a chain (``records`` in chain order) that ended without ever running,
+    naming the dependency it waited for (each step waits for the one before it)."""
+    return [f"{step} job {record.job_id}: {record.state} before it started"
+            + waited_for(DEPENDENCY[step] or "", previous.job_id, previous_step, previous.state)
+            for record, previous, step, previous_step in zip(records[1:], records, STEPS[1:], STEPS, strict=False)
+            if record.never_ran]
+
+
 def sbatch_options(spec: ChainSpec, step: str, logs: Path, after: str | None,
                    params: SbatchParams | None = None) -> list[str]:
     """sbatch flags of one step: name, log file, directory, partition; nodes/GPUs and the dependency."""
@@ -184,11 +205,10 @@ def submit(spec: ChainSpec, params: SbatchParams | None = None) -> Chain:
     scripts = {path.name: path for path in render.write(rendered, spec.run_dir / "sbatch")}
     env = {**os.environ, **spec.environment()}
     job_ids: dict[str, str] = {}
-    dependency = {"preprocess": None, "train": "afterok", "aggregate": "afterany"}
     previous = None
     try:
         for job in jobs.JOBS:
-            after = f"{dependency[job.key]}:{previous}" if previous else None
+            after = f"{DEPENDENCY[job.key]}:{previous}" if previous else None
             previous = slurm.sbatch(str(scripts[job.filename]), sbatch_options(spec, job.key, logs, after, params), env)
             job_ids[job.key] = previous
     except slurm.SlurmError:

@@ -18,6 +18,17 @@ from workflows.shell import Ref, as_text
 CONTAINER_WORKDIR = "/workspace/megatron-dpp"  # where containers/Dockerfile installs the package
 # Variables templates/_header.sh.j2 sets before any knob: a knob default may refer to them.
 HEADER_VARIABLES = ("REPO_DIR", "MODEL", "SIZE", "DEFAULT_OUTPUT_DIR")
+RUNS = "runs"  # the repository's folder of run folders (also `workflows.submit --runs-dir`'s default)
+# The folder of a job given no OUTPUT_DIR: its own, named after its job id, so that two runs submitted
+# by hand never share (and silently resume) each other's checkpoints; a requeued job keeps its id and
+# finds its checkpoint again. The one statement of the rule: default_output_dir() below, and the
+# sbatch files' shell function of the same name, rendered from this pattern.
+DEFAULT_OUTPUT_DIR = "{REPO_DIR}/" + RUNS + "/{MODEL}-{JOB_ID}"
+
+
+def default_output_dir(repo_dir: str, model: str, job_id: str) -> str:
+    """A job's default run folder, e.g. <repository>/runs/gpt-42 (what the sbatch files compute)."""
+    return DEFAULT_OUTPUT_DIR.format(REPO_DIR=repo_dir, MODEL=model, JOB_ID=job_id)
 
 
 # The AWS test case's names (awsome-distributed-training, megatron-lm) for our settings. The sbatch
@@ -46,13 +57,41 @@ def apply_aliases(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     return out, problems
 
 
+# Knobs the trainer or the scripts read as numbers, with their least value; the switches (0/1) are the
+# knobs marked switch=True below, plus RESUME. Checked at submission: a typo fails there, naming the
+# knob, instead of in the trainer after the preprocessing and the queue.
+INTEGER_MINIMUM = {"GPUS_PER_NODE": 0, "PP": 1, "TP": 1, "NUM_LAYERS": 1, "HIDDEN_SIZE": 1, "NUM_ATTENTION_HEADS": 1,
+                   "SEQ_LENGTH": 1, "MAX_POSITION_EMBEDDINGS": 1, "MICRO_BATCH_SIZE": 1, "GLOBAL_BATCH_SIZE": 1,
+                   "TRAIN_ITERS": 1, "SAVE_INTERVAL": 1, "LOG_INTERVAL": 1, "SEED": 0, "WORKERS": 1}
+CHOICES = {"TRANSPORT": TRANSPORTS, "DEVICE": ("cpu", "cuda")}
+
+
+def value_problem(knob: str, value: str) -> str | None:
+    """Why ``value`` cannot be ``knob``'s (None: it can); the message names both."""
+    if knob in INTEGER_MINIMUM:
+        least = INTEGER_MINIMUM[knob]
+        if not (value.isdigit() and int(value) >= least):
+            return f"{knob}={value}: not an integer >= {least}"
+    elif knob in SWITCH_KNOBS:
+        if value not in ("0", "1"):
+            return f"{knob}={value}: must be 0 or 1"
+    elif knob in CHOICES:
+        if value not in CHOICES[knob]:
+            return f"{knob}={value}: not one of {', '.join(CHOICES[knob])}"
+    elif knob == "LR":
+        try:
+            ok = float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"LR={value}: not a positive number"
+    return None
+
+
 def value_problems(env: Mapping[str, str]) -> list[str]:
-    """Settings whose value no job could run with, named (checked before anything is submitted)."""
-    problems = []
-    transport = env.get("TRANSPORT")
-    if transport and transport not in TRANSPORTS:
-        problems.append(f"TRANSPORT={transport}: not one of {', '.join(TRANSPORTS)}")
-    return problems
+    """Settings whose value no job could run with, named (checked before anything is submitted).
+    An empty value is the recipe's default, as in the sbatch files."""
+    return [problem for knob, value in env.items() if value and (problem := value_problem(knob, value))]
 
 
 @dataclass(frozen=True)
@@ -137,6 +176,8 @@ TRAIN = Job("train", "2.distributed-training.sbatch", "trainer.train", "02:00:00
     Knob("RESUME", "1: continue a checkpoint another job left in CHECKPOINT_DIR (else that is refused)"),
     Knob("SAVE_INTERVAL", "checkpoint every N iterations", ("--save-interval",)),
     Knob("PROFILE_DIR", "per-rank Chrome traces", ("--profile-dir",)),
+    Knob("RUN_NAME", "the run's name in its log lines, metrics and traces (default: the name of OUTPUT_DIR)",
+         ("--run-name",)),
     Knob("TRANSPORT", "stage-to-stage transport: " + ", ".join(TRANSPORTS), ("--transport",)),
     Knob("LOG_INTERVAL", "log the loss every N iterations", ("--log-interval",)),
     Knob("SEED", "random seed", ("--seed",)),
@@ -150,13 +191,14 @@ AGGREGATE = Job("aggregate", "3.trace-aggregation.sbatch", "trainer.profiling.ag
 
 JOBS = (PREPROCESS, TRAIN, AGGREGATE)
 KNOB_NAMES = frozenset(k.env for job in JOBS for k in job.knobs)
+SWITCH_KNOBS = frozenset({"RESUME"} | {k.env for job in JOBS for k in job.knobs if k.switch})
 
 
 def defaults(recipe: Recipe) -> dict[str, object]:
     """Every knob's default for ``recipe`` (None: empty, the flag is left out)."""
     tok, shape, training = recipe.tokenization, recipe.shape, recipe.training
     return {
-        "DATA_PATH": Ref("REPO_DIR", "/runs/data"),
+        "DATA_PATH": Ref("REPO_DIR", f"/{RUNS}/data"),
         "OUTPUT_DIR": Ref("DEFAULT_OUTPUT_DIR"),
         "IMAGE": None,
         "CONTAINER_WORKDIR": CONTAINER_WORKDIR,
@@ -189,6 +231,7 @@ def defaults(recipe: Recipe) -> dict[str, object]:
         "RESUME": False,
         "SAVE_INTERVAL": training.save_interval,
         "PROFILE_DIR": Ref("OUTPUT_DIR", "/traces"),
+        "RUN_NAME": Ref("OUTPUT_DIR", basename=True),
         "TRANSPORT": recipe.transport,
         "LOG_INTERVAL": training.log_interval,
         "SEED": training.seed,
@@ -203,7 +246,7 @@ def resolve(job: Job, recipe: Recipe, env: Mapping[str, str]) -> dict[str, str]:
     """
     env, _problems = apply_aliases({k: v for k, v in env.items() if v})  # the bash refuses a contradiction
     values = {"REPO_DIR": env["REPO_DIR"], "MODEL": recipe.model, "SIZE": recipe.size}
-    values["DEFAULT_OUTPUT_DIR"] = f"{env['REPO_DIR']}/runs/{recipe.model}-{env.get('SLURM_JOB_ID', '<pid>')}"
+    values["DEFAULT_OUTPUT_DIR"] = default_output_dir(env["REPO_DIR"], recipe.model, env.get("SLURM_JOB_ID", "<pid>"))
     recipe_defaults = defaults(recipe)
     for knob in job.knobs:
         default = recipe_defaults[knob.env]

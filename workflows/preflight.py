@@ -9,6 +9,7 @@ the compute nodes (an image that is not there).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -65,4 +66,17 @@ def partition_problems(nodes: int, partition: str | None) -> list[str]:
         why = (f"has {chosen.total_nodes} node(s)" if limit == chosen.total_nodes
                else f"allows at most {limit} node(s) per job (MaxNodes)")
         return [f"--nodes {nodes}: partition {chosen.name} {why}; the job would pend forever"]
+    return []
+
+
+def runs_dir_problems(runs_dir: Path) -> list[str]:
+    """``--runs-dir`` must be a folder this user can create run folders in (or can create)."""
+    existing = runs_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"--runs-dir {runs_dir}: {existing} is a file, not a folder"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == runs_dir else f"cannot be created: {existing} is not writable"
+        return [f"--runs-dir {runs_dir}: {what} by this user (pass another --runs-dir)"]
     return []

@@ -117,7 +117,7 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,  # shell, not HTML: quoting is the filters' job
     )
-    filters = {"q": shell.quote, "name": shell.name, "assign": _assign, "comment": _comment}
+    filters = {"q": shell.quote, "name": shell.name, "assign": _assign, "comment": _comment, "fmt": shell.template}
     env.filters.update({key: _strict(f) for key, f in filters.items()})
     return env
 
@@ -136,6 +136,7 @@ def render_job(job: Job, recipe_list: list[Recipe] | None = None) -> str:
         recipe_keys=" ".join(r.key for r in recipe_list),
         aliases=list(jobs.ALIASES.items()),
         transports=jobs.TRANSPORTS,
+        default_output_dir=jobs.DEFAULT_OUTPUT_DIR,
     )
 
 

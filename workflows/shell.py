@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 import shlex
+import string
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 _NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
 
@@ -30,17 +32,35 @@ class Ref:
     """Name of the shell variable (upper case, defined earlier in the same script)."""
     suffix: str = ""
     """Literal text appended after the variable's value."""
+    basename: bool = False
+    """Take the last component of the variable's path (``basename``) instead of the whole value."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.variable):
             raise ValueError(f"Ref.variable must be an upper-case shell name, got {self.variable!r}")
 
     def shell(self) -> str:
-        return f'"${{{self.variable}}}"' + (shlex.quote(self.suffix) if self.suffix else "")
+        value = f'"$(basename "${{{self.variable}}}")"' if self.basename else f'"${{{self.variable}}}"'
+        return value + (shlex.quote(self.suffix) if self.suffix else "")
 
     def resolve(self, env: dict[str, str]) -> str:
         """The value bash would produce, given the variables already set."""
-        return env[self.variable] + self.suffix
+        value = env[self.variable]
+        return (PurePosixPath(value).name or value if self.basename else value) + self.suffix
+
+
+def template(text: str) -> ShellWord:
+    """Jinja filter ``fmt``: a ``str.format`` pattern such as ``{REPO_DIR}/runs/{MODEL}-{JOB_ID}`` as
+    one shell word that expands the same variables at job time (Python and bash share the pattern)."""
+    parts = []
+    for literal, field, spec, conversion in string.Formatter().parse(text):
+        if literal:
+            parts.append(shlex.quote(literal))
+        if field is not None:
+            if spec or conversion or not _NAME.match(field):
+                raise ValueError(f"pattern {text!r}: {{{field}}} must be a plain upper-case shell name")
+            parts.append(f'"${{{field}}}"')
+    return ShellWord("".join(parts))
 
 
 def quote(value: object) -> ShellWord:

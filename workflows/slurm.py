@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,12 @@ class JobRecord:
     @property
     def finished(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def never_ran(self) -> bool:
+        """Ended without ever being given nodes: cancelled while pending (by hand, or by
+        --kill-on-invalid-dep when its dependency can no longer be met)."""
+        return self.finished and self.nodes in ("None assigned", "")
 
 
 def require(command: str) -> str:
@@ -176,3 +183,20 @@ def parse_partitions(text: str) -> list[Partition]:
 def partitions() -> list[Partition]:
     """Every partition of the cluster."""
     return parse_partitions(run(["scontrol", "show", "partition", "--oneliner"]))
+
+
+def array_tasks(array_id: str) -> set[int] | None:
+    """Task indices slurmctld still holds for array ``array_id`` (pending ones included, from
+    ``ArrayTaskId=0-1,3``); an empty set when it holds none ("Invalid job id"); None when unknown."""
+    try:
+        done = call(["scontrol", "show", "job", "--oneliner", array_id])
+    except SlurmError:
+        return None
+    if done.returncode != 0:
+        return set() if "Invalid job id" in done.stderr + done.stdout else None
+    tasks: set[int] = set()
+    for ids in re.findall(r"\bArrayTaskId=([0-9,-]+)", done.stdout):
+        for part in ids.split(","):
+            first, _, last = part.partition("-")
+            tasks.update(range(int(first), int(last or first) + 1))
+    return tasks

@@ -8,6 +8,9 @@ before it ever ran. A job submitted by hand with sbatch is shown alone, said to 
 status: 0 all COMPLETED, 1 any job ended otherwise, 3 still pending or running, 2 bad input (not a
 job id, a job sacct does not know, such as 0).
 
+A chain run on one machine by `workflows.submit --via local/debug` is shown from its run folder
+(``python -m workflows.status runs/gpt-...``), read from the folder's local.json.
+
 A sweep's job (named mdppsweep-<folder>-<step> by `workflows.submit --sweep`) shows the whole sweep
 as a table — configuration, training job and state, aggregation state, ms/iteration and bubble from
 each run's summary.json — read from <runs-dir>/<folder>/sweep.json (--runs-dir: the submit's, default
@@ -21,7 +24,7 @@ import re
 import sys
 from pathlib import Path
 
-from workflows import chain, slurm, sweep
+from workflows import chain, jobs, local_chain, slurm, sweep
 from workflows.cli import OneLineParser, fail
 from workflows.render import REPO
 
@@ -33,10 +36,13 @@ def chain_records(job_id: str) -> list[slurm.JobRecord]:
     """The chain containing ``job_id`` in chain order; ValueError when sacct does not know it."""
     # Only the record of that very id: `sacct -j 0` lists every job, whose first would otherwise be
     # taken for job 0 and its chain shown.
-    found = slurm.query(job_ids=[job_id])
+    found = slurm.query(job_ids=sweep.query_ids([job_id]))
     own = [r for r in found if r.job_id == job_id or r.job_id.startswith(f"{job_id}_")][:1]
     if not own and len(found) == 1 and re.fullmatch(r"\d+_\d+", found[0].job_id):
         own = found  # an array task's own id: sacct shows it as <array id>_<task>
+    if not own and "_" in job_id:  # a task that never ran: only its array's line 12_[0-1] exists
+        task = sweep.record_of(sweep.records_by_id(found), job_id)
+        own = [task] if task else []
     if not own:
         raise ValueError(f"job {job_id}: not found in sacct")
     names = chain.chain_names(own[0].name)
@@ -66,8 +72,10 @@ def show_sweep(manifest_path: Path) -> int:
     if not manifest_path.is_file():
         raise ValueError(f"a sweep job, but {manifest_path} does not exist: pass the submit's --runs-dir")
     manifest = sweep.read_manifest(manifest_path)
-    records = sweep.records_by_id(slurm.query(job_ids=sweep.job_ids(manifest)))
+    records = sweep.query(manifest)
     print(sweep.table(manifest, records))
+    for line in sweep.never_started(manifest, records):
+        print(line)
     state = sweep.verdict(manifest, records)
     if any(r.finished and r.state != "COMPLETED" for r in records.values()):  # even while others run
         from workflows import submitit_chain  # submitit only where a report needs its pickles
@@ -78,12 +86,26 @@ def show_sweep(manifest_path: Path) -> int:
     return {"RUNNING": EXIT_RUNNING, "COMPLETED": 0}.get(state, EXIT_FAILED)
 
 
+def show_local(run_dir: Path) -> int:
+    """A chain run by `submit --via local/debug`: its steps from local.json, as a Slurm chain's."""
+    records = local_chain.records_of(local_chain.read_manifest(run_dir))
+    print(table(records))
+    for line in chain.never_started(records):
+        print(line)
+    state, code = verdict(records)
+    print(f"chain: {state} (--via {local_chain.read_manifest(run_dir)['via']}, on this machine)")
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("job_id", help="any job id of the chain or sweep")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs",
+    parser.add_argument("job_id", help="any job id of the chain or sweep, or the run folder of a chain run "
+                                       "with submit --via local/debug")
+    parser.add_argument("--runs-dir", type=Path, default=REPO / jobs.RUNS,
                         help="where the sweep's folder is (submit's --runs-dir; default: runs/)")
     args = parser.parse_args(argv)
+    if (Path(args.job_id) / local_chain.MANIFEST).is_file():
+        return show_local(Path(args.job_id))
     match = re.fullmatch(r"(\d+)(_\d+)?", args.job_id)
     if not match:
         fail(f"job id {args.job_id!r}: expected a number", PROG)
@@ -100,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     print(table(records))
     state, code = verdict(records)
+    if len(records) == len(chain.STEPS):
+        for line in chain.never_started(records):
+            print(line)
     if chain.chain_names(records[0].name) is None:
         print(f"job {job_id}: {state} (not a workflows.submit chain: shown alone)")
     else:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from trainer.problems import problems_text
-from workflows import chain, jobs, preflight, recipes, slurm, submitit_chain, sweep
+from workflows import chain, jobs, local_chain, preflight, recipes, slurm, status, submitit_chain, sweep
 from workflows.cli import OneLineParser, fail, parse_assignment
 from workflows.render import REPO
 from workflows.sbatch_params import SbatchParams, parse_pass_through
@@ -46,7 +46,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--train-iters", type=int, default=None, help="override TRAIN_ITERS")
     parser.add_argument("--env", type=parse_assignment, action="append", default=[], metavar="KEY=VALUE",
                         help="override any sbatch setting, e.g. --env NUM_LAYERS=8 (repeatable)")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs",
+    parser.add_argument("--runs-dir", type=Path, default=REPO / jobs.RUNS,
                         help="parent of the chain's output folder (default: runs/)")
     sbatch = parser.add_argument_group("sbatch parameters (validated together before anything is submitted)")
     sbatch.add_argument("--time", default=None, help="training job's time limit, e.g. 04:00:00 (default: 02:00:00)")
@@ -64,8 +64,10 @@ def build_parser() -> OneLineParser:
                         help="train once per value (repeatable: the cartesian product), e.g. --sweep pp=2,4 "
                              "--sweep schedule=1f1b,dpp: one preprocessing job, the runs as a job array, "
                              "one aggregation each (submitit only)")
-    parser.add_argument("--via", choices=("submitit", "sbatch"), default="submitit",
-                        help="submit through submitit (default) or plain sbatch; both run the same files")
+    parser.add_argument("--via", choices=("submitit", "sbatch", *local_chain.VIAS), default="submitit",
+                        help="submit through submitit (default) or plain sbatch, both running the same files; "
+                             "or run the same steps on this machine without Slurm: local (submitit's "
+                             "LocalExecutor) or debug (its DebugExecutor: in this process, pdb on a failure)")
     parser.add_argument("--wait", action="store_true", help="follow the chain until it finishes")
     parser.add_argument("--timeout", type=float, default=3600.0, help="--wait gives up after this many seconds")
     return parser
@@ -111,6 +113,9 @@ def specs_from_args(
     problems += sweep_problems
     if axes and args.via != "submitit":
         problems.append("--sweep needs --via submitit (the runs are one submitit job array)")
+    local = args.via in local_chain.VIAS
+    if local:
+        problems += local_problems(args)
     spec = None
     runs: list[tuple[sweep.Point, chain.ChainSpec]] = []
     try:
@@ -120,7 +125,7 @@ def specs_from_args(
             overrides.setdefault("DATA_PATH", str(run_dir / "data"))
         spec = chain.ChainSpec(
             recipe=recipe,
-            nodes=recipe.nodes if args.nodes is None else args.nodes,
+            nodes=(1 if local else recipe.nodes) if args.nodes is None else args.nodes,
             repo_dir=REPO,
             run_dir=run_dir,
             gpus_per_node=max(args.gpus_per_node, 0),
@@ -133,9 +138,11 @@ def specs_from_args(
     if spec is not None and axes and not any("more than" in p for p in sweep_problems):
         refused: dict[str, list[str]] = {}  # the same problem once, with every run it concerns
         for point in sweep.points(axes):
+            # A bad value of an axis is named once above, not again for each run that has it.
+            good = {k: v for k, v in point.overrides.items() if not jobs.value_problem(k, v)}
             try:
                 runs.append((point, dataclasses.replace(spec, run_dir=spec.run_dir / point.label,
-                                                        overrides={**overrides, **point.overrides})))
+                                                        overrides={**overrides, **good})))
             except ValueError as exc:
                 refused.setdefault(str(exc), []).append(point.description)
         problems += [f"--sweep run(s) {', '.join(which)}: {why}" for why, which in refused.items()]
@@ -143,10 +150,57 @@ def specs_from_args(
         missing = spec.missing_inputs()
         problems += [f"missing data file(s): {', '.join(missing)} (relative to {REPO})"] if missing else []
         # What only the filesystem and the cluster can tell, still before anything is submitted.
-        problems += preflight.image_problems(args.image) + preflight.partition_problems(spec.nodes, spec.partition)
+        problems += preflight.image_problems(args.image)
+        problems += [] if local else preflight.partition_problems(spec.nodes, spec.partition)
+        problems += preflight.runs_dir_problems(args.runs_dir.resolve())
     if problems or spec is None:
         raise ValueError(problems_text(problems))
     return spec, params, runs
+
+
+LOCAL_UNUSED = ("IMAGE", "CONTAINER_MOUNTS", "CONTAINER_WORKDIR", "FSX_MOUNT")  # Pyxis's, in the sbatch files
+
+
+def local_problems(args: argparse.Namespace) -> list[str]:
+    """Options --via local/debug cannot honour: they are Slurm's (or Pyxis's), and this is one machine."""
+    problems = []
+    if args.nodes is not None and args.nodes != 1:
+        problems.append(f"--nodes {args.nodes}: --via {args.via} runs on this one machine (--nodes 1)")
+    slurm_only = {"--partition": args.partition, "--image": args.image, "--time": args.time,
+                  "--account": args.account, "--qos": args.qos, "--constraint": args.constraint,
+                  "--exclusive": args.exclusive, "--mem": args.mem, "--cpus-per-task": args.cpus_per_task,
+                  "--sbatch-arg": args.sbatch_arg}
+    given = [flag for flag, value in slurm_only.items() if value]
+    given += [f"--env {key}" for key, _value in args.env if key in LOCAL_UNUSED]
+    if given:
+        problems.append(f"{', '.join(given)}: Slurm (or Pyxis) options, which --via {args.via} (no Slurm) "
+                        "cannot honour")
+    return problems
+
+
+def run_local(spec: chain.ChainSpec, via: str, timeout_s: float) -> int:
+    """--via local/debug: run the chain here, show each state change, then its table and summary."""
+    print(f"run:        {spec.run_dir} (--via {via}: on this machine, without Slurm)")
+    print(f"logs:       {spec.run_dir / 'logs'}")
+    print(f"status:     python -m workflows.status {spec.run_dir}", flush=True)
+
+    def show(record: slurm.JobRecord, step: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {step:<11} {record.job_id:>6} {record.state}", flush=True)
+
+    records, summary = local_chain.run(spec, via, timeout_s, show)
+    print(status.table(records))
+    for line in chain.never_started(records):
+        print(line)
+    if summary is not None:
+        print(submitit_chain.format_summary(summary))
+    state, code = status.verdict(records)
+    if code:
+        for report in local_chain.failures(spec.run_dir):
+            print(report, file=sys.stderr)
+        print(f"chain {state}: logs in {spec.run_dir / 'logs'}", file=sys.stderr)
+        return code
+    print(f"chain {state}")
+    return 0
 
 
 def print_chain(submitted: chain.Chain) -> None:
@@ -209,7 +263,7 @@ def follow_sweep(submitted: submitit_chain.SubmittedSweep, timeout_s: float, pol
     seen: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
     while True:
-        records = sweep.records_by_id(slurm.query(job_ids=list(names)))
+        records = sweep.query(manifest)
         for job_id, what in names.items():
             state = sweep.state_of(records, job_id)
             if seen.get(job_id) != state:
@@ -223,6 +277,8 @@ def follow_sweep(submitted: submitit_chain.SubmittedSweep, timeout_s: float, pol
             return EXIT_TIMEOUT
         time.sleep(poll_s)
     print(sweep.table(manifest, records))
+    for line in sweep.never_started(manifest, records):
+        print(line)
     if state != "COMPLETED":
         for report in submitit_chain.sweep_failure_reports(manifest, records):
             print(report, file=sys.stderr)
@@ -240,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         fail(str(exc), PROG)
     try:
+        if args.via in local_chain.VIAS:
+            return run_local(spec, args.via, args.timeout)
         if runs:
             swept = submitit_chain.submit_sweep(spec, runs, params)
             print_sweep(swept)
@@ -254,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         return follow(submitted, args.timeout, through) if args.wait else 0
     except slurm.SlurmError as exc:  # the cluster's problem, not the input's: status 1, one line
         print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:  # the run folder could not be written after all (a full or read-only disk)
+        print(f"{PROG}: error: writing the run folder {spec.run_dir} failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
 

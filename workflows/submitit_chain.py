@@ -35,7 +35,7 @@ import submitit
 from workflows import chain, jobs, render, slurm, sweep
 from workflows.sbatch_params import SbatchParams
 
-DEPENDENCY = {"preprocess": None, "train": "afterok", "aggregate": "afterany"}
+DEPENDENCY = chain.DEPENDENCY
 LOG_TAIL_LINES = 200
 TRACEBACK_START = "Traceback (most recent call last):"
 SUBMITIT_ERROR_START = TRACEBACK_START  # submitit logs the step's exception after its output
@@ -385,8 +385,8 @@ def sweep_failure_reports(manifest: Mapping[str, Any], records: Mapping[str, slu
     reports = []
     for what, step, job_id in sweep.jobs_of(manifest):
         record = sweep.record_of(records, job_id)
-        if record is None or not record.finished or record.state == "COMPLETED":
-            continue
+        if record is None or not record.finished or record.state == "COMPLETED" or record.never_ran:
+            continue  # a job that never ran has no log nor traceback: sweep.never_started names it
         reports.append(job_report(what, record, sweep.log_path(manifest, step, job_id),
                                   remote_error_at(result_pickle(folder, job_id)), tail_lines))
     return reports

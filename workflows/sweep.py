@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workflows import jobs, slurm
+from workflows import chain, jobs, slurm
 
 NAME_PREFIX = "mdppsweep-"  # not "mdpp-": chain.chain_names must not take a sweep job for a chain
 MANIFEST = "sweep.json"
@@ -37,13 +37,9 @@ SHORT_NAMES = {"pp": "PP", "tp": "TP", "schedule": "USE_DPP", "layers": "NUM_LAY
 SCHEDULES = {"1f1b": "0", "dpp": "1"}
 # Training knobs a sweep may vary. Paths and the dataset are the sweep's (one preprocessing run).
 NOT_SWEPT = {"DATA_PATH", "OUTPUT_DIR", "IMAGE", "CONTAINER_WORKDIR", "PYTHON", "DATA_PREFIX", "DATASET",
-             "CHECKPOINT_DIR", "PROFILE_DIR", "RESUME", "EXTRA_TRAIN_ARGS",
+             "CHECKPOINT_DIR", "PROFILE_DIR", "RUN_NAME", "RESUME", "EXTRA_TRAIN_ARGS",
              "TOKENIZER_TYPE", "VOCAB_FILE", "MERGE_FILE"}
 SWEEPABLE = tuple(k.env for k in jobs.TRAIN.knobs if k.env not in NOT_SWEPT)
-SWITCHES = {k.env for k in jobs.TRAIN.knobs if k.switch}
-INTEGERS = {"GPUS_PER_NODE", "PP", "TP", "NUM_LAYERS", "HIDDEN_SIZE", "NUM_ATTENTION_HEADS", "SEQ_LENGTH",
-            "MAX_POSITION_EMBEDDINGS", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "SAVE_INTERVAL",
-            "LOG_INTERVAL", "SEED"}
 VALUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+-]*$")  # also a folder name part: no '/', '_', '=', space
 
 
@@ -90,11 +86,9 @@ def value_problem(axis_key: str, knob: str, value: str) -> str | None:
     if knob == "USE_DPP":
         if value not in SCHEDULES and value not in ("0", "1"):
             return f"--sweep {axis_key}: {value!r} is not one of 1f1b, dpp (or 0, 1)"
-    elif knob in SWITCHES and value not in ("0", "1"):
-        return f"--sweep {axis_key}: {value!r} must be 0 or 1"
-    elif knob in INTEGERS and not (value.isdigit() and int(value) >= (0 if knob == "GPUS_PER_NODE" else 1)):
-        return f"--sweep {axis_key}: {value!r} is not a positive integer"
-    return None
+        return None
+    problem = jobs.value_problem(knob, value)
+    return f"--sweep {axis_key}: {problem}" if problem else None
 
 
 def parse(texts: Sequence[str], fixed: Mapping[str, str] | None = None) -> tuple[list[Axis], list[str]]:
@@ -202,6 +196,69 @@ def summary_of(point: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def records_by_id(records: Sequence[slurm.JobRecord]) -> dict[str, slurm.JobRecord]:
     return {r.job_id: r for r in records}
+
+
+def query_ids(ids: Sequence[str]) -> list[str]:
+    """``ids`` and the array id of each array task among them: sacct has no row ``12_1`` for a task
+    that never ran, only the array's one line ``12_[0-1]``, which `sacct -j 12` finds."""
+    arrays = [i.partition("_")[0] for i in ids if "_" in i]
+    return list(dict.fromkeys([*ids, *arrays]))
+
+
+def query(manifest: Mapping[str, Any]) -> dict[str, slurm.JobRecord]:
+    """sacct's records of every job of the sweep, array tasks that never ran included."""
+    records = records_by_id(slurm.query(job_ids=query_ids(job_ids(manifest))))
+    return {**records, **vanished_tasks(manifest, records)}
+
+
+def vanished_tasks(manifest: Mapping[str, Any], records: Mapping[str, slurm.JobRecord]) -> dict[str, slurm.JobRecord]:
+    """Array tasks cancelled while the rest of their array waited or ran: sacct keeps no row of
+    their own (and, once another task has run, no ``12_[...]`` line either) and slurmctld forgets
+    them; each is given a CANCELLED record that says it never ran, rather than staying UNKNOWN."""
+    out: dict[str, slurm.JobRecord] = {}
+    by_array: dict[str, list[str]] = {}
+    for point in manifest["points"]:
+        array, _, task = point["train"].partition("_")
+        record = record_of(records, point["train"])
+        own_row = point["train"] in records
+        if task.isdigit() and not own_row and (record is None or not record.finished):
+            by_array.setdefault(array, []).append(point["train"])
+    for array, tasks in by_array.items():
+        known = [r for i, r in records.items() if i.partition("_")[0] == array]
+        if not known:
+            continue  # sacct does not know the array yet: just submitted
+        held = slurm.array_tasks(array)
+        for task_id in tasks if held is not None else []:
+            if int(task_id.partition("_")[2]) not in held:
+                out[task_id] = slurm.JobRecord(task_id, known[0].name, "CANCELLED", "0:0", "00:00:00", "None assigned")
+    return out
+
+
+def dependency_of(manifest: Mapping[str, Any], job_id: str) -> tuple[str, str, str] | None:
+    """(kind, job id, what) of the job ``job_id`` waited for: a training task waits (afterok) for
+    the preprocessing, an aggregation (afterany) for its training task; None for the preprocessing."""
+    for point in manifest["points"]:
+        if point["train"] == job_id:
+            return "afterok", manifest["preprocess"], "preprocess"
+        if point["aggregate"] == job_id:
+            return "afterany", point["train"], f"train {point['description']}"
+    return None
+
+
+def never_started(manifest: Mapping[str, Any], records: Mapping[str, slurm.JobRecord]) -> list[str]:
+    """One line per job of the sweep that ended without ever running, naming what it waited for."""
+    lines = []
+    for what, _step, job_id in jobs_of(manifest):
+        record = record_of(records, job_id)
+        if record is None or not record.never_ran:
+            continue
+        line = f"{what} job {job_id}: {record.state} before it started"
+        dependency = dependency_of(manifest, job_id)
+        if dependency:
+            kind, other, other_what = dependency
+            line += chain.waited_for(kind, other, other_what, state_of(records, other))
+        lines.append(line)
+    return lines
 
 
 def task_indices(bracket: str) -> set[int]:

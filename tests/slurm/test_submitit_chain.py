@@ -31,6 +31,11 @@ def test_submitit_chain_returns_the_summary_and_reports_a_failed_step_with_its_t
     for line in ("#SBATCH --dependency=afterok:", "#SBATCH --kill-on-invalid-dep=yes", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR1@60", "#SBATCH --time=00:20:00", "#SBATCH --comment=issue16", "exec "):
         assert line in batch, (line, batch)
+    # The chain passed the run's own name to the trainer (it was "run" for every chain run).
+    traces = sorted((ok.run_dir / "traces").glob("trace_rank*.json"))
+    assert len(traces) == 2, traces
+    for trace in traces:
+        assert f'"run_name":"{ok.run_dir.name}"' in trace.read_text().replace(" ", ""), trace
     # The step ran the committed file's bytes.
     assert (ok.run_dir / "sbatch" / "2.distributed-training.sbatch").read_text() == \
         (REPO / "sbatch" / "2.distributed-training.sbatch").read_text()

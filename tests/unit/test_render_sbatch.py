@@ -238,6 +238,36 @@ def test_training_writes_into_its_own_folder_by_default(tmp_path):
     result, argv = run_sbatch(jobs.TRAIN, tmp_path, OUTPUT_DIR="", **TRAIN_ENV)
     assert result.returncode == 0, result.stderr
     assert argv[argv.index("--save") + 1] == f"{REPO}/runs/gpt-7/checkpoints"  # job 7's own
+    assert argv[argv.index("--run-name") + 1] == "gpt-7"  # and its name, not the trainer's "run"
+
+
+@pytest.mark.parametrize(("output_dir", "name"), [("/x/gpt-20260101-000000-ab12", "gpt-20260101-000000-ab12"),
+                                                  ("/x/a run's folder/", "a run's folder")])
+def test_training_names_the_run_after_its_folder_unless_run_name_is_set(tmp_path, output_dir, name):
+    env = {**TRAIN_ENV, "OUTPUT_DIR": output_dir, "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+           "PROFILE_DIR": str(tmp_path / "traces")}
+    result, argv = run_sbatch(jobs.TRAIN, tmp_path, **env)
+    assert result.returncode == 0, result.stderr
+    assert argv[argv.index("--run-name") + 1] == name
+    assert jobs.resolve(jobs.TRAIN, recipes.get("gpt", "cpu"), {"REPO_DIR": str(REPO), **env})["RUN_NAME"] == name
+    _result, argv = run_sbatch(jobs.TRAIN, tmp_path, **env, RUN_NAME="mine")
+    assert argv[argv.index("--run-name") + 1] == "mine"
+
+
+def test_the_default_run_folder_is_written_once_and_rendered_from_it():
+    """The rule lives in workflows/jobs.py; the sbatch files call the function rendered from it."""
+    assert jobs.default_output_dir("/r", "gpt", "7") == "/r/runs/gpt-7"
+    for job in jobs.JOBS:
+        text = (REPO / "sbatch" / job.filename).read_text()
+        function = "default_output_dir() { local JOB_ID=$1; printf '%s\\n' \"${REPO_DIR}\"/runs/\"${MODEL}\"-\"${JOB_ID}\"; }"
+        assert text.count(function) == 1, job.filename
+        # nowhere else: no other line builds a runs/<model>-... path
+        assert [line for line in text.splitlines() if "/runs/" in line and "MODEL" in line] == [function]
+    for template in (REPO / "workflows" / "templates").glob("*.j2"):
+        assert "/runs/" not in template.read_text(), template
+    done = subprocess.run(["bash", "-c", "REPO_DIR=\"/a b/c'd\" MODEL=gpt; " + function + '\ndefault_output_dir 9'],
+                          capture_output=True, text=True, timeout=10, check=True)
+    assert done.stdout == jobs.default_output_dir("/a b/c'd", "gpt", "9") + "\n"
 
 
 @pytest.mark.parametrize("tracker", ["latest_checkpointed_iteration.txt", "latest"])  # Megatron-LM's, the old one

@@ -39,9 +39,9 @@ def test_every_bad_axis_is_named():
     _axes, problems = sweep.parse(["pp", "pp=", "tp=0,x", "schedule=zb", "bf16=2", "data_path=/x", "nosuch=1",
                                    "layers=2,2", "lr=a/b", "seed=1,", "train_iters=3"], fixed={"TRAIN_ITERS": "4"})
     text = "; ".join(problems)
-    for part in ("--sweep 'pp': expected KEY=VALUE", "--sweep 'pp=': expected", "--sweep tp: '0' is not a positive",
-                 "--sweep tp: 'x' is not a positive", "--sweep schedule: 'zb' is not one of 1f1b, dpp",
-                 "--sweep bf16: '2' must be 0 or 1", "--sweep data_path: not a training setting",
+    for part in ("--sweep 'pp': expected KEY=VALUE", "--sweep 'pp=': expected", "--sweep tp: TP=0: not an integer >= 1",
+                 "--sweep tp: TP=x: not an integer >= 1", "--sweep schedule: 'zb' is not one of 1f1b, dpp",
+                 "--sweep bf16: BF16=2: must be 0 or 1", "--sweep data_path: not a training setting",
                  "--sweep nosuch: not a training setting", "--sweep layers: value(s) given twice: 2",
                  "--sweep lr: value 'a/b' must be", "--sweep seed: empty value",
                  "--sweep train_iters: TRAIN_ITERS is also set to 4"):
@@ -192,3 +192,71 @@ def test_a_job_names_itself_to_scontrol_as_its_array_task(monkeypatch):
     text = (SBATCH_DIR / "2.distributed-training.sbatch").read_text()
     assert 'SELF=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}' in text
     assert 'scontrol requeue "$SELF"' in text and 'scontrol requeue "$SLURM_JOB_ID"' not in text
+
+
+def test_an_array_that_never_ran_is_queried_by_its_own_id_and_named_with_its_dependency(tmp_path, monkeypatch,
+                                                                                        capsys):
+    # Slurm 22.05: `sacct -j 31_1` prints nothing for a task of an array that never ran; `sacct -j 31`
+    # prints the array's one line. The status of a task id must find that line (not "not found").
+    assert sweep.query_ids(["30", "31_0", "31_1", "32"]) == ["30", "31_0", "31_1", "32", "31"]
+    sweep_dir = tmp_path / "gpt-20260101-000000-abcd"
+    sweep_dir.mkdir()
+    points = [{"description": f"pp={p}", "run_dir": str(sweep_dir / f"pp-{p}"), "train": f"31_{i}",
+               "aggregate": str(32 + i)} for i, p in enumerate((2, 4))]
+    manifest = {"name": sweep_dir.name, "recipe": "gpt/cpu", "preprocess": "30", "points": points,
+                "logs": str(sweep_dir / "logs"), "submitit": str(sweep_dir / "submitit")}
+    sweep.write_manifest(sweep_dir, manifest)
+    stem = sweep.job_name(sweep_dir, "")
+    rows = {"30": f"30|{stem}preprocess|FAILED|1:0|00:00:05|node1|x|y",
+            "31": f"31_[0-1]|{stem}train|CANCELLED|0:0|00:00:00|None assigned|x|x",
+            "32": f"32|{stem}aggregate|CANCELLED by 0|0:0|00:00:00|None assigned|None|x",
+            "33": f"33|{stem}aggregate|FAILED|1:0|00:00:01|node1|x|y"}
+    asked = []
+
+    def sacct(args, **_kw):
+        wanted = args[args.index("-j") + 1].split(",")
+        asked.append(wanted)
+        return "\n".join(rows[i] for i in wanted if i in rows)
+
+    monkeypatch.setattr(slurm, "run", sacct)
+    assert status.main(["31_1", "--runs-dir", str(tmp_path)]) == status.EXIT_FAILED
+    out = capsys.readouterr().out
+    assert asked[0] == ["31_1", "31"]
+    assert "train pp=4 job 31_1: CANCELLED before it started: its dependency afterok:30 can never be met " \
+           "(preprocess job 30 ended FAILED)" in out
+    assert "aggregate pp=2 job 32: CANCELLED before it started, while waiting for afterany:31_0 " \
+           "(train pp=2 job 31_0 CANCELLED)" in out
+    assert "aggregate pp=4 job 33: FAILED" in out and "job 33: FAILED before" not in out  # it ran
+    assert out.rstrip().endswith("sweep: FAILED")
+
+
+def test_a_chain_names_the_dependency_of_a_step_that_never_ran():
+    records = slurm.parse_sacct("40|a-preprocess|FAILED|1:0|00:00:01|node1|x|y\n"
+                                "41|a-train|CANCELLED by 0|0:0|00:00:00|None assigned|None|y\n"
+                                "42|a-aggregate|COMPLETED|0:0|00:00:01|node1|x|y\n")
+    from workflows import chain
+    assert chain.never_started(records) == [
+        "train job 41: CANCELLED before it started: its dependency afterok:40 can never be met "
+        "(preprocess job 40 ended FAILED)"]
+
+
+@pytest.mark.parametrize(("held", "vanished"), [("0", True), ("0-1", False), (None, True)])
+def test_a_task_cancelled_while_its_array_ran_on_is_cancelled_not_unknown(monkeypatch, held, vanished):
+    # Once task 0 ran, sacct keeps no line for a task 1 cancelled while pending; slurmctld has
+    # forgotten it too (`scontrol show job 51` lists the tasks it still holds).
+    import subprocess
+    manifest = {"preprocess": "50", "points": [{"description": f"pp={p}", "train": f"51_{i}", "aggregate": str(53 + i)}
+                                               for i, p in enumerate((2, 4))]}
+    rows = ["50|s-preprocess|COMPLETED|0:0|00:00:01|node1|x|y", "51_0|s-train|RUNNING|0:0|00:00:09|node1|x|y",
+            "53|s-aggregate|PENDING|0:0|00:00:00|None assigned|x|y", "54|s-aggregate|PENDING|0:0|00:00:00|None assigned|x|y"]
+    monkeypatch.setattr(slurm, "run", lambda args, **_kw: "\n".join(rows))
+    answer = (subprocess.CompletedProcess([], 0, f"JobId=52 ArrayJobId=51 ArrayTaskId={held} JobState=RUNNING\n", "")
+              if held else subprocess.CompletedProcess([], 1, "", "slurm_load_jobs error: Invalid job id specified"))
+    monkeypatch.setattr(slurm, "call", lambda args, *a, **kw: answer)
+    records = sweep.query(manifest)
+    assert sweep.state_of(records, "51_0") == "RUNNING"
+    assert sweep.state_of(records, "51_1") == ("CANCELLED" if vanished else "UNKNOWN")
+    if vanished:
+        assert records["51_1"].never_ran
+        assert sweep.never_started(manifest, records) == [
+            "train pp=4 job 51_1: CANCELLED before it started, while waiting for afterok:50 (preprocess job 50 COMPLETED)"]
