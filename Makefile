@@ -31,7 +31,8 @@ cluster-up:
 cluster-down:
 	scripts/cluster.sh down
 
-## The CPU enroot image of the containers tier, without Docker (root, debootstrap; docs/workflows.md)
+## The CPU enroot image of the containers tier, without Docker (root; installs debootstrap and
+## squashfs-tools itself). The tier also needs enroot and Pyxis: docs/workflows.md gives the order.
 image:
 	containers/build-offline.sh
 

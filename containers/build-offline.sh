@@ -17,7 +17,8 @@
 #                             tree's tracked files, uncommitted edits included)
 #   REBUILD=1                 start again from an empty WORK_DIR
 #
-# Steps, each skipped when its stamp in WORK_DIR says it was done from the same inputs:
+# Run as root. The host tools it needs and lacks (debootstrap, mksquashfs, g++) are installed first
+# with apt-get. Steps, each skipped when its stamp in WORK_DIR says it was done from the same inputs:
 #   1. debootstrap --variant=minbase SUITE with python3, venv, the C/C++ runtime torch needs, iproute2
 #      (workflows.netinfo runs `ip` inside the image) and procps
 #   2. on the host, `pip wheel`: this package (the extension compiled here, against the same Debian
@@ -57,8 +58,23 @@ default_mirror() {
 MIRROR=${MIRROR:-$(default_mirror)}
 
 (( $(id -u) == 0 )) || die "run as root (debootstrap and chroot need it)"
-for tool in debootstrap mksquashfs unshare chroot; do
-    command -v "$tool" >/dev/null || die "$tool not found: apt-get install debootstrap squashfs-tools util-linux"
+# The host tools this build runs, each with the Debian package that brings it: a fresh machine has
+# none of the first two, so they are installed here (apt-get, like scripts/setup.sh) rather than
+# asked of the user.
+declare -A TOOL_PACKAGE=([debootstrap]=debootstrap [mksquashfs]=squashfs-tools [unshare]=util-linux
+                         [chroot]=coreutils [g++]=g++)
+missing=()
+for tool in "${!TOOL_PACKAGE[@]}"; do
+    command -v "$tool" >/dev/null || missing+=("${TOOL_PACKAGE[$tool]}")
+done
+if ((${#missing[@]})); then
+    log "installing ${missing[*]} (apt-get)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+        || die "apt-get install ${missing[*]} failed (see above)"
+fi
+for tool in "${!TOOL_PACKAGE[@]}"; do
+    command -v "$tool" >/dev/null || die "$tool still not found after installing ${TOOL_PACKAGE[$tool]}"
 done
 [[ -z "${REBUILD:-}" ]] || { log "REBUILD=1: removing $WORK_DIR"; rm -rf "$WORK_DIR"; }
 mkdir -p "$WORK_DIR" "$WHEELS" "$(dirname "$OUTPUT")"

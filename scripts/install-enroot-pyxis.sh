@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Build and install enroot and the Pyxis SPANK plugin from source folders you point to, and register
-# Pyxis with the project's local Slurm cluster (scripts/cluster.sh). Neither is a Debian package;
-# their sources are never copied into this repository: get them yourself, e.g.
+# Pyxis with the project's local Slurm cluster (scripts/cluster.sh). Run `make setup` first (Slurm).
+# Neither is a Debian package nor on PyPI, and their sources are never copied into this repository:
+# get the two source folders yourself, e.g.
 #
 #   git clone --recursive https://github.com/NVIDIA/enroot  ~/src/enroot
 #   git clone https://github.com/NVIDIA/pyxis               ~/src/pyxis
 #   scripts/install-enroot-pyxis.sh --enroot-src ~/src/enroot --pyxis-src ~/src/pyxis
 #   (or ENROOT_SRC=... PYXIS_SRC=... scripts/install-enroot-pyxis.sh)
+#
+# A machine that cannot reach that code host needs the folders brought to it: a release tarball, or
+# `git archive --prefix=enroot/ v4.1.2 | tar -x` of a mirror, works as well as a clone (no .git used).
 #
 # What it does, each part skipped when already done (run it again at will):
 #   - Debian packages: the build tools, libslurm-dev (spank.h of the installed Slurm: Slurm refuses a
@@ -35,7 +39,7 @@ BUILD_ROOT=${BUILD_ROOT:-}
 log() { echo "install-enroot-pyxis: $*" >&2; }
 die() { echo "install-enroot-pyxis: error: $*" >&2; exit 2; }
 usage() {
-    sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -51,7 +55,7 @@ done
 
 problems=()
 if [[ -z $ENROOT_SRC || -z $PYXIS_SRC ]]; then
-    problems+=("both sources must be given: --enroot-src DIR (a clone of github.com/NVIDIA/enroot) and --pyxis-src DIR (a clone of github.com/NVIDIA/pyxis), or ENROOT_SRC/PYXIS_SRC; nothing is downloaded by this script")
+    problems+=("both sources must be given: --enroot-src DIR (NVIDIA/enroot's sources: a clone, a release tarball unpacked, or a git archive of a mirror) and --pyxis-src DIR (NVIDIA/pyxis's, likewise), or ENROOT_SRC/PYXIS_SRC; nothing is downloaded by this script, and no package registry has them")
 fi
 [[ -z $ENROOT_SRC || -f $ENROOT_SRC/enroot.in ]] || problems+=("--enroot-src $ENROOT_SRC: no enroot.in there, not an enroot source folder")
 [[ -z $PYXIS_SRC || -f $PYXIS_SRC/pyxis_slurmstepd.c ]] || problems+=("--pyxis-src $PYXIS_SRC: no pyxis_slurmstepd.c there, not a Pyxis source folder")
@@ -65,6 +69,8 @@ case "$ENROOT_SRC/" in "$REPO"/*) die "--enroot-src $ENROOT_SRC is inside this r
 case "$PYXIS_SRC/" in "$REPO"/*) die "--pyxis-src $PYXIS_SRC is inside this repository: keep third-party sources outside it" ;; esac
 
 SUDO=""; (( $(id -u) == 0 )) || SUDO=sudo
+# Pyxis is built against the installed Slurm's headers (below): Slurm must be there first.
+dpkg -s slurmd >/dev/null 2>&1 || die "slurmd is not installed: run \`make setup\` first (Pyxis is built for the installed Slurm)"
 
 # ---- Debian packages
 APT_PACKAGES=(build-essential libbsd-dev libslurm-dev makeself linux-libc-dev squashfs-tools squashfuse

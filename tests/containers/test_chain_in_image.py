@@ -48,8 +48,9 @@ def describe(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
 
 @pytest.fixture
 def runs_dir(request) -> Iterator[Path]:
-    """A folder under the repository's runs/ (not /tmp: enroot puts a tmpfs on the container's /tmp),
-    removed after a passing test and kept for a look after a failing one."""
+    """A folder under the repository's runs/, where a user's would be (a mounted folder under /tmp works
+    too: enroot's tmpfs /tmp lies under the mounts), removed after a passing test and kept for a look
+    after a failing one."""
     (REPO / "runs").mkdir(exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="containers-test-", dir=REPO / "runs"))
     yield folder
