@@ -132,12 +132,16 @@ def find_checkpoint(root: str | None) -> tuple[int, Path] | None:
     if not tracker.is_file():
         _refuse_without_tracker(folder)
         return None
-    text = tracker.read_text().strip()
+    try:
+        text = tracker.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{tracker}: cannot be read as Megatron-LM's tracker (an iteration number): "
+                              f"{err}") from None
     if text == "release":
         raise CheckpointError(f"{tracker} says 'release': a Megatron-LM release (weights-only) checkpoint, which "
                               "this trainer does not resume from (it needs the optimizer, scheduler and counters "
                               "of a training checkpoint)")
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit alone accepts '³', which int() refuses
         raise CheckpointError(f"{tracker}: expected an iteration number (or 'release'), found {text!r}")
     iteration = int(text)
     path = iteration_dir(folder, iteration)

@@ -263,6 +263,9 @@ def write_json_atomic(path: Path, document: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600; the file gets the mode any other file of the run gets (0666 less
+        # the umask), so the group that reads the run folder reads its traces and summaries too.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as out:
             # One dumps + write is several times faster than json.dump's many small writes.
             out.write(json.dumps(document, separators=(",", ":")))
@@ -270,6 +273,20 @@ def write_json_atomic(path: Path, document: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it: setting it to read it (os.umask) would, for an
+    instant, apply to files other threads of a rank create."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def make_tracer(profile_dir: str | os.PathLike[str] | None, rank: int, metadata: Mapping[str, Any],
