@@ -47,11 +47,18 @@ def _write_segment(folder: Path, run_id: str, first_iteration: int, iterations: 
         (folder / trace_file_name(rank)).write_text(json.dumps(document))
 
 
-def test_segments_aggregate_as_one_run_the_repeated_iterations_taken_from_the_later_one(tmp_path):
+def test_segments_aggregate_as_one_run_the_repeated_iterations_taken_from_the_later_one(tmp_path, capsys):
     # Segment 0 traced iterations 1-5 and was preempted; its last checkpoint was at 4, so segment 1
     # (a new run token, a minute later) repeats 5 and goes on to 8.
     _write_segment(tmp_path, "job7-a", first_iteration=1, iterations=5, epoch_us=1.7e15)
     _write_segment(tmp_path / "segment1", "job7-b", first_iteration=5, iterations=4, epoch_us=1.7e15 + 60e6)
+    # Segment 1's start-up (loading the checkpoint) ran a collection before its first step: the
+    # tracer tags it with the iteration it starts from, which segment 0 computed.
+    first = tmp_path / "segment1" / trace_file_name(0)
+    document = json.loads(first.read_text())
+    document["traceEvents"].insert(0, {"name": "gc gen2", "ph": "X", "ts": 1.7e15 + 59e6, "dur": 5.0, "pid": 0,
+                                       "tid": "gc", "cat": "gc", "args": {"iteration": 1, "stage": 0}})
+    first.write_text(json.dumps(document))
     loaded = load_rank_traces(tmp_path)
     assert loaded.problems == [] and [t.segment for t in loaded.traces] == [0, 0, 1, 1]
     merged = merge_traces(loaded.traces)
@@ -64,6 +71,8 @@ def test_segments_aggregate_as_one_run_the_repeated_iterations_taken_from_the_la
     assert len(events) == 8 * 2 * 4 * 2  # iterations x stages x microbatches x (F, B): none twice
 
     assert aggregate.main(["--benchmark_dir", str(tmp_path)]) == 0
+    assert ("merged 2 of 2 ranks over 2 segments of a requeued run (segment 0: iterations 1-4; segment 1: "
+            "iterations 5-8)") in capsys.readouterr().out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == list(range(1, 9))
 

@@ -14,9 +14,10 @@ What the merge does, and why:
   simulated and a measured schedule come out in the same shape.
 * Segments of a requeued run (trainer.profiling.loading) merge as one run: each segment must be
   one run of its own (its ``run_id``), events carry ``args.segment`` and ``metadata.segments`` lists
-  each segment's run, ranks and iterations. An iteration traced by two segments (the resumed run
+  each segment's run, ranks and iterations. An iteration computed by two segments (the resumed run
   repeats those after its checkpoint) is the later segment's: the earlier one's events of it are
-  dropped and listed as ``superseded_iterations``, since only the repeated one counted in training.
+  dropped and listed as ``superseded_iterations``, since only the repeated one counted in training;
+  so are a segment's start-up events tagged with an iteration another segment computed.
 """
 
 from __future__ import annotations
@@ -93,24 +94,37 @@ def check_one_run(traces: Sequence[RankTrace]) -> None:
                              "aggregate one run's folder (each run writes its own, runs/<run>/traces)")
 
 
-def _superseded(traces: Sequence[RankTrace]) -> dict[int, set[int]]:
-    """Per segment, the iterations a later segment traced again (see the module's docstring)."""
-    traced: dict[int, set[int]] = defaultdict(set)
+COMPUTE_CATEGORIES = frozenset({"F", "B", "I", "W"})
+
+
+def _iteration(event: dict[str, Any]) -> int:
+    return int((event.get("args") or {}).get("iteration", -1))
+
+
+def _owners(traces: Sequence[RankTrace]) -> dict[int, int]:
+    """Iteration -> the segment whose events of it are kept: the latest one that computed it.
+
+    A resumed segment repeats the iterations after the checkpoint it resumed from, and only its
+    run of them counted in training; a segment's events of an iteration it did not compute (the
+    garbage collections of its start-up, recorded before its first step) belong to no iteration."""
+    owners: dict[int, int] = {}
     for trace in traces:
-        traced[trace.segment].update(int((e.get("args") or {}).get("iteration", -1)) for e in trace.events)
-    return {segment: {it for it in its if it > 0 and any(it in traced[later] for later in traced if later > segment)}
-            for segment, its in traced.items()}
+        for event in trace.events:
+            if event.get("cat") in COMPUTE_CATEGORIES:
+                it = _iteration(event)
+                owners[it] = max(owners.get(it, trace.segment), trace.segment)
+    return owners
 
 
-def _segments_metadata(traces: Sequence[RankTrace], superseded: dict[int, set[int]]) -> list[dict[str, Any]]:
+def _segments_metadata(traces: Sequence[RankTrace], owners: dict[int, int]) -> list[dict[str, Any]]:
     rows = []
     for segment in sorted({t.segment for t in traces}):
         mine = [t for t in traces if t.segment == segment]
-        its = sorted({int((e.get("args") or {}).get("iteration", -1)) for t in mine for e in t.events
-                      if e.get("ph") == "X"} - superseded.get(segment, set()) - {-1})
+        computed = {_iteration(e) for t in mine for e in t.events if e.get("cat") in COMPUTE_CATEGORIES}
         rows.append({"segment": segment, "run_id": mine[0].metadata.get("run_id"),
-                     "ranks": sorted(t.rank for t in mine), "iterations": its,
-                     "superseded_iterations": sorted(superseded.get(segment, set()) - {-1})})
+                     "ranks": sorted(t.rank for t in mine),
+                     "iterations": sorted(it for it in computed if owners.get(it) == segment),
+                     "superseded_iterations": sorted(it for it in computed if owners.get(it) != segment)})
     return rows
 
 
@@ -123,15 +137,14 @@ def merge_traces(traces: Sequence[RankTrace], missing_ranks: Sequence[int] = (),
         raise ValueError("merge_traces needs at least one readable trace, got none")
     check_one_run(traces)
     segmented = len({t.segment for t in traces}) > 1
-    superseded = _superseded(traces) if segmented else {}
+    owners = _owners(traces) if segmented else {}
     placed: list[tuple[int, int, float, dict[str, Any]]] = []  # (stage, rank, aligned ts, event)
     for trace in traces:
-        dropped = superseded.get(trace.segment, set())
         for event in trace.events:
             if event.get("ph") != "X":
                 continue  # per-rank files hold complete events only; anything else is not ours
-            if dropped and int((event.get("args") or {}).get("iteration", -1)) in dropped:
-                continue
+            if owners.get(_iteration(event), trace.segment) != trace.segment:
+                continue  # another segment's iteration (see _owners)
             if segmented:
                 event = dict(event, args=dict(event.get("args") or {}, segment=trace.segment))
             stage = _event_stage(event, trace)
@@ -169,6 +182,6 @@ def merge_traces(traces: Sequence[RankTrace], missing_ranks: Sequence[int] = (),
         dropped_iterations=max(int(t.metadata.get("dropped_iterations", 0)) for t in traces),
     )
     if segmented:
-        metadata["segments"] = _segments_metadata(traces, superseded)
+        metadata["segments"] = _segments_metadata(traces, owners)
         metadata["run_id"] = traces[-1].metadata.get("run_id")  # the last segment's: the one that finished
     return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
