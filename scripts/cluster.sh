@@ -264,6 +264,19 @@ start_slurmdbd() {
     if ! sacctmgr -n -P show cluster format=cluster | grep -qx mdpp; then
         sacctmgr -i add cluster mdpp >/dev/null || die "sacctmgr could not add cluster mdpp"
     fi
+    # The QOS that preempts (slurm.conf: PreemptType=preempt/qos, PreemptMode=REQUEUE): 'urgent' jobs
+    # requeue the 'normal' jobs whose nodes they need.
+    if ! sacctmgr -n -P show qos format=name | grep -qx urgent; then
+        sacctmgr -i add qos urgent >/dev/null || die "sacctmgr could not add QOS urgent"
+    fi
+    sacctmgr -i modify qos urgent set Priority=1000 Preempt=normal PreemptMode=requeue >/dev/null \
+        || die "sacctmgr could not let QOS urgent preempt QOS normal"
+    # A preempted 'normal' job's tasks get TERM at once and the rest of the job (the batch shell, srun)
+    # only GraceTime later. Without a grace time the whole job gets TERM together, and srun answers its
+    # own TERM by killing the step's tasks with SIGKILL: the ranks' checkpoint on that signal never
+    # happens and the iterations since the last periodic save are lost. Sites that preempt training set
+    # one for the same reason; 60 s is far more than this cluster's small checkpoints take.
+    sacctmgr -i modify qos normal set GraceTime=60 >/dev/null || die "sacctmgr could not set QOS normal's GraceTime"
 }
 
 ctld_probe() { scontrol ping | grep -q 'is UP'; }

@@ -132,12 +132,16 @@ def find_checkpoint(root: str | None) -> tuple[int, Path] | None:
     if not tracker.is_file():
         _refuse_without_tracker(folder)
         return None
-    text = tracker.read_text().strip()
+    try:
+        text = tracker.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{tracker}: cannot be read as Megatron-LM's tracker (an iteration number): "
+                              f"{err}") from None
     if text == "release":
         raise CheckpointError(f"{tracker} says 'release': a Megatron-LM release (weights-only) checkpoint, which "
                               "this trainer does not resume from (it needs the optimizer, scheduler and counters "
                               "of a training checkpoint)")
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit alone accepts '³', which int() refuses
         raise CheckpointError(f"{tracker}: expected an iteration number (or 'release'), found {text!r}")
     iteration = int(text)
     path = iteration_dir(folder, iteration)
@@ -417,7 +421,8 @@ def _save(root: str, state: TrainState, model: list, optimizer, scheduler, facts
                  "padded_vocab_size": facts.padded_vocab_size, "identity": facts.identity,
                  "use_distributed_optimizer": facts.use_distributed_optimizer},
     })
-    with kept_from_child_processes():  # its writer processes must survive Slurm's USR1 (see there)
+    _write_results_in_process()
+    with kept_from_child_processes():  # its writer processes must survive Slurm's signals (see there)
         watchdog.enter(SAVE_PLAN, "megatron-core: sharding validation, common.pt, save plan; collectives")
         request = dist_checkpointing.save(sharded, str(tmp), validate_access_integrity=True,
                                           async_sharded_save=True, **_builtin_async_strategy(dist_checkpointing.save))
@@ -432,6 +437,27 @@ def _save(root: str, state: TrainState, model: list, optimizer, scheduler, facts
         _atomic_write_text(Path(root) / TRACKER, f"{state.iteration}\n")  # LAST: names complete checkpoints only
     watchdog.enter(SAVE_END, "barrier")
     dist.barrier()
+
+
+def _write_results_in_process() -> None:
+    """Give megatron-core's writer an in-process queue for its results instead of a Manager's.
+
+    Its ``FileSystemWriterAsync`` passes the write results back through a queue that lives in a
+    spawned multiprocessing Manager (a second Python per rank, started by the first save): made for
+    a write running in a background process, which this trainer never does (:func:`_write_in_phases`
+    runs it in the rank). That Manager was the weak part of every save: Slurm's TERM to the step
+    killed it (it was spawned with TERM unblocked: see early_signals.kept_from_child_processes), so
+    the on-signal save after a periodic one died with BrokenPipeError/EOFError; it outlived a rank
+    killed with ``kill -9``; and it spent seconds importing this trainer's main module before the
+    first save could begin, time a preempted job does not have (KillWait). With the results kept in
+    the rank no second Python exists. Versions of megatron-core without the module-level queue keep
+    their Manager, still started under ``kept_from_child_processes``."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:  # megatron-core 0.16: created on first use
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _builtin_async_strategy(save) -> dict:

@@ -279,6 +279,22 @@ class TrainingSession:
             out.write(f"{outcome} {self.state.iteration}\n")
         os.replace(tmp, path)
 
+    def record_failure(self, err: BaseException) -> None:
+        """Rank 0 records why it failed (its node, the error's first line) in $MDPP_EXIT_RECORD: the
+        sbatch script prints the record, so the job's last line names the rank that failed and, when
+        a peer died (a link's error names it), that peer; srun's own line names the dead task's node."""
+        path = os.environ.get(EXIT_RECORD_ENV)
+        if not path or self.launch.rank != 0:
+            return
+        node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+        first_line = (str(err).strip().splitlines() or [""])[0][:400]
+        with contextlib.suppress(OSError):
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "w") as out:
+                out.write(f"failed at iteration {self.state.iteration}: rank 0 on {node}: "
+                          f"{type(err).__name__}: {first_line}\n")
+            os.replace(tmp, path)
+
     def flush_traces(self) -> None:
         """Best effort on a crash: write the trace this rank has so far (aggregation reads what exists)."""
         if self.built is not None and self.built.runtime is not None:
@@ -384,8 +400,9 @@ def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> 
         faulthandler.cancel_dump_traceback_later()
         session.record_exit(code)
         return code
-    except Exception:
+    except Exception as err:
         log.exception("rank %d failed", launch.rank)
+        session.record_failure(err)  # the job's last line names the failure (trainer/train.py: record_failure)
         session.flush_traces()
         sys.stdout.flush()
         # Peers may be blocked in a collective with this rank: exiting now (non-zero) lets the

@@ -50,9 +50,17 @@ def test_signal_to_one_rank_saves_on_all_ranks_and_exits_75(signum, tmp_path: Pa
 @pytest.mark.timeout(600)
 def test_usr1_during_start_up_checkpoints_instead_of_killing(tmp_path: Path) -> None:
     """Before this fix the handler was installed after set-up: USR1 at start-up killed the rank."""
-    ckpt, record = tmp_path / "ckpt", tmp_path / "exit-record"
-    ranks = start(["trainer.train", *ARGS, "--save", str(ckpt)], 2, extra_env={"MDPP_EXIT_RECORD": str(record)})
-    time.sleep(0.5)  # the interpreter is up, torch is still being imported
+    ckpt, record, ready = tmp_path / "ckpt", tmp_path / "exit-record", tmp_path / "ready"
+    ready.mkdir()
+    ranks = start(["trainer.train", *ARGS, "--save", str(ckpt)], 2,
+                  extra_env={"MDPP_EXIT_RECORD": str(record), "MDPP_READY_DIR": str(ready)})
+    # The interpreter is up and the handlers are in (each rank marks itself ready right after, as the
+    # sbatch script waits for); torch is still being imported. A fixed sleep raced the interpreter's
+    # own start on a loaded host (both ranks died of USR1 before reaching trainer.early_signals).
+    deadline = time.monotonic() + 120
+    while len(list(ready.iterdir())) < 2:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.procs), list(ready.iterdir())
+        time.sleep(0.01)
     for proc in ranks.procs:
         proc.send_signal(signal.SIGUSR1)
     assert_checkpointed_at(ckpt, record, ranks.wait(300), at_least=0)

@@ -16,10 +16,20 @@ each job trains TRAIN_ITERS iterations and is interrupted in its own way:
 
 Whatever happens, a job that ends COMPLETED must have logged its last iteration; a requeued one is
 released at once (tests/slurm/test_chain.py's release_when_held) and must then finish for real.
+
+After the first periodic checkpoint (``SAVE_INTERVAL``) two more ways, each losing nothing: the job
+saves on the signal, requeues, resumes and logs the same losses as an uninterrupted run, and leaves no
+unfinished ``iter_*.tmp``:
+
+* ``ranks-term-after-save``: ``scancel --signal=TERM`` to the steps. Before: the on-signal save died
+  in megatron-core's checkpoint writer, whose helper process the TERM had killed too; FAILED.
+* ``preempted``: a job of QOS ``urgent`` needs both nodes, and Slurm preempts the training job
+  (PreemptMode=REQUEUE, scripts/cluster/slurm.conf.in; QOS normal's GraceTime, scripts/cluster.sh).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -36,6 +46,17 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN_ITERS = 12
 TIMEOUT_S = 600
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
+
+
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+PERIODIC_SAVE = re.compile(r"saved checkpoint at iteration (\d+) to ")
+ON_SIGNAL_SAVE = re.compile(r"saved checkpoint at iteration (\d+) on signal")
+
+
+def losses(log: Path) -> dict[int, float]:
+    """Iteration -> loss over every segment of a job (a resumed segment repeats no iteration the
+    on-signal checkpoint kept, and any it repeats must match anyway: the last one is taken)."""
+    return {int(i): float(loss) for i, loss in LOSS.findall(log.read_text())}
 
 
 def last_iteration(log: Path) -> int:
@@ -92,6 +113,20 @@ def follow_to_the_end(job_id: str, log: Path) -> tuple[str, int]:
     raise AssertionError(f"job {job_id} did not finish within {TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
 
 
+def interrupt_after_a_periodic_save(kind: str, job_id: str, log: Path, out: Path) -> None:
+    wait_until(lambda: log.exists() and PERIODIC_SAVE.search(log.read_text()) is not None
+               and last_iteration(log) > int(PERIODIC_SAVE.search(log.read_text()).group(1)),
+               TIMEOUT_S, "an iteration after the first periodic checkpoint")
+    if kind == "ranks-term-after-save":
+        slurm.run(["scancel", "--signal=TERM", job_id])
+        return
+    # Both nodes, whole: only the training job's preemption makes room for it.
+    urgent = slurm.run(["sbatch", "--parsable", "--qos=urgent", "--nodes=2", "--exclusive",
+                        f"--output={out}/urgent_%j.out", "--wrap", "sleep 1"]).strip().split(";")[0]
+    wait_until(lambda: job_state(urgent) in slurm.TERMINAL_STATES, TIMEOUT_S, f"the urgent job {urgent}")
+    assert job_state(urgent) == "COMPLETED", job_state(urgent)
+
+
 def interrupt(kind: str, job_id: str, log: Path) -> None:
     if kind == "usr1-start-batch":  # the batch shell, before srun exists
         wait_until(lambda: job_state(job_id) == "RUNNING", 120, "the job to run")
@@ -122,3 +157,36 @@ def test_an_interrupted_training_job_is_never_completed_early(kind, dataset, tmp
         assert (state, "on signal" in text) == ("COMPLETED", True), f"{state}\n{text[-4000:]}"
     else:
         assert state != "COMPLETED" or restarts >= 1, f"{state}\n{text[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(dataset, tmp_path_factory) -> dict[int, float]:
+    job_id, log = submit_training(tmp_path_factory.mktemp("uninterrupted") / "run", dataset)
+    state, restarts = follow_to_the_end(job_id, log)
+    assert (state, restarts) == ("COMPLETED", 0), log.read_text()[-4000:]
+    found = losses(log)
+    assert sorted(found) == list(range(1, TRAIN_ITERS + 1)), log.read_text()[-4000:]
+    return found
+
+
+@pytest.mark.timeout(TIMEOUT_S * 3)
+@pytest.mark.parametrize("kind", ["ranks-term-after-save", "preempted"])
+def test_a_signal_after_a_periodic_checkpoint_saves_requeues_and_loses_nothing(kind, dataset, uninterrupted_losses,
+                                                                              tmp_path):
+    job_id, log = submit_training(tmp_path / "run", dataset)
+    interrupt_after_a_periodic_save(kind, job_id, log, tmp_path)
+    state, restarts = follow_to_the_end(job_id, log)
+    text = log.read_text()
+    assert (state, restarts) == ("COMPLETED", 1), f"{state} after {restarts} restart(s)\n{text[-5000:]}"
+    assert "Traceback" not in text and "BrokenPipeError" not in text, text[-5000:]
+    periodic = int(PERIODIC_SAVE.search(text).group(1))
+    saved = ON_SIGNAL_SAVE.search(text)
+    assert saved and int(saved.group(1)) > periodic, text[-5000:]  # what came after the periodic save is kept
+    first_run, _, second_run = text.partition(", restart 1\n")
+    resumed_at = min(int(i) for i in ITERATION.findall(second_run))
+    assert resumed_at == int(saved.group(1)) + 1, second_run[-3000:]
+    leftovers = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.endswith(".tmp"))
+    assert leftovers == [], leftovers
+    got = losses(log)
+    assert sorted(got) == sorted(uninterrupted_losses)
+    assert all(math.isclose(got[i], uninterrupted_losses[i], rel_tol=1e-5) for i in got), (got, uninterrupted_losses)

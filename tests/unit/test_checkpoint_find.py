@@ -59,6 +59,10 @@ def test_tracker_that_is_no_iteration(tmp_path: Path) -> None:
     assert f"{tmp_path / TRACKER}: expected an iteration number (or 'release'), found 'best'" in refused(tmp_path)
     (tmp_path / TRACKER).write_text("release\n")
     assert "Megatron-LM release (weights-only) checkpoint" in refused(tmp_path)
+    (tmp_path / TRACKER).write_text("\u00b3\n")  # a digit to str.isdigit, not to int()
+    assert f"{tmp_path / TRACKER}: expected an iteration number (or 'release'), found '\u00b3'" in refused(tmp_path)
+    (tmp_path / TRACKER).write_bytes(b"\xff\xfe1\n")
+    assert f"{tmp_path / TRACKER}: cannot be read as Megatron-LM's tracker" in refused(tmp_path)
 
 
 def test_megatron_legacy_torch_format(tmp_path: Path) -> None:

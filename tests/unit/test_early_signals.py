@@ -46,14 +46,16 @@ CHILD_PROBE = """
 import multiprocessing as mp, os, signal, sys, time
 from trainer import early_signals
 signal.signal(signal.SIGUSR1, lambda *a: print("parent noted USR1", flush=True))
+signal.signal(signal.SIGTERM, lambda *a: print("parent noted TERM", flush=True))
 if sys.argv[1] == "kept":
     with early_signals.kept_from_child_processes():
         manager = mp.get_context("spawn").Manager()  # what megatron-core's checkpoint writer starts
 else:
     manager = mp.get_context("spawn").Manager()
 queue = manager.Queue()
-os.kill(manager._process.pid, signal.SIGUSR1)  # Slurm signals every process of the step
-os.kill(os.getpid(), signal.SIGUSR1)
+for sig in (signal.SIGUSR1, signal.SIGTERM):  # Slurm signals every process of the step
+    os.kill(manager._process.pid, sig)
+    os.kill(os.getpid(), sig)
 time.sleep(1)
 try:
     queue.put(1)
@@ -70,9 +72,62 @@ def _child_probe(mode: str) -> str:
     return done.stdout
 
 
-def test_a_spawned_child_dies_of_usr1_unless_started_inside_the_block() -> None:
-    # The control: without the block the writer's Manager dies (what broke USR1 checkpoints under Slurm).
+def test_a_spawned_child_dies_of_usr1_and_term_unless_started_inside_the_block() -> None:
+    # The control: without the block the writer's Manager dies (what broke checkpoints on a signal
+    # under Slurm). Inside it, the spawn comes after Python's resource tracker started, whose start
+    # unblocks TERM: the block must still hold TERM for the Manager.
     assert "manager dead" in _child_probe("plain")
     out = _child_probe("kept")
     assert "manager alive 1" in out
-    assert "parent noted USR1" in out  # the parent still gets its own signal after the block
+    assert "parent noted USR1" in out and "parent noted TERM" in out  # the parent still gets its own signals
+
+
+ORPHAN_PROBE = """
+import os, sys, time
+from trainer import early_signals
+if os.fork() == 0:  # the 'rank'
+    with early_signals.kept_from_child_processes():
+        if sys.argv[1] == "forked-inside":
+            child = os.fork()
+        else:
+            child = None
+    if child is None:
+        child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(60)
+    os._exit(0)
+time.sleep(30)
+"""
+
+
+def _orphan_survives(mode: str) -> bool:
+    """A 'rank' forks a child inside or outside the block and is killed with SIGKILL: does the child live on?"""
+    import signal
+    import time
+
+    probe = subprocess.Popen([sys.executable, "-c", ORPHAN_PROBE, mode], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        child = int(probe.stdout.readline())
+        rank = int(Path(f"/proc/{child}/stat").read_text().split(") ")[1].split()[1])  # its parent
+        os.kill(rank, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            state = Path(f"/proc/{child}/stat").read_text().split(") ")[1].split()[0] \
+                if Path(f"/proc/{child}/stat").exists() else "gone"
+            if state in ("gone", "Z"):
+                return False
+            time.sleep(0.1)
+        os.kill(child, signal.SIGKILL)
+        return True
+    finally:
+        probe.kill()
+        probe.wait()
+
+
+def test_a_child_forked_inside_the_block_dies_with_its_parent() -> None:
+    assert _orphan_survives("forked-outside")  # the control: an ordinary fork outlives kill -9
+    assert not _orphan_survives("forked-inside")

@@ -88,7 +88,7 @@ class BertSampleDataset:
         self.prefix, self.seq_length, self.seed = str(prefix), seq_length, seed
         self.tokenizer, self.masked_lm_prob, self.binary_head = tokenizer, masked_lm_prob, binary_head
         self.max_tokens = seq_length - specials
-        self._indexed = open_indexed_dataset(self.prefix)
+        self._indexed = open_indexed_dataset(self.prefix, getattr(tokenizer, "vocab_size", None))
         lengths = np.asarray(self._indexed.sequence_lengths, dtype=np.int64)
         self._groups = build_sentence_groups(np.asarray(self._indexed.document_indices), lengths,
                                              self.max_tokens, 2 if binary_head else 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,8 +12,9 @@ import numpy as np
 import torch
 
 
-def open_indexed_dataset(prefix: str | Path):
-    """megatron-core's ``IndexedDataset`` (memory-mapped) for ``prefix``.{bin,idx}.
+def open_indexed_dataset(prefix: str | Path, vocab_size: int | None = None):
+    """megatron-core's ``IndexedDataset`` (memory-mapped) for ``prefix``.{bin,idx}; with
+    ``vocab_size``, every token id is checked to be below it (:func:`check_token_ids`).
 
     Its items are numpy views of the memory map, which the dataset unmaps when it is garbage
     collected: copy them (``np.array(item)``) before dropping the dataset, or reading them segfaults.
@@ -29,9 +31,47 @@ def open_indexed_dataset(prefix: str | Path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDataset
-    dataset = IndexedDataset(prefix)
+    try:
+        dataset = IndexedDataset(prefix)
+    except (ValueError, AssertionError, struct.error, IndexError, TypeError) as err:
+        # A cut-off or foreign .idx: numpy's "buffer is smaller than requested size", megatron-core's
+        # bare assertion on the header, ... none of which says which file.
+        raise ValueError(f"indexed dataset index {prefix}.idx is damaged or not a megatron-core index "
+                         f"({type(err).__name__}: {err or 'header check failed'}): re-run python -m "
+                         "trainer.preprocess") from None
     check_bin_size(prefix, dataset.index)
+    if vocab_size is not None:
+        check_token_ids(prefix, dataset.index, vocab_size)
     return dataset
+
+
+_SCAN_TOKENS = 1 << 24  # tokens per read while checking ids: 32-64 MiB at a time, whatever the file's size
+
+
+def check_token_ids(prefix: str, index: Any, vocab_size: int) -> None:
+    """ValueError naming the .bin, the first token id >= ``vocab_size``, its sequence and the
+    vocabulary when the file holds one.
+
+    Why before training: such an id indexes past the embedding table, which fails in the first
+    iteration as an IndexError (CPU) or a device-side assert (CUDA) naming neither the file nor the
+    id: a dataset tokenized with another, larger vocabulary than the run's --vocab-file. Reading
+    the whole file once costs a sequential pass; a dtype that cannot hold such an id skips it.
+    """
+    dtype = np.dtype(index.dtype)
+    if np.iinfo(dtype).max < vocab_size:
+        return
+    bin_path = Path(prefix + ".bin")
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+    for start in range(0, len(tokens), _SCAN_TOKENS):
+        block = tokens[start:start + _SCAN_TOKENS]
+        if block.max(initial=0) < vocab_size:
+            continue
+        at = start + int(np.argmax(block >= vocab_size))
+        sequence = int(np.searchsorted(np.asarray(index.sequence_pointers) // dtype.itemsize, at, side="right")) - 1
+        raise ValueError(f"indexed dataset {bin_path} holds token id {int(tokens[at])} (token {at}, sequence "
+                         f"{sequence}) but the vocabulary has {vocab_size} ids: it was tokenized with another "
+                         "vocabulary than this run's --vocab-file/--tokenizer-type (or --vocab-size); re-run "
+                         "python -m trainer.preprocess with this run's tokenizer")
 
 
 def check_bin_size(prefix: str, index: Any) -> None:

@@ -100,14 +100,17 @@ def check_helpers() -> None:
         ) from None
 
 
-def _check_documents(dataset_cls: type, blend: Blend, split: str, split_matrix: list, requested: list[int]) -> None:
+def _check_documents(dataset_cls: type, blend: Blend, split: str, split_matrix: list, requested: list[int],
+                     vocab_size: int | None = None) -> None:
     """ValueError naming the prefix and split when a split that must give samples gets no document of a
     prefix (megatron-core's datasets would loop forever looking for its tokens). Documents are counted
     and ranged as megatron-core does: its dataset class's count, round(bookend x documents) at either end."""
     from trainer.data.indexed import open_indexed_dataset
 
     for prefix in blend.prefixes:
-        documents = int(dataset_cls.numel_low_level_dataset(open_indexed_dataset(prefix)))  # also checks the .bin
+        # also checks the .bin: its size, and its ids against the tokenizer's vocabulary
+        indexed = open_indexed_dataset(prefix, vocab_size)
+        documents = int(dataset_cls.numel_low_level_dataset(indexed))
         for name, bookends, size in zip(SPLIT_NAMES, split_matrix, requested, strict=True):
             if size == 0:
                 continue
@@ -190,7 +193,8 @@ class MegatronSamples:
         # samples anyway, and loop forever on one without documents); the others keep --split's bookends.
         config.split_matrix = [bookends if size > 0 else None
                                for bookends, size in zip(config.split_matrix, requested, strict=True)]
-        _check_documents(dataset_cls, blend, config.split, config.split_matrix, requested)
+        _check_documents(dataset_cls, blend, config.split, config.split_matrix, requested,
+                         getattr(config.tokenizer, "vocab_size", None))
         _check_cache(config.path_to_cache, dataset_cls, blend)
         self.datasets = BlendedMegatronDatasetBuilder(dataset_cls, requested, lambda: True, config).build()
         self.split, self.keys = config.split, keys

@@ -22,6 +22,7 @@ import logging
 import lzma
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import warnings
@@ -351,10 +352,32 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     )
 
 
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP arrived (Slurm cancelling or requeueing the job, a closed terminal)."""
+
+
+def _stop_on_termination() -> None:
+    """Turn SIGTERM/SIGHUP into :class:`Terminated` in this (the main) process, so that :func:`preprocess`
+    removes its ``*.tmp-<pid>`` files on the way out as it does on any error; their default action
+    ended the process on the spot and left them (Slurm's ``scancel`` sends TERM, then KILL KillWait
+    later). A forked encoding worker, which inherits the handler, just ends: the pool is torn down
+    by the main process."""
+    main_pid = os.getpid()
+
+    def stop(signum: int, frame: object) -> None:
+        if os.getpid() != main_pid:
+            os._exit(128 + signum)
+        raise Terminated(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: prints a summary table. A bad flag -> the parser's one line on stderr, exit code 2;
     bad input (files, values) -> one ``error:`` line on stderr, exit code 1."""
     args = build_arg_parser().parse_args(argv)
+    _stop_on_termination()
     # INFO for our own progress lines only; megatron-core logs chatter about FSDP/TE at import time.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("trainer").setLevel(logging.INFO)

@@ -97,6 +97,11 @@ def _summary_document(summary: TraceSummary, problems: list[str], warnings: list
     return document
 
 
+def _span(iterations: list[int]) -> str:
+    return "none" if not iterations else f"{iterations[0]}-{iterations[-1]}" if len(iterations) > 1 \
+        else str(iterations[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = args.out or args.benchmark_dir / "merged.json"
@@ -161,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     if merged["metadata"]["dropped_iterations"]:
         print(f"note: the tracers kept the latest iterations only "
               f"({merged['metadata']['dropped_iterations']} earlier ones dropped)")
-    merged_ranks = len(run.traces)
+    merged_ranks = len({t.rank for t in run.traces})
+    segments = merged["metadata"].get("segments", [])
     print(f"merged {merged_ranks} of {run.world_size} ranks"
+          + (f" over {len(segments)} segments of a requeued run (" + "; ".join(
+              f"segment {s['segment']}: iterations {_span(s['iterations'])}" for s in segments) + ")"
+             if segments else "")
           + (f"; missing or unreadable: {', '.join(map(str, run.missing_ranks))}" if run.missing_ranks else ""))
     print(f"wrote {out}, {out.parent / 'summary.json'}, {png}")
     return 0

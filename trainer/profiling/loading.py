@@ -3,6 +3,10 @@
 A run that crashed, was cancelled or ran out of disk leaves some ranks without a file or with half
 a file; the aggregation job still merges what is there (it is what a user debugging that run needs
 most) and says exactly which ranks are absent and why.
+
+A run that Slurm requeued ran in segments, each writing its own files: the first into the profile
+directory, segment N into its ``segment<N>/`` sub-folder (trainer.profiling.tracer.segment_folder).
+All of them are read, as one run: every trace knows its segment.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.profiling.tracer import trace_file_name
+from trainer.profiling.tracer import SEGMENT_DIR_FORMAT, trace_file_name
 
 RANK_FILE_PATTERN = re.compile(r"^trace_rank(\d+)\.json$")
 """Per-rank file names as the tracer writes them (leftover ``.tmp`` files never match)."""
+SEGMENT_DIR_PATTERN = re.compile("^" + SEGMENT_DIR_FORMAT.format(segment=r"([1-9]\d*)") + "$")
+"""Sub-folders of a requeued run's later segments (``segment1``, ``segment2``, ...)."""
 
 LOADER_METADATA = ("stage", "world_size")
 """Metadata keys without which a rank file cannot be placed on the timeline."""
@@ -32,6 +38,8 @@ class RankTrace:
     """The ``traceEvents`` list, untouched."""
     metadata: dict[str, Any]
     """The ``metadata`` object, untouched."""
+    segment: int = 0
+    """The run's segment it belongs to (0: the first run, or a run never requeued); from its folder."""
 
     @property
     def rank(self) -> int:
@@ -79,12 +87,41 @@ def read_trace_file(path: Path) -> RankTrace:
 
 
 def load_rank_traces(benchmark_dir: str | Path) -> LoadedRun:
-    """Reads every ``trace_rank*.json`` in ``benchmark_dir``; problems are collected, not raised."""
+    """Reads every ``trace_rank*.json`` in ``benchmark_dir`` and in its ``segment<N>/`` sub-folders
+    (a requeued run's later segments); problems are collected, not raised."""
     folder = Path(benchmark_dir)
     if not folder.is_dir():
         raise ValueError(f"--benchmark_dir {folder} is not a directory")
     run = LoadedRun()
-    reported: set[int] = set()  # ranks whose file exists but was rejected (already explained)
+    segments = [(0, folder)] + sorted(
+        (int(match.group(1)), path) for path in folder.iterdir()
+        if path.is_dir() and (match := SEGMENT_DIR_PATTERN.match(path.name)))
+    missing: set[int] = set()
+    for segment, where in segments:
+        prefix = "" if segment == 0 else f"{where.name}/"
+        traces = _load_one_folder(where, segment, prefix, run.problems)
+        if not traces and segment == 0 and len(segments) > 1:
+            run.problems.append(f"no trace_rank*.json of the run's first segment in {folder} (only of its "
+                                "later segments: " + ", ".join(w.name for _, w in segments[1:]) + ")")
+        run.traces.extend(traces)
+        world_size = max((int(t.metadata["world_size"]) for t in traces), default=0)
+        run.world_size = max(run.world_size, world_size)
+        present = {t.rank for t in traces}
+        reported = {r for r in range(world_size) if any(p.startswith(f"{prefix}{trace_file_name(r)}:")
+                                                        for p in run.problems)}
+        for rank in range(world_size):
+            if rank in present:
+                continue
+            missing.add(rank)
+            if rank not in reported:
+                run.problems.append(f"{prefix}{trace_file_name(rank)}: missing (rank {rank} of world_size "
+                                    f"{world_size} wrote no trace)")
+    run.missing_ranks = sorted(missing)
+    return run
+
+
+def _load_one_folder(folder: Path, segment: int, prefix: str, problems: list[str]) -> list[RankTrace]:
+    traces = []
     for path in sorted(folder.iterdir()):
         match = RANK_FILE_PATTERN.match(path.name)
         if not match:
@@ -92,19 +129,11 @@ def load_rank_traces(benchmark_dir: str | Path) -> LoadedRun:
         try:
             trace = read_trace_file(path)
         except ValueError as err:
-            run.problems.append(str(err))
-            reported.add(int(match.group(1)))
+            problems.append(f"{prefix}{err}")
             continue
         if trace.rank != int(match.group(1)):
-            run.problems.append(f"{path.name}: metadata says rank {trace.rank}; file skipped")
-            reported.add(int(match.group(1)))
+            problems.append(f"{prefix}{path.name}: metadata says rank {trace.rank}; file skipped")
             continue
-        run.traces.append(trace)
-    run.world_size = max((int(t.metadata["world_size"]) for t in run.traces), default=0)
-    present = {t.rank for t in run.traces}
-    run.missing_ranks = [r for r in range(run.world_size) if r not in present]
-    for rank in run.missing_ranks:
-        if rank not in reported:
-            run.problems.append(f"{trace_file_name(rank)}: missing (rank {rank} of world_size "
-                                f"{run.world_size} wrote no trace)")
-    return run
+        trace.segment = segment
+        traces.append(trace)
+    return traces

@@ -51,6 +51,27 @@ REQUIRED_METADATA = ("stage", "world_size", "pipeline_parallel", "num_chunks", "
 for every run: the aggregation refuses a folder whose files disagree on it."""
 
 
+SEGMENT_DIR_FORMAT = "segment{segment}"
+"""Sub-folder of the profile directory holding the traces of a requeued run's later segments: Slurm
+requeues a preempted or checkpointed job under the same job id (and so the same --profile-dir), and
+each segment's ranks would otherwise overwrite the traces of the ones before. Segment 0 (the first
+run, and every run that was never requeued) writes into the profile directory itself."""
+
+RESTART_COUNT_ENV = "SLURM_RESTART_COUNT"
+"""Slurm's count of the job's requeues: the segment a rank belongs to."""
+
+
+def segment_from_env(env: Mapping[str, str] | None = None) -> int:
+    """This run's segment: $SLURM_RESTART_COUNT (0 when unset, outside Slurm, or not a count)."""
+    text = (os.environ if env is None else env).get(RESTART_COUNT_ENV, "").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def segment_folder(profile_dir: str | os.PathLike[str], segment: int) -> Path:
+    """Where segment ``segment``'s trace files go: the profile directory itself for segment 0."""
+    return Path(profile_dir) if segment == 0 else Path(profile_dir) / SEGMENT_DIR_FORMAT.format(segment=segment)
+
+
 _EventTuple = tuple[str, str, str, float, float, int, dict[str, Any]]
 
 
@@ -242,6 +263,9 @@ def write_json_atomic(path: Path, document: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600; the file gets the mode any other file of the run gets (0666 less
+        # the umask), so the group that reads the run folder reads its traces and summaries too.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as out:
             # One dumps + write is several times faster than json.dump's many small writes.
             out.write(json.dumps(document, separators=(",", ":")))
@@ -251,13 +275,29 @@ def write_json_atomic(path: Path, document: Any) -> None:
         raise
 
 
+def _umask() -> int:
+    """The process's umask, read where Linux shows it: setting it to read it (os.umask) would, for an
+    instant, apply to files other threads of a rank create."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def make_tracer(profile_dir: str | os.PathLike[str] | None, rank: int, metadata: Mapping[str, Any],
                 keep_iterations: int | None = DEFAULT_KEEP_ITERATIONS) -> Tracer | NullTracer:
-    """A :class:`Tracer` writing ``<profile_dir>/trace_rank<RANK>.json``, or a :class:`NullTracer`
-    when ``profile_dir`` is None (profiling off).
+    """A :class:`Tracer` writing ``<profile_dir>/trace_rank<RANK>.json`` (a requeued job's later
+    segments: ``<profile_dir>/segment<N>/``, :func:`segment_folder`), or a :class:`NullTracer` when
+    ``profile_dir`` is None (profiling off).
 
     ``metadata`` must hold the keys of :data:`REQUIRED_METADATA`; ``tp_rank``/``dp_rank`` default
-    to 0; ``rank``, ``source``, ``clock_offset_us`` and ``dropped_iterations`` are filled in here.
+    to 0; ``segment`` defaults to :func:`segment_from_env`; ``rank``, ``source``, ``clock_offset_us``
+    and ``dropped_iterations`` are filled in here.
     The tracer keeps the latest ``keep_iterations`` iterations (None: all of them).
     """
     if profile_dir is None:
@@ -270,5 +310,7 @@ def make_tracer(profile_dir: str | os.PathLike[str] | None, rank: int, metadata:
     raise_if_any(problems, "make_tracer")
     # Created now rather than at close so that an unwritable folder fails at start-up, not
     # after hours of training.
-    Path(profile_dir).mkdir(parents=True, exist_ok=True)
-    return Tracer(Path(profile_dir) / trace_file_name(rank), rank, metadata, keep_iterations)
+    segment = int(metadata.get("segment", segment_from_env()))
+    folder = segment_folder(profile_dir, segment)
+    folder.mkdir(parents=True, exist_ok=True)
+    return Tracer(folder / trace_file_name(rank), rank, {**metadata, "segment": segment}, keep_iterations)
