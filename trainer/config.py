@@ -220,6 +220,12 @@ class ParallelConfig:
     when the neighbour *queued* the op making it), run a deferred W meanwhile, and a landed gradient's
     I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, as before the
     eleventh session; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
+    dpp_sp_wgrad_input: Literal["keep", "regather"] = "keep"
+    """Split backward (dpp-zb, zb-h1) with --sequence-parallel: a column-parallel linear's deferred
+    weight GEMM needs its input gathered over TP. ``keep`` (default) keeps the gathered input from the
+    forward until W (TP x the local input's memory per such linear; W is a local GEMM); ``regather``
+    keeps the local 1/TP and all-gathers it again in W, as megatron's backward does (megatron's memory,
+    a TP all-gather per linear in every W). trainer/pipeline/split_backward.py."""
     dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1"] = "auto"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
@@ -314,6 +320,8 @@ class ParallelConfig:
             p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
         elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
             p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
+        if self.dpp_sp_wgrad_input not in ("keep", "regather"):
+            p.append(f"--dpp-sp-wgrad-input={self.dpp_sp_wgrad_input!r} must be one of keep, regather")
         if self.dpp_policy == "zb-h1" and self.dpp_max_inflight is not None:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
                      "not to the static zb-h1")
@@ -822,6 +830,11 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
     if not cfg.parallel.dpp_fill_transit and not (cfg.parallel.use_dpp and cfg.dpp_policy == "dpp-zb"):
         p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses "
                  + resolve_dpp_policy(cfg)[1])
+    if cfg.parallel.dpp_sp_wgrad_input != "keep" and not (
+            cfg.parallel.sequence_parallel and cfg.dpp_policy in ("dpp-zb", "zb-h1")):
+        p.append(f"--dpp-sp-wgrad-input={cfg.parallel.dpp_sp_wgrad_input} applies to --sequence-parallel with a split "
+                 "backward (--dpp-policy dpp-zb or zb-h1); this run uses " + resolve_dpp_policy(cfg)[1]
+                 + ("" if cfg.parallel.sequence_parallel else " without --sequence-parallel"))
     p.extend(_variable_length_problems(cfg))
     p.extend(_bert_data_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
@@ -902,8 +915,6 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
         f"--hidden-dropout 0 --attention-dropout 0 (got {m.hidden_dropout}, {m.attention_dropout}): captured "
         "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
-        "no --overlap-grad-reduce (a replayed backward runs no gradient hooks, which launch its reduction)":
-            not par.overlap_grad_reduce,
         f"at most {MAX_GRAPHED_LENGTHS} sequence lengths to capture with --variable-seq-lengths (each slot holds a "
         f"graph pair per length; --seq-length {m.seq_length} / --seq-length-divisible-by "
         f"{cfg.data.seq_length_divisible_by} gives {-(-m.seq_length // cfg.data.seq_length_divisible_by)}: "
@@ -1020,12 +1031,9 @@ def _split_backward_problems(cfg: TrainConfig, policy: str | None = None) -> lis
         why = f"--attention-backend={backend}" if backend in TE_ATTENTION_BACKENDS else f"--transformer-impl={impl}"
         p.append(f"--dpp-policy={policy} splits the backward of megatron-core's local linear layers only: "
                  f"pass --transformer-impl local (got {why})")
-    if par.sequence_parallel:
-        p.append(f"--dpp-policy={policy} with --sequence-parallel: split backward defers the weight GEMMs of "
-                 "linears without sequence parallelism only; drop one of them")
-    if par.overlap_grad_reduce:
-        p.append(f"--dpp-policy={policy} with --overlap-grad-reduce: the reduction would start from the gradient "
-                 "hooks of I, before W has accumulated the weight gradients; drop --overlap-grad-reduce")
+    # --sequence-parallel and --overlap-grad-reduce work: the deferred GEMM keeps (or re-gathers) its
+    # gathered input, and the runtime starts the DP reduction after each chunk's last W
+    # (trainer/pipeline/split_backward.py, trainer/pipeline/grad_sync.py).
     if policy == "zb-h1" and cfg.virtual_pipeline > 1:
         p.append(f"--dpp-policy=zb-h1 needs one model chunk per stage, got {cfg.virtual_pipeline}")
     if policy == "zb-h1" and not par.use_dpp and cfg.run.device == "cuda" and par.distributed_backend != "gloo":

@@ -185,7 +185,9 @@ class TrainingSession:
         chunks = build_model_chunks(cfg, self.topology, vocab_size)
         if self.hooks.after_build is not None:
             self.hooks.after_build(chunks, self.topology)
-        self.model = wrap_ddp(cfg, chunks)
+        # Our runtime starts the overlapped DP reduction itself (trainer/pipeline/grad_sync.py).
+        self.model = wrap_ddp(cfg, chunks, runtime_launches_reduction=not self._uses_megatron_schedule()
+                              and self.hooks.forward_backward_func is None)
         from trainer.model.steps import uses_per_token_loss
 
         self.forward_step = make_forward_step(
@@ -312,8 +314,8 @@ class TrainingSession:
                 and self.hooks.forward_backward_func is None:
             # Megatron-LM's default --align-grad-reduce: megatron-core's schedules launch each chunk's
             # reduction themselves, at the same step on every pipeline stage. Our runtime has no such
-            # common step (its order is dynamic): there, as in megatron-core without grad_sync_func,
-            # the DDP hooks launch it during the chunk's last backward (trainer/pipeline/grad_sync.py).
+            # common step (its order is dynamic): it starts each chunk's buckets right after the op
+            # that completes their gradients (trainer/pipeline/grad_sync.py).
             grad_sync = [chunk.start_grad_sync for chunk in self.model]
             config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
         config.finalize_model_grads_func = finalize_model_grads
