@@ -211,7 +211,8 @@ def _all_gather_sequence(local: torch.Tensor, group: Any) -> torch.Tensor:
     of its own (megatron gathers into a global buffer that the next gather reuses: no good to keep)."""
     gathered = torch.empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]),
                            dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+    with torch.no_grad():  # W runs with grad mode on; gloo's gather writes into views of ``gathered``
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
     return gathered
 
 
