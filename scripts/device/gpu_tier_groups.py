@@ -29,11 +29,14 @@ GROUPS: dict[str, list[str]] = {
           "tests/dist/test_clock_offset.py::test_offsets_undo_injected_skew_over_nccl"],
     # part 3: first 10 losses of every DPP policy against megatron-core's 1F1B, issue-12 model, 4 GPUs
     "D": [f"{_TRAIN}::test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus"],
+    # part 4: graphed dpp-zb with the runtime-launched overlapped DP reduction, PP=2 x DP=2 on 4 GPUs
+    "L": [f"{_G}/test_dpp_cuda_graphs.py::test_graphed_dpp_zb_with_overlapped_dp_reduction_equals_eager"],
 }
 PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "1": (("A", "B"), "C", 400, 140),
     "2": (("Z1", "Z2"), "E", 300, 200),
     "3": ((), "D", 0, 560),
+    "4": ((), "L", 0, 500),
 }
 """Part -> (groups run side by side on GPU pairs 0,1 and 2,3; the group run on all four GPUs after
 them; seconds for the pairs; seconds for the last group)."""

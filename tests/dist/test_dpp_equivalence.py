@@ -73,22 +73,27 @@ UNEVEN = {"gpt-pp2-uneven": {0: set(range(5)), 1: set(range(5, 8))}}
 # runtime's backward (and, under dpp-zb, inside I); the reference recomputes nothing.
 LAYOUTS["gpt-pp2-recompute"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                                             "--recompute-method", "uniform", "--recompute-num-layers", "1"])
-# --overlap-grad-reduce (issue 17): megatron DDP launches each chunk's DP reduction from its
-# gradient hooks during the chunk's last backward (async, gloo here) and finalize_model_grads waits;
-# with VP the chunks' reductions start in the order the dynamic schedule finishes them, which the data
-# dependencies fix (chunk v-1 before chunk 0) on every DP replica alike.
+# --overlap-grad-reduce: the runtime starts each chunk's DP reduction (async, gloo here) right after
+# the op completing its gradients -- its last B, or under dpp-zb its last W -- and finalize_model_grads
+# waits; with VP in the fixed order chunk v-1 .. 0 on every DP replica (trainer/pipeline/grad_sync.py).
+# The harness counts, per bucket group finished, whether its reduction had started before
+# finalize_model_grads: every one must have (OVERLAPPED below).
 OVERLAP = ["--overlap-grad-reduce"]
 LAYOUTS["gpt-pp2-dp2-overlap"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP, *GLOO])
 LAYOUTS["gpt-pp2-vp2-dp2-overlap"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2",
                                                   "--num-layers-per-virtual-pipeline-stage", "2", *OVERLAP])
 LAYOUTS["gpt-pp2-dp2-overlap-distopt"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP,
                                                       "--use-distributed-optimizer", *GLOO])
+OVERLAPPED = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-overlap-distopt"}
 # --sequence-parallel (issue 17): activations between stages are each TP rank's [seq/TP, mbs, h]
 # (every TP rank has its own links); layer-norm gradients are all-reduced over TP by finalize_model_grads.
-LAYOUTS["gpt-pp2-tp2-sp"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                                         "--sequence-parallel"])
-NO_SPLIT_BACKWARD = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-overlap-distopt",
-                     "gpt-pp2-tp2-sp"}  # split backward refuses --overlap-grad-reduce and --sequence-parallel
+# Under dpp-zb the column-parallel linears' deferred weight GEMMs keep the TP-gathered input until W
+# (default), or keep the local shard and gather it again in W (--dpp-sp-wgrad-input regather).
+SP = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+LAYOUTS["gpt-pp2-tp2-sp"] = ("gpt", 4, SP)
+LAYOUTS["gpt-pp2-tp2-sp-regather"] = ("gpt", 4, [*SP, "--dpp-sp-wgrad-input", "regather"])
+NO_SPLIT_BACKWARD: set[str] = set()
+SPLIT_ONLY = {"gpt-pp2-tp2-sp-regather"}  # the flag applies to a split backward only
 LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt"}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
@@ -98,8 +103,16 @@ NO_DPP = {"gpt-pp2-no-dpp"}
 # Split backward (I then W, trainer.pipeline.split_backward) must not change the maths either: every
 # DPP layout again under dpp-zb, and the static zb-h1 on the non-DPP path. Ids: "<layout>" for the
 # plain dpp policy (as before), "<layout>-<policy>" otherwise.
-CASES = ([pytest.param(layout, "dpp", id=layout) for layout in LAYOUTS]
-         + [pytest.param(layout, "dpp-zb", id=f"{layout}-dpp-zb") for layout in LAYOUTS
+# The slowest 4-rank split-backward cases run in the slow tier only.
+SLOW = {"gpt-pp2-vp2-dp2-overlap-dpp-zb", "gpt-pp2-tp2-sp-regather-dpp-zb"}
+
+
+def _case(layout: str, policy: str, case_id: str):
+    return pytest.param(layout, policy, id=case_id, marks=[pytest.mark.slow] if case_id in SLOW else [])
+
+
+CASES = ([_case(layout, "dpp", layout) for layout in LAYOUTS if layout not in SPLIT_ONLY]
+         + [_case(layout, "dpp-zb", f"{layout}-dpp-zb") for layout in LAYOUTS
             if layout not in NO_DPP | NO_SPLIT_BACKWARD]
          + [pytest.param("gpt-pp2-no-dpp", "zb-h1", id="gpt-pp2-no-dpp-zb-h1")])
 
@@ -167,7 +180,14 @@ def test_dpp_zb_matches_the_reference_while_gradients_are_in_transit(layout: str
 def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path, harness: list[str] = ()) -> None:
     """Run ``layout`` with ``args`` from the reference's weights; losses and gradients must match it."""
     world = LAYOUTS[layout][1]
+    overlapped = layout in OVERLAPPED
+    if overlapped:
+        harness = [*harness, "--count-reductions"]
     _run(tmp_path, world, args, ["--load-init", str(ref / "init.pt"), *harness])
+    if overlapped:  # every bucket group's reduction was under way before finalize_model_grads
+        for rank in range(world):
+            counts = json.loads((tmp_path / f"reductions_rank{rank}.json").read_text())
+            assert counts["started_at_finish"] == 0 and counts["started_before"] >= ITERS, (rank, counts)
 
     expected = json.loads((ref / "losses_rank0.json").read_text())
     assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]

@@ -21,6 +21,10 @@ single-process reference:
   "not landed yet" to the first N looks at each message of an odd microbatch (``StageLinks.landed``,
   a scheduling hint dpp-zb reads); even microbatches' messages land at the first look, so both
   answers occur whatever the timing; ``landing_rank<R>.json`` counts the looks and the "no" answers.
+* ``--count-reductions``: with ``--overlap-grad-reduce``, count, when finalize_model_grads finishes
+  each DDP bucket group's reduction, whether it had been started before (overlapped: by the runtime
+  or megatron's hooks) or is started only there; ``reductions_rank<R>.json``. Observed by wrapping
+  megatron-core's ``_ParamAndGradBucketGroup.finish_grad_sync`` in this process (a test-only probe).
 """
 
 from __future__ import annotations
@@ -122,6 +126,20 @@ def delay_landing(looks: int, counts: dict[str, int]) -> None:
     patch(StageLinks)
 
 
+def count_reductions(counts: dict[str, int]) -> None:
+    """Wrap megatron-core's bucket-group finish to count overlapped vs. late-started reductions."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    original = _ParamAndGradBucketGroup.finish_grad_sync
+
+    def finish_grad_sync(self, *args, **kwargs):
+        if self.ddp_config.overlap_grad_reduce:
+            counts["started_before" if self.grad_reduce_handle is not None else "started_at_finish"] += 1
+        return original(self, *args, **kwargs)
+
+    _ParamAndGradBucketGroup.finish_grad_sync = finish_grad_sync
+
+
 def build_hooks(args: argparse.Namespace) -> TrainHooks:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +149,9 @@ def build_hooks(args: argparse.Namespace) -> TrainHooks:
     landing = {"looks": 0, "not_landed": 0}
     if args.landing_delay:
         delay_landing(args.landing_delay, landing)
+    reductions = {"started_before": 0, "started_at_finish": 0}
+    if args.count_reductions:
+        count_reductions(reductions)
 
     def after_build(chunks, topology) -> None:
         topo_box["t"] = topology
@@ -165,6 +186,8 @@ def build_hooks(args: argparse.Namespace) -> TrainHooks:
         (out / f"losses_rank{rank}.json").write_text(json.dumps(losses, indent=0))
         if args.landing_delay:
             (out / f"landing_rank{rank}.json").write_text(json.dumps(landing))
+        if args.count_reductions:
+            (out / f"reductions_rank{rank}.json").write_text(json.dumps(reductions))
 
     return TrainHooks(after_build=after_build, after_backward=after_backward, after_step=after_step,
                       forward_backward_func=sequential_reference if args.reference else None)
@@ -179,6 +202,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--dump-grads", type=int, default=0)
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--landing-delay", type=int, default=0)
+    parser.add_argument("--count-reductions", action="store_true")
     args = parser.parse_args(argv[:split])
     return main(argv[split + 1:], build_hooks(args))
 

@@ -90,3 +90,27 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
     assert_same_losses(eager, graphed)
     assert len(grad_dumps(tmp_path / "eager")) == 4  # 2 ranks x 2 iterations (--dump-grads 2)
     assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("distopt", [False, True], ids=["overlap", "overlap-distopt"])
+def test_graphed_dpp_zb_with_overlapped_dp_reduction_equals_eager(tmp_path: Path, distopt: bool) -> None:
+    """PP=2 x DP=2 with --overlap-grad-reduce: a replayed backward runs no DDP hook, so the runtime
+    starts each chunk's reduction after its last B or W (trainer/pipeline/grad_sync.py), queued on the
+    stream behind the replay. Against eager DPP without the overlap: equal losses, and (without the
+    distributed optimizer, whose reduce-scatter leaves each rank only its shard) equal gradients.
+    Needs 4 GPUs (NCCL for the DP reduce-scatter)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    dp = ["--global-batch-size", str(4 * M)] + (["--use-distributed-optimizer"] if distopt else [])
+
+    def run(out: Path, extra: list[str]) -> tuple[list, dict]:
+        return train(out, 4, ["--dump-grads", "2", "--", *GPT, *dp, *extra], last_rank=3)
+
+    _, eager = run(tmp_path / "eager", DPP)
+    results, graphed = run(tmp_path / "graphed", [*ZB, "--dpp-cuda-graphs", "--overlap-grad-reduce"])
+    counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
+    assert counts and all(eager_ops == 0 for _, eager_ops in counts.values()), counts
+    assert_same_losses(eager, graphed)
+    if not distopt:
+        assert_same_grads(tmp_path / "eager", tmp_path / "graphed")

@@ -10,7 +10,13 @@ import types
 import pytest
 
 import trainer.config as config_module
-from trainer.config import ConfigError, attention_backend_problems, parse_config, uses_transformer_engine_spec
+from trainer.config import (
+    ConfigError,
+    attention_backend_problems,
+    parse_config,
+    resolve_plan,
+    uses_transformer_engine_spec,
+)
 from trainer.manual_gc import ManualGC
 
 BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--device", "cpu"]
@@ -72,10 +78,17 @@ def test_sequence_parallel_refusals() -> None:
                             "--seq-length-divisible-by", "3"], world_size=2) == [
         "--sequence-parallel with --variable-seq-lengths needs --seq-length-divisible-by=3 divisible by "
         "--tensor-model-parallel-size=2 (every microbatch length must split evenly)"]
-    zb = _problems(tp2 + ["--pipeline-model-parallel-size", "2", "--use-dpp", "--dpp-policy", "dpp-zb"],
-                   world_size=4)
-    assert zb == ["--dpp-policy=dpp-zb with --sequence-parallel: split backward defers the weight GEMMs of linears "
-                  "without sequence parallelism only; drop one of them"]
+    zb = tp2 + ["--pipeline-model-parallel-size", "2", "--use-dpp", "--dpp-policy", "dpp-zb"]
+    assert parse_config(BASE + zb, world_size=4).parallel.dpp_sp_wgrad_input == "keep"
+    assert parse_config(BASE + zb + ["--dpp-sp-wgrad-input", "regather"], world_size=4).parallel.dpp_sp_wgrad_input \
+        == "regather"
+    # The choice applies to a split backward under sequence parallelism only: refused elsewhere.
+    assert _problems(tp2 + ["--pipeline-model-parallel-size", "2", "--use-dpp", "--dpp-sp-wgrad-input",
+                            "regather"], world_size=4) == [
+        "--dpp-sp-wgrad-input=regather applies to --sequence-parallel with a split backward (--dpp-policy dpp-zb or "
+        "zb-h1); this run uses --dpp-policy auto: without --dpp-cuda-graphs dpp-zb was not measured faster"]
+    assert _problems(["--dpp-sp-wgrad-input", "gather"]) == [
+        "--dpp-sp-wgrad-input='gather' must be one of keep, regather"]
 
 
 def test_sequence_parallel_norm_marks_its_parameters_for_the_tp_all_reduce() -> None:
@@ -183,11 +196,10 @@ def test_overlap_grad_reduce_reaches_megatron_ddp(monkeypatch) -> None:
 
 @pytest.mark.parametrize(("overlap", "schedule", "expect_grad_sync"), [
     (True, "megatron", True),   # Megatron-LM's --align-grad-reduce default: the schedule launches it
-    (True, "runtime", False),   # our runtime: the DDP hooks launch it in the chunk's last backward
+    (True, "runtime", False),   # our runtime starts it after the chunk's last backward (grad_sync.py)
     (False, "megatron", False),
 ])
 def test_grad_sync_func_is_set_as_megatron_lm_sets_it(overlap, schedule, expect_grad_sync) -> None:
-    from trainer.config import resolve_plan
     from trainer.session.build import wire_grad_sync
 
     flags = (["--overlap-grad-reduce"] if overlap else []) + (["--use-dpp"] if schedule == "runtime" else [])
@@ -200,14 +212,15 @@ def test_grad_sync_func_is_set_as_megatron_lm_sets_it(overlap, schedule, expect_
     assert config.grad_sync_func is (chunk.start_grad_sync if expect_grad_sync else None)
 
 
-def test_overlap_grad_reduce_is_refused_where_nothing_would_launch_the_reduction() -> None:
-    zb = _problems(["--overlap-grad-reduce", "--pipeline-model-parallel-size", "2", "--use-dpp", "--dpp-policy",
-                    "dpp-zb"], world_size=2)
-    assert zb == ["--dpp-policy=dpp-zb with --overlap-grad-reduce: the reduction would start from the gradient hooks "
-                  "of I, before W has accumulated the weight gradients; drop --overlap-grad-reduce"]
+def test_overlap_grad_reduce_is_accepted_with_split_backward_and_graphs() -> None:
+    """The runtime starts the reduction after each chunk's last B or W (trainer/pipeline/grad_sync.py),
+    so neither I before W nor a replayed backward without hooks rules it out any more."""
+    zb = parse_config(BASE + ["--overlap-grad-reduce", "--pipeline-model-parallel-size", "2", "--use-dpp",
+                              "--dpp-policy", "dpp-zb", "--use-distributed-optimizer"], world_size=4)
+    assert zb.parallel.overlap_grad_reduce and resolve_plan(zb, 4).schedule.policy == "dpp-zb"
     graphs = _problems(["--overlap-grad-reduce", "--pipeline-model-parallel-size", "2", "--use-dpp",
                         "--dpp-cuda-graphs", "--hidden-dropout", "0", "--attention-dropout", "0"], world_size=2)
-    assert any("--dpp-cuda-graphs needs no --overlap-grad-reduce" in p for p in graphs), graphs
+    assert graphs == ["--dpp-cuda-graphs needs --device cuda (got cpu)"]
 
 
 # ---- --attention-backend / --use-flash-attn -----------------------------------------------------

@@ -18,7 +18,8 @@ from trainer.config.layout import _stage_split_problems
 REPO = Path(__file__).resolve().parents[2]
 
 SCHEDULE_FLAGS = frozenset({"use_dpp", "dpp_policy", "dpp_cuda_graphs", "dpp_max_queued_ops", "dpp_max_inflight",
-                            "dpp_cap_factor", "dpp_fill_transit", "dpp_recompute_slots"})
+                            "dpp_cap_factor", "dpp_fill_transit", "dpp_recompute_slots",
+                            "dpp_sp_wgrad_input"})
 """ParallelConfig fields that decide which schedule runs and with which options: the plan's alone."""
 DECIDERS = frozenset({"resolve_dpp_policy", "uses_megatron_schedule", "schedule_plan", "split_backward_refusals"})
 """The plan's deciding functions: called by trainer/config/ alone (everyone else reads the RunPlan)."""

@@ -106,6 +106,29 @@ def test_i_gives_input_grad_and_w_gives_weight_grads_like_autograd(group, allred
     assert len(store) == 0 and split.pending() == []
 
 
+@pytest.mark.parametrize("sequence_parallel_input", ["keep", "regather"])
+def test_sequence_parallel_defers_the_gemm_on_the_gathered_input(group, sequence_parallel_input) -> None:
+    """--sequence-parallel: the column-parallel linear multiplies its input all-gathered over TP and
+    reduce-scatters its input gradient; its deferred GEMM keeps the gathered input, or keeps the local
+    shard and gathers it again in W. A one-rank TP group runs both collectives (identities here); the
+    dist tier (test_dpp_equivalence.py::gpt-pp2-tp2-sp*-dpp-zb) runs them over two ranks."""
+    model = _megatron_pair(group)
+    model[0].sequence_parallel = True  # megatron's column-parallel forward passes it to _forward_impl
+    x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
+    ref_x, ref_w, _, _ = _reference_grads(model, x, grad_out)
+    split = install_split_backward([model], sequence_parallel_input=sequence_parallel_input)
+    xs = x.clone().requires_grad_(True)
+    with split.capture(0) as store:
+        _run(model, xs).backward(grad_out)
+    torch.testing.assert_close(xs.grad, ref_x)
+    column, row = store.entries[1], store.entries[0]  # the backward reaches the row-parallel linear first
+    assert column.weight is model[0].weight and row.gather_group is None
+    assert (column.gather_group is group) == (sequence_parallel_input == "regather")
+    split.replay(0)
+    for lin, expected in zip(model, ref_w, strict=True):
+        torch.testing.assert_close(lin.weight.grad, expected)
+
+
 def test_w_accumulates_into_main_grad_over_microbatches(group) -> None:
     """Under megatron DDP the weight has main_grad; W adds there (twice = two microbatches)."""
     model = _megatron_pair(group)
@@ -152,15 +175,18 @@ def test_frozen_weight_takes_megatrons_own_path(group) -> None:
 
 def test_refusals_name_every_unsupported_feature(group) -> None:
     model = _megatron_pair(group)
-    model[0].sequence_parallel = True
     model[1].gradient_accumulation_fusion = True
     chunk = SimpleNamespace(modules=model.modules, ddp_config=SimpleNamespace(overlap_grad_reduce=True))
     with pytest.raises(ValueError) as err:
         install_split_backward([chunk])
     message = str(err.value)
-    for word in ("sequence_parallel", "gradient_accumulation_fusion", "overlap_grad_reduce"):
+    for word in ("gradient_accumulation_fusion", "overlap_grad_reduce"):
         assert word in message
     assert "_forward_impl" not in vars(model[0])  # nothing patched when refused
+    # Overlapped reduction is fine once the runtime, not megatron's hooks, starts it (trainer/model/ddp.py).
+    model[1].gradient_accumulation_fusion = False
+    chunk.reduction_launched_by_runtime = True
+    assert split_backward_problems([chunk]) == []
 
 
 def test_transformer_engine_and_empty_models_are_refused() -> None:
@@ -187,11 +213,13 @@ def test_unknown_active_forward_options_and_double_install_are_refused(group) ->
         col._forward_impl(input=x, weight=col.weight, bias=None, output_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="future_flag=2"):
         col._forward_impl(input=x, weight=col.weight, bias=None, future_flag=2)
-    with pytest.raises(ValueError, match="sequence_parallel=True"):
-        col._forward_impl(input=x, weight=col.weight, bias=None, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel=True with allreduce_dgrad=True"):
+        col._forward_impl(input=x, weight=col.weight, bias=None, sequence_parallel=True, allreduce_dgrad=True)
 
 
 def test_store_lifecycle_errors() -> None:
+    with pytest.raises(ValueError, match="sequence_parallel_input='gather'"):
+        SplitBackward("gather")
     split = SplitBackward()
     with split.capture(1), pytest.raises(RuntimeError, match="already open"), split.capture(2):
         pass

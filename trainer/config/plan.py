@@ -82,7 +82,11 @@ class SchedulePlan:
     """--dpp-max-queued-ops resolved (1 with --dpp-cuda-graphs, else 0 = unbounded)."""
     megatron_grad_sync: bool = False
     """megatron-core's schedule launches each chunk's DP gradient reduction (--overlap-grad-reduce under
-    megatron-core's schedule: config.grad_sync_func); under the runtime the DDP hooks launch it."""
+    megatron-core's schedule: config.grad_sync_func); under the runtime the runtime starts each chunk's
+    buckets after the op that completes their gradients (trainer/pipeline/grad_sync.py)."""
+    sp_wgrad_input: str = "keep"
+    """--dpp-sp-wgrad-input: what a split backward keeps for the deferred weight GEMM of a
+    sequence-parallel column linear (keep the gathered input, or regather it in W)."""
     log_text: str = ""
     """The ``schedule`` field of the run's first log line."""
 
@@ -187,6 +191,7 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
     dpp_policy, why = resolve_dpp_policy(cfg)
     static = "interleaved" if cfg.virtual_pipeline > 1 else "1f1b"
     common = {"dpp_policy": dpp_policy, "cuda_graphs": par.dpp_cuda_graphs,
+              "sp_wgrad_input": par.dpp_sp_wgrad_input,
               "recompute_slots": par.dpp_recompute_slots,
               "max_queued_ops": par.dpp_max_queued_ops if par.dpp_max_queued_ops is not None
               else 1 if par.dpp_cuda_graphs else 0}
@@ -236,6 +241,12 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
     if not cfg.parallel.dpp_fill_transit and not (cfg.parallel.use_dpp and resolve_dpp_policy(cfg)[0] == "dpp-zb"):
         p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses "
                  + resolve_dpp_policy(cfg)[1])
+    par = cfg.parallel
+    if par.dpp_sp_wgrad_input != "keep" and not (
+            par.sequence_parallel and resolve_dpp_policy(cfg)[0] in ("dpp-zb", "zb-h1")):
+        p.append(f"--dpp-sp-wgrad-input={par.dpp_sp_wgrad_input} applies to --sequence-parallel with a split "
+                 "backward (--dpp-policy dpp-zb or zb-h1); this run uses " + resolve_dpp_policy(cfg)[1]
+                 + ("" if par.sequence_parallel else " without --sequence-parallel"))
     return p
 
 
@@ -284,8 +295,6 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
         f"--hidden-dropout 0 --attention-dropout 0 (got {m.hidden_dropout}, {m.attention_dropout}): captured "
         "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
-        "no --overlap-grad-reduce (a replayed backward runs no gradient hooks, which launch its reduction)":
-            not par.overlap_grad_reduce,
         f"at most {MAX_GRAPHED_LENGTHS} sequence lengths to capture with --variable-seq-lengths (each slot holds a "
         f"graph pair per length; --seq-length {m.seq_length} / --seq-length-divisible-by "
         f"{cfg.data.seq_length_divisible_by} gives {-(-m.seq_length // cfg.data.seq_length_divisible_by)}: "
@@ -374,12 +383,9 @@ def split_backward_refusals(cfg: TrainConfig, policy: str | None = None) -> list
         why = f"--attention-backend={backend}" if backend in TE_ATTENTION_BACKENDS else f"--transformer-impl={impl}"
         p.append(f"--dpp-policy={policy} splits the backward of megatron-core's local linear layers only: "
                  f"pass --transformer-impl local (got {why})")
-    if par.sequence_parallel:
-        p.append(f"--dpp-policy={policy} with --sequence-parallel: split backward defers the weight GEMMs of "
-                 "linears without sequence parallelism only; drop one of them")
-    if par.overlap_grad_reduce:
-        p.append(f"--dpp-policy={policy} with --overlap-grad-reduce: the reduction would start from the gradient "
-                 "hooks of I, before W has accumulated the weight gradients; drop --overlap-grad-reduce")
+    # --sequence-parallel and --overlap-grad-reduce work: the deferred GEMM keeps (or re-gathers) its
+    # gathered input, and the runtime starts the DP reduction after each chunk's last W
+    # (trainer/pipeline/split_backward.py, trainer/pipeline/grad_sync.py).
     if policy == "zb-h1" and cfg.virtual_pipeline > 1:
         p.append(f"--dpp-policy=zb-h1 needs one model chunk per stage, got {cfg.virtual_pipeline}")
     if policy == "zb-h1" and not par.use_dpp and cfg.run.device == "cuda" and par.distributed_backend != "gloo":

@@ -201,6 +201,12 @@ class ParallelConfig:
     when the neighbour *queued* the op making it), run a deferred W meanwhile, and a landed gradient's
     I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, the earlier
     behaviour; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
+    dpp_sp_wgrad_input: Literal["keep", "regather"] = "keep"
+    """Split backward (dpp-zb, zb-h1) with --sequence-parallel: a column-parallel linear's deferred
+    weight GEMM needs its input gathered over TP. ``keep`` (default) keeps the gathered input from the
+    forward until W (TP x the local input's memory per such linear; W is a local GEMM); ``regather``
+    keeps the local 1/TP and all-gathers it again in W, as megatron's backward does (megatron's memory,
+    a TP all-gather per linear in every W). trainer/pipeline/split_backward.py."""
     dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1"] = "auto"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
@@ -288,6 +294,8 @@ class ParallelConfig:
             p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
         elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
             p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
+        if self.dpp_sp_wgrad_input not in ("keep", "regather"):
+            p.append(f"--dpp-sp-wgrad-input={self.dpp_sp_wgrad_input!r} must be one of keep, regather")
         if self.dpp_policy == "zb-h1" and self.dpp_max_inflight is not None:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
                      "not to the static zb-h1")

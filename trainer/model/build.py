@@ -207,8 +207,13 @@ def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int) ->
     return chunks
 
 
-def wrap_ddp(cfg: TrainConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def wrap_ddp(cfg: TrainConfig, chunks: list[torch.nn.Module], runtime_launches_reduction: bool = False
+             ) -> list[torch.nn.Module]:
     """megatron-core DistributedDataParallel per chunk (bucketing only on chunk 0, as Megatron does).
+
+    ``runtime_launches_reduction``: the chunks will be trained by the DPP runtime, which starts the
+    overlapped data-parallel reduction itself (trainer/model/ddp.py says why); megatron-core's
+    schedules keep megatron's own DDP, whose hooks start it.
 
     With --bf16/--fp16 each chunk is first wrapped in megatron's Float16Module (half-precision
     weights, fp32 logits/loss), exactly as Megatron-LM's get_model does; the optimizer keeps fp32
@@ -222,15 +227,21 @@ def wrap_ddp(cfg: TrainConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.M
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optim.bf16 or cfg.optim.fp16,
-        # --overlap-grad-reduce: the parameter hooks launch each bucket's reduction (async_op, on CPU
-        # over gloo too) once its last microbatch's gradients are in; finalize_model_grads waits.
-        # Without it every bucket is reduced at once in finalize_model_grads.
+        # --overlap-grad-reduce: each bucket's reduction is launched asynchronously (async_op, on CPU
+        # over gloo too) once its last microbatch's gradients are in -- by megatron's parameter hooks
+        # under megatron-core's schedules, by the runtime under ours -- and finalize_model_grads
+        # waits. Without it every bucket is reduced at once in finalize_model_grads.
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
+    wrapper = DistributedDataParallel
+    if runtime_launches_reduction:
+        from trainer.model.ddp import runtime_reduced_ddp
+
+        wrapper = runtime_reduced_ddp()
     wrapped = []
     for i, chunk in enumerate(chunks):
-        wrapped.append(DistributedDataParallel(
+        wrapped.append(wrapper(
             config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0))
     return wrapped
 

@@ -9,7 +9,8 @@ from a :class:`DppContext` bound with :func:`make_forward_backward_func` (no glo
 
 Megatron conventions kept: losses are divided by ``num_microbatches`` (so the order of execution
 cannot change the sum), ``config.no_sync_func`` holds gradient reduction until the last backward of
-each chunk, ``config.finalize_model_grads_func`` runs at the end, ``config.grad_scale_func`` scales
+each chunk (with ``--overlap-grad-reduce`` the runtime itself starts each chunk's buckets right after
+that backward: trainer.pipeline.grad_sync), ``config.finalize_model_grads_func`` runs at the end, ``config.grad_scale_func`` scales
 the last stage's loss, and a sent output's storage is freed (``deallocate_pipeline_outputs``) while
 its autograd graph is kept for the backward.
 
@@ -201,7 +202,8 @@ class _Step:
         ctx = self.ctx
         if ctx.tp_channel is not None:
             ctx.tp_channel.begin_step()
-        grad_sync = GradSync(self.config, self.chunks, self.shape.num_microbatches, self.forward_only)
+        grad_sync = GradSync(self.config, self.chunks, self.shape.num_microbatches, self.forward_only,
+                             force_all_reduce=force_all_reduce)
         if ctx.gpu_timer is not None:
             ctx.gpu_timer.begin_step()
         run_ahead = ctx.run_ahead

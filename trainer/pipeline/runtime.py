@@ -129,7 +129,7 @@ class PipelineRuntime:
             from trainer.pipeline.split_backward import install_split_backward
 
             # Before the links and shared-memory channels exist: an unsupported model fails cleanly.
-            split = install_split_backward(self.model)
+            split = install_split_backward(self.model, sequence_parallel_input=schedule.sp_wgrad_input)
         if topo.pipeline_parallel > 1:
             from trainer.transport.factory import make_stage_links
 

@@ -16,10 +16,20 @@ the GEMMs and accumulates them where megatron's path would end up: ``weight.main
 megatron DDP, else ``weight.grad``. Without an open store the weight gradient is computed at once,
 so evaluation and non-split schedules behave as before.
 
-Refused (ValueError naming what was found): Transformer Engine layers, sequence parallelism,
-gradient-accumulation fusion, deferred embedding wgrad, GTP weight rematerialisation, and DDP's
-``overlap_grad_reduce`` (its bucket readiness is signalled by the parameter hooks that fire during
-``I``, before ``W`` has accumulated anything).
+Sequence parallelism: a column-parallel linear under ``--sequence-parallel`` multiplies the input
+all-gathered over TP (its forward gathers it, its dgrad is reduce-scattered back to 1/TP of the
+sequence, as megatron's). Its deferred weight GEMM needs that gathered input. Two ways
+(``sequence_parallel_input``): ``"keep"`` (the default) keeps the gathered input from the forward
+until W -- TP times the local input's memory per column-parallel linear, but W stays a pure local
+GEMM (no collective to order across TP ranks, nothing to capture in a W graph); ``"regather"`` keeps
+only the local 1/TP and all-gathers it again in W, as megatron's own backward does -- memory as
+megatron, one TP all-gather per linear in every W (TP ranks run the same W in the same order: the
+TP leader's decisions are replayed).
+
+Refused (ValueError naming what was found): Transformer Engine layers, gradient-accumulation
+fusion, deferred embedding wgrad, GTP weight rematerialisation, and DDP's ``overlap_grad_reduce``
+when megatron's hooks start the reduction (they would count a bucket ready during ``I``, before
+``W`` has accumulated anything; trainer/model/ddp.py's wrapper leaves the start to the runtime).
 """
 
 from __future__ import annotations
@@ -56,6 +66,9 @@ class _Deferred:
     grad_output: torch.Tensor
     autocast_dtype: torch.dtype | None
     """CUDA autocast dtype active when megatron's backward would have run the GEMM (None: off)."""
+    gather_group: Any = None
+    """``input`` is this rank's 1/TP of the sequence, to be all-gathered over this TP group before
+    the GEMM (sequence parallelism, ``"regather"``); None: ``input`` is the whole GEMM operand."""
 
 
 @dataclass
@@ -112,6 +125,8 @@ def weight_grad(entry: _Deferred) -> torch.Tensor:
     """``grad_output^T @ input`` over all leading (token) dimensions, in megatron's dtype."""
     grad_output = entry.grad_output.contiguous()
     inputs = entry.input.contiguous()
+    if entry.gather_group is not None:
+        inputs = _all_gather_sequence(inputs, entry.gather_group)
     grad_output = grad_output.view(-1, grad_output.shape[-1])
     inputs = inputs.view(-1, inputs.shape[-1])
     if entry.autocast_dtype is None:
@@ -146,9 +161,14 @@ class SplitBackward:
     device thread while the caller blocks, so the store must be visible across threads.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sequence_parallel_input: str = "keep") -> None:
+        if sequence_parallel_input not in SEQUENCE_PARALLEL_INPUTS:
+            raise ValueError(f"sequence_parallel_input={sequence_parallel_input!r} must be one of "
+                             f"{', '.join(SEQUENCE_PARALLEL_INPUTS)}")
         self.active: WeightGradStore | None = None
         self._stores: dict[Hashable, WeightGradStore] = {}
+        self.regather = sequence_parallel_input == "regather"
+        """Sequence parallelism: all-gather the input again in W instead of keeping it (module docstring)."""
 
     @contextlib.contextmanager
     def capture(self, key: Hashable) -> Iterator[WeightGradStore]:
@@ -182,16 +202,38 @@ class SplitBackward:
         return list(self._stores)
 
 
+SEQUENCE_PARALLEL_INPUTS = ("keep", "regather")
+"""How a deferred weight GEMM under sequence parallelism gets its gathered input (module docstring)."""
+
+
+def _all_gather_sequence(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """The TP ranks' sequence shards, concatenated along the sequence (first) dimension, in a tensor
+    of its own (megatron gathers into a global buffer that the next gather reuses: no good to keep)."""
+    gathered = torch.empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]),
+                           dtype=local.dtype, device=local.device)
+    with torch.no_grad():  # W runs with grad mode on; gloo's gather writes into views of ``gathered``
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+    return gathered
+
+
 class _DeferrableLinear(torch.autograd.Function):
-    """``input @ weight.T (+ bias)`` whose weight GEMM can wait for the W step."""
+    """``input @ weight.T (+ bias)`` whose weight GEMM can wait for the W step.
+
+    ``sequence_parallel``: ``input`` is this rank's 1/TP of the sequence; the forward multiplies it
+    gathered over TP and the input gradient is reduce-scattered back, as megatron's column-parallel
+    linear does."""
 
     @staticmethod
     @_custom_fwd
-    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group, controller):  # noqa: A002
-        ctx.save_for_backward(input, weight)
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group, controller, sequence_parallel):  # noqa: A002
+        total_input = _all_gather_sequence(input, tp_group) if sequence_parallel else input
+        # What W multiplies: the gathered input, or (regather) the local shard it gathers again.
+        kept = input if sequence_parallel and controller.regather else total_input
+        ctx.save_for_backward(kept, weight)
         ctx.has_bias = bias is not None
         ctx.allreduce_dgrad, ctx.tp_group, ctx.controller = allreduce_dgrad, tp_group, controller
-        output = torch.matmul(input, weight.t())
+        ctx.sequence_parallel, ctx.local_rows = sequence_parallel, input.shape[0]
+        output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
         return output
@@ -199,15 +241,23 @@ class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors  # noqa: A001
+        kept, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
         handle = None
         if ctx.allreduce_dgrad:
             # Megatron's column-parallel dgrad all-reduce; started before the wgrad work (if any).
             handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+        elif ctx.sequence_parallel:
+            # Megatron's sequence-parallel dgrad: reduce-scatter back to this rank's 1/TP of the sequence.
+            reduced = torch.empty((ctx.local_rows, *grad_input.shape[1:]), dtype=grad_input.dtype,
+                                  device=grad_input.device)
+            handle = dist.reduce_scatter_tensor(reduced, grad_input.contiguous(), group=ctx.tp_group, async_op=True)
+            grad_input = reduced
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.has_bias else None
         store = ctx.controller.active
-        entry = _Deferred(weight, input, grad_output, _autocast_dtype(weight))
+        regathered = ctx.sequence_parallel and ctx.controller.regather
+        entry = _Deferred(weight, kept, grad_output, _autocast_dtype(weight),
+                          gather_group=ctx.tp_group if regathered else None)
         if store is not None:
             store.add(entry)
             grad_weight = None  # accumulated by W; DDP's hook sees grad None and adds nothing
@@ -215,7 +265,7 @@ class _DeferrableLinear(torch.autograd.Function):
             grad_weight = weight_grad(entry)
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def _autocast_dtype(weight: torch.Tensor) -> torch.dtype | None:
@@ -236,8 +286,6 @@ def _split_forward_impl(module: torch.nn.Module, original, controller: SplitBack
                         grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit,
                         tp_group=tp_group, **extra)
     problems = []
-    if sequence_parallel:
-        problems.append("sequence_parallel=True")
     if gradient_accumulation_fusion:
         problems.append("gradient_accumulation_fusion=True")
     if grad_output_buffer is not None:
@@ -247,10 +295,13 @@ def _split_forward_impl(module: torch.nn.Module, original, controller: SplitBack
     if output_dtype is not None and output_dtype != input.dtype:
         problems.append(f"output_dtype={output_dtype} (input is {input.dtype})")
     problems += [f"{k}={v!r}" for k, v in sorted(extra.items()) if not _is_inert(v)]
+    if sequence_parallel and allreduce_dgrad:  # megatron asserts the same: SP reduce-scatters instead
+        problems.append("sequence_parallel=True with allreduce_dgrad=True")
     raise_if_any(problems, f"split backward cannot run {type(module).__name__}")
-    if allreduce_dgrad and tp_group is None:
+    if (allreduce_dgrad or sequence_parallel) and tp_group is None:
         tp_group = module.tp_group
-    return _DeferrableLinear.apply(input, weight, bias, bool(allreduce_dgrad), tp_group, controller)
+    return _DeferrableLinear.apply(input, weight, bias, bool(allreduce_dgrad), tp_group, controller,
+                                   bool(sequence_parallel))
 
 
 def _is_inert(value: Any) -> bool:
@@ -282,7 +333,6 @@ def split_backward_problems(chunks: list[torch.nn.Module]) -> list[str]:
     for m in linears:
         config = m.config
         checks = {
-            "sequence_parallel": getattr(m, "sequence_parallel", False),
             "gradient_accumulation_fusion": getattr(m, "gradient_accumulation_fusion", False),
             "defer_embedding_wgrad_compute": getattr(config, "defer_embedding_wgrad_compute", False),
             "GTP weight rematerialisation (gtp_remat_size > 1)": getattr(m, "gtp_remat_size", 1) > 1,
@@ -293,21 +343,24 @@ def split_backward_problems(chunks: list[torch.nn.Module]) -> list[str]:
                 problems.append(f"{name} is on: not supported with a split backward")
     for i, chunk in enumerate(chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and getattr(ddp_config, "overlap_grad_reduce", False):
-            problems.append(f"chunk {i}: DDP overlap_grad_reduce=True: its bucket readiness hooks fire "
-                            "during I, before W has accumulated the weight gradients")
+        if ddp_config is not None and getattr(ddp_config, "overlap_grad_reduce", False) \
+                and not getattr(chunk, "reduction_launched_by_runtime", False):
+            problems.append(f"chunk {i}: DDP overlap_grad_reduce=True with megatron's own DDP: its hooks would "
+                            "count a bucket ready during I, before W has accumulated the weight gradients "
+                            "(wrap the chunks with trainer.model.ddp.runtime_reduced_ddp)")
     return problems
 
 
-def install_split_backward(chunks: list[torch.nn.Module]) -> SplitBackward:
+def install_split_backward(chunks: list[torch.nn.Module], sequence_parallel_input: str = "keep") -> SplitBackward:
     """Patch every megatron linear of ``chunks`` (per instance) and return their shared controller.
+    ``sequence_parallel_input``: "keep" or "regather" (the module docstring says what each costs).
 
     Raises ValueError listing every unsupported feature found; nothing is patched then. Calling it
     twice on the same chunks is an error (the second patch would wrap the first).
     """
     problems = split_backward_problems(chunks)
     raise_if_any(problems, "split backward (--dpp-policy dpp-zb / zb-h1) is not possible here")
-    controller = SplitBackward()
+    controller = SplitBackward(sequence_parallel_input)
     for chunk in chunks:
         for module in chunk.modules():
             if not _is_megatron_linear(module):

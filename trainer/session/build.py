@@ -99,7 +99,9 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
     chunks = build_model_chunks(cfg, topology, feed.vocab_size)
     if hooks.after_build is not None:
         hooks.after_build(chunks, topology)
-    model = wrap_ddp(cfg, chunks)
+    # Our runtime starts the overlapped DP reduction itself (trainer/pipeline/grad_sync.py).
+    model = wrap_ddp(cfg, chunks, runtime_launches_reduction=plan.schedule.engine != MEGATRON
+                     and hooks.forward_backward_func is None)
     forward_step = make_forward_step(
         cfg.model.model, per_token_loss=uses_per_token_loss(cfg.model.model, cfg.data.variable_seq_lengths))
     optimizer, scheduler = _optimizer(cfg, model)
@@ -186,8 +188,8 @@ def wire_grad_sync(model: list, optimizer: Any, schedule: SchedulePlan, schedule
     if schedule.megatron_grad_sync and not scheduled_by_hook:
         # Megatron-LM's default --align-grad-reduce: megatron-core's schedules launch each chunk's
         # reduction themselves, at the same step on every pipeline stage. Our runtime has no such
-        # common step (its order is dynamic): there, as in megatron-core without grad_sync_func,
-        # the DDP hooks launch it during the chunk's last backward (trainer/pipeline/grad_sync.py).
+        # common step (its order is dynamic): it starts each chunk's buckets right after the op
+        # that completes their gradients (trainer/pipeline/grad_sync.py).
         grad_sync = [chunk.start_grad_sync for chunk in model]
         config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
     config.finalize_model_grads_func = finalize_model_grads
