@@ -230,9 +230,10 @@ class ParallelConfig:
     dpp_cuda_graphs: bool = False
     """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
-    the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
-    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot), TP 1 and dropout 0; costs GPU memory per
-    slot."""
+    the launch overhead that makes small-microbatch forwards host-bound. GPT or BERT on CUDA with --use-dpp
+    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot); TP > 1 (with or without --sequence-parallel)
+    captures the TP collectives and needs NCCL; dropout draws fresh masks every replay (not with
+    recompute); costs GPU memory per slot."""
     dpp_recompute_slots: tuple[int, ...] = ()
     """With --dpp-cuda-graphs: how many of a stage's graph slots (of each chunk's, at v > 1) recompute
     the core attention in their backward graph (selective recompute, per slot), listed per stage from
@@ -898,10 +899,15 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         f"--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its cap; got {par.dpp_policy})":
             cfg.dpp_policy in ("dpp", "dpp-zb"),
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
-        f"--model gpt (got {m.model})": m.model == "gpt",
-        f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
-        f"--hidden-dropout 0 --attention-dropout 0 (got {m.hidden_dropout}, {m.attention_dropout}): captured "
-        "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
+        f"--distributed-backend nccl with --tensor-model-parallel-size {par.tensor_model_parallel_size} (the TP "
+        "collectives are captured into the graphs; gloo's run on the host)":
+            par.tensor_model_parallel_size == 1 or par.distributed_backend != "gloo",
+        f"no recompute with dropout (got --hidden-dropout {m.hidden_dropout} --attention-dropout "
+        f"{m.attention_dropout}): megatron's checkpoint keeps the graph-safe RNG state by reference, so a "
+        "recomputed attention would draw a different dropout mask than its forward; set both dropouts to 0 or "
+        "drop --recompute-activations / --recompute-granularity / --dpp-recompute-slots":
+            (m.hidden_dropout == 0 and m.attention_dropout == 0)
+            or (m.recompute is None and not any(par.dpp_recompute_slots)),
         "no --overlap-grad-reduce (a replayed backward runs no gradient hooks, which launch its reduction)":
             not par.overlap_grad_reduce,
         f"at most {MAX_GRAPHED_LENGTHS} sequence lengths to capture with --variable-seq-lengths (each slot holds a "
@@ -946,12 +952,10 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
         "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
             not cfg.data.variable_seq_lengths,
         f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,
-        # Measured on 4xH100 with megatron-core 0.19.2 (no Transformer Engine there): at PP=4 its graph
-        # creation fails after the first step (assert fwd_buffer_reuse_ref_count == 0 in
-        # _create_cudagraphs); PP=1 ran and matched eager. Refused until a pipeline run has passed.
-        f"--pipeline-model-parallel-size 1 (got {par.pipeline_model_parallel_size}: megatron-core's "
-        "local graphs failed to build under its pipeline schedule in the one configuration tried, "
-        "docs/benchmarks.md)": par.pipeline_model_parallel_size == 1,
+        # At PP > 1 graph creation asserted (fwd_buffer_reuse_ref_count == 0 in _create_cudagraphs) while
+        # the trainer passed every microbatch the same cached causal-mask tensor; GPT's forward step now
+        # passes no mask under these graphs (trainer.model.steps.causal_mask_from_attention,
+        # docs/benchmarks.md). BERT's mask is made per microbatch by BertModel itself.
     }
     return [f"--cuda-graph-impl {par.cuda_graph_impl} needs {need}" for need, ok in why.items() if not ok]
 

@@ -190,6 +190,10 @@ class TrainingSession:
 
         self.forward_step = make_forward_step(
             cfg.model.model, per_token_loss=uses_per_token_loss(cfg.model.model, cfg.data.variable_seq_lengths))
+        if par.cuda_graph_impl == "local" and cfg.model.model == "gpt":
+            from trainer.model.steps import causal_mask_from_attention
+
+            self.forward_step = causal_mask_from_attention(self.forward_step)
         self._build_optimizer()
         self._wire_grad_sync()
         self.forward_backward = self.hooks.forward_backward_func or self._schedule()
@@ -226,8 +230,9 @@ class TrainingSession:
         if self.cfg.run.device == "cuda":
             from megatron.core import tensor_parallel
 
-            # megatron-core's graphed layers need an RNG tracker whose states a graph can replay.
-            graphs = self.cfg.parallel.cuda_graph_impl == "local"
+            # Graphed layers (megatron-core's or --dpp-cuda-graphs') need an RNG tracker whose states a
+            # graph can register and replay (fresh dropout masks every replay).
+            graphs = self.cfg.parallel.cuda_graph_impl == "local" or self.cfg.parallel.dpp_cuda_graphs
             tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs)
 
     def _sample_source(self) -> tuple[Callable[[str, int], dict], int]:

@@ -231,9 +231,18 @@ class PipelineRuntime:
         slots = getattr(self.context.policy, "cap", None) or one_f_one_b_cap(shape, topo.pp_rank)
         mbs, seq = cfg.optim.micro_batch_size, cfg.model.seq_length
         lengths = bucket_lengths(cfg.data.seq_length_divisible_by, seq) if cfg.data.variable_seq_lengths else (seq,)
-        shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
-                             tokens=(mbs, seq), lengths=lengths)
-        masks = {n: causal_mask(n, self.device) for n in lengths}
+        # --sequence-parallel: the block's input and output are this rank's 1/TP of the sequence.
+        shards = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+        bert = cfg.model.model == "bert"
+        shapes = GraphShapes(activation=(seq // shards, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
+                             tokens=(mbs, seq), lengths=lengths, sequence_shards=shards, mask_varies=bert)
+        if bert:  # the block's mask as BertModel makes it from a padding mask (here: no padding)
+            from megatron.core.utils import get_attr_wrapped_model
+
+            extend = get_attr_wrapped_model(self.model[0], "bert_extended_attention_mask")
+            masks = {n: extend(torch.ones(mbs, n, dtype=torch.int64, device=self.device)) for n in lengths}
+        else:
+            masks = {n: causal_mask(n, self.device) for n in lengths}
         listed = cfg.parallel.dpp_recompute_slots  # per stage from stage 0; stages not listed: none
         recompute_slots = listed[topo.pp_rank] if topo.pp_rank < len(listed) else 0
         self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device,
