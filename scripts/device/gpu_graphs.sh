@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# CUDA graphs with dropout, BERT, TP=2 (+ sequence parallelism) and megatron-core's graphs at PP=2:
+# their GPU tests on 1 or 2 GPUs in under 8 minutes, logs and junit XML under $OUT. With 2 GPUs the
+# TP=2 tests run first on both, then the one-GPU tests side by side, one GPU each (their two ranks
+# share it over gloo); with 1 GPU the TP tests skip (NCCL needs a GPU per rank).
+#   run(command="bash scripts/device/gpu_graphs.sh", kind="nvidia-h100-x2", carry=[".whl"])
+# PP=2 x TP=2 needs 4 GPUs: scripts/device/call_4gpu_tier.sh 4.
+set -u
+source scripts/device/env.sh || exit 1
+G=tests/gpu
+t() {  # t NAME GPUS SECONDS TEST...
+    local name=$1 gpus=$2 secs=$3; shift 3
+    CUDA_VISIBLE_DEVICES=$gpus timeout "$secs" python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+        --durations=0 --junitxml="$OUT/$name.xml" --basetemp="/tmp/g-$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name (GPUs $gpus) rc=$?"
+    grep -E "passed|failed|skipped|Error|assert|^[0-9.]+s call" "$OUT/$name.log" | tail -12
+}
+A=("$G/test_graph_rng.py" "$G/test_dpp_cuda_graphs.py::test_graphed_dropout_repeats_from_its_seed_and_stays_close_to_eager"
+   "$G/test_megatron_cuda_graphs.py")
+B=("$G/test_dpp_cuda_graphs.py::test_graphed_bert_equals_eager_bert" "$G/test_dpp_cuda_graphs.py::test_graphed_dpp_equals_eager_dpp[v1]")
+start=$SECONDS
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    t tp2 0,1 200 "$G/test_tp_cuda_graphs.py::test_tp2_slot_graphs_equal_eager"
+    t one-a 0 260 "${A[@]}" &
+    t one-b 1 260 "${B[@]}" &
+    wait
+else
+    t one 0 460 "${A[@]}" "${B[@]}"
+fi
+echo "all in $((SECONDS - start)) s"
