@@ -41,7 +41,7 @@ def _masks(seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Te
         layer()  # warm-up, eagerly, as capture_slot's is
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with _graph(graph, None, stream):
+    with _graph(graph, None, stream, draws=True):
         attention, hidden = layer()
     masks = []
     for _ in range(REPLAYS):

@@ -555,3 +555,19 @@ def test_every_graph_registers_the_graph_safe_trackers_states(monkeypatch) -> No
     graph = _FakeGraph()
     cuda_graphs._register_generators(graph)
     assert graph.registered == []
+
+
+def test_only_a_block_with_dropout_registers_generators() -> None:
+    """A registered generator costs two kernels per replay, so graphs register them only where the
+    block's TransformerConfig has dropout."""
+    from types import SimpleNamespace
+
+    from trainer.pipeline.cuda_graphs import _draws_random
+
+    def call(hidden, attention):
+        return SimpleNamespace(decoder=SimpleNamespace(config=SimpleNamespace(hidden_dropout=hidden,
+                                                                              attention_dropout=attention)))
+
+    assert not _draws_random(call(0.0, 0.0))
+    assert _draws_random(call(0.1, 0.0)) and _draws_random(call(0.0, 0.1))
+    assert not _draws_random(SimpleNamespace(decoder=torch.nn.Linear(1, 1)))  # no config: nothing drawn

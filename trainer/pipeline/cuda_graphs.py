@@ -52,8 +52,9 @@ A TP group on gloo cannot be captured (its collectives run on the host), so the 
 
 Dropout (p > 0): every replay draws fresh masks. megatron's RNG tracker is created graph-safe
 (``use_cudagraphable_rng``: each tracker state is a generator object the tracker swaps in, rather than
-a state tensor it copies), and each graph registers every tracker state and the default generator
-(:func:`_register_generators`, as megatron-core's own graphed layers do). A registered generator hands
+a state tensor it copies), and each forward graph registers every tracker state besides the default
+generator torch registers itself (:func:`_register_generators`, as megatron-core's own graphed layers
+do; only with dropout > 0, as a registered generator costs two small kernels per replay). A registered generator hands
 the capture a device-side seed and offset, and each replay advances the generator's offset by what the
 graph draws, so a replay draws what an eager op at that point of the generator's sequence would:
 the same distribution, a different mask every replay, and the same run again from the same seed (the
@@ -110,11 +111,21 @@ def _graph_safe_rng() -> bool:
     return tp_random.is_graph_safe_cuda_rng_tracker(tp_random.get_cuda_rng_tracker())
 
 
-def _graph(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream):
-    """One capture: generators registered first; thread-local capture mode (see the module docstring,
-    tensor parallelism)."""
-    _register_generators(graph)
+def _graph(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, draws: bool = False):
+    """One capture in thread-local capture mode (see the module docstring, tensor parallelism);
+    ``draws``: the captured code draws random numbers (dropout), so the tracker's generators are
+    registered first. Only then: a registered generator costs two small kernels per replay (its seed
+    and offset written for the graph), whether or not the graph draws from it."""
+    if draws:
+        _register_generators(graph)
     return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+
+
+def _draws_random(call: torch.nn.Module) -> bool:
+    """Whether the block's forward draws random numbers: dropout > 0 in its TransformerConfig. (Its
+    backward never draws: recompute with dropout is refused, and a dropout's backward reuses its mask.)"""
+    config = getattr(call.decoder, "config", None)
+    return config is not None and (config.hidden_dropout > 0 or config.attention_dropout > 0)
 
 
 class _BlockCall(torch.nn.Module):
@@ -368,7 +379,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         grad_out = grad_buf[:shapes.rows(length)]
         mask = masks[length].clone() if shapes.mask_varies else masks[length]
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with _graph(fwd, pool, stream):
+        with _graph(fwd, pool, stream, draws=_draws_random(call)):
             out = call(x, mask)
         # Leaves' .grad must start empty, so autograd hands each new gradient to the hook (no copy).
         stale = [p for p in params if p.grad is not None]
