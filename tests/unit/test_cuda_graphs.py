@@ -571,3 +571,35 @@ def test_only_a_block_with_dropout_registers_generators() -> None:
     assert not _draws_random(call(0.0, 0.0))
     assert _draws_random(call(0.1, 0.0)) and _draws_random(call(0.0, 0.1))
     assert not _draws_random(SimpleNamespace(decoder=torch.nn.Linear(1, 1)))  # no config: nothing drawn
+
+
+def test_checkpoints_save_graph_safe_rng_states_as_tensors(monkeypatch) -> None:
+    """With graphs the RNG tracker holds generator objects (graph-safe): a checkpoint stores their state
+    tensors, and a tracker that is not graph-safe loads them as they are. (CUDA stand-ins: the CPU
+    generator has the same get_state; the graph-safe direction needs CUDA.)"""
+    from megatron.core import tensor_parallel
+
+    from trainer import checkpoint
+
+    class Tracker:
+        use_cudagraphable_rng = False
+
+        def __init__(self) -> None:
+            self.states = {"model-parallel-rng": torch.Generator().manual_seed(7)}
+
+        def get_states(self):
+            return self.states
+
+        def set_states(self, states) -> None:
+            self.states = states
+
+    tracker = Tracker()
+    want = tracker.states["model-parallel-rng"].get_state()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: tracker)
+    saved = checkpoint._rng_state()
+    assert torch.equal(saved["rng_tracker_states"]["model-parallel-rng"], want)
+    checkpoint._set_rng_state(saved)
+    assert torch.equal(tracker.states["model-parallel-rng"], want)
