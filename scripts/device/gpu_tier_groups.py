@@ -29,18 +29,18 @@ GROUPS: dict[str, list[str]] = {
     # part 3: first 10 losses of every DPP policy against megatron-core's 1F1B, issue-12 model, 4 GPUs
     "D": [f"{_TRAIN}::test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus"],
     # part 4: graphs with dropout, BERT, TP (pairs: TP=2 on one stage), megatron-core's graphs at PP=1 and 2;
-    # then PP=2 x TP=2 with sequence parallelism on all four
+    # then PP=2 x TP=2 (sequence parallelism; dpp-zb) on all four
     "G1": [f"{_G}/test_graph_rng.py", f"{_G}/test_dpp_cuda_graphs.py::test_graphed_dropout_repeats_from_its_seed_"
            "and_stays_close_to_eager", f"{_G}/test_megatron_cuda_graphs.py"],
     "G2": [f"{_G}/test_tp_cuda_graphs.py::test_tp2_slot_graphs_equal_eager",
            f"{_G}/test_dpp_cuda_graphs.py::test_graphed_bert_equals_eager_bert"],
-    "T4": [f"{_G}/test_tp_cuda_graphs.py::test_pp2_tp2_sequence_parallel_graphs_equal_eager"],
+    "T4": [f"{_G}/test_tp_cuda_graphs.py::test_pp2_tp2_graphs_equal_eager"],
 }
 PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "1": (("A", "B"), "C", 400, 140),
     "2": (("Z1", "Z2"), "E", 300, 200),
     "3": ((), "D", 0, 560),
-    "4": (("G1", "G2"), "T4", 360, 200),
+    "4": (("G1", "G2"), "T4", 340, 230),
 }
 """Part -> (groups run side by side on GPU pairs 0,1 and 2,3; the group run on all four GPUs after
 them; seconds for the pairs; seconds for the last group)."""

@@ -4,9 +4,9 @@ gradients as the eager DPP run.
 
 NCCL needs a GPU per rank (gloo's collectives run on the host and cannot be captured), so these
 tests need 2 GPUs (TP=2, one stage: one slot graph's forward and backward with the block's TP
-collectives) or 4 (PP=2 x TP=2 with sequence parallelism, each TP pair replaying the same slot's
-graph in the same order). fp32 and dropout 0: replays and eager ops run the same kernels on the same
-data, so losses and gradients agree to rounding; the graphed run must really replay.
+collectives) or 4 (PP=2 x TP=2, with sequence parallelism and with dpp-zb, each TP pair replaying
+the same slot's graph in the same order). fp32 and dropout 0: replays and eager ops run the same
+kernels on the same data, so losses and gradients agree to rounding; the graphed run must replay.
 
     python -m pytest -m gpu tests/gpu/test_tp_cuda_graphs.py -s
 """
@@ -33,6 +33,7 @@ GPT = ["--device", "cuda", "--mock-data", "--num-layers", "4", "--hidden-size", 
        "--distributed-backend", "nccl"]
 REPLAYED = re.compile(r"stage (\d+) chunk (\d+): (\d+) training forward\(s\) replayed from CUDA graphs, (\d+) eager")
 SP = ["--sequence-parallel"]
+VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length-divisible-by", "32"]
 
 
 def _compare(tmp_path: Path, pp: int, tp: int, layout: list[str]) -> None:
@@ -53,16 +54,20 @@ def _compare(tmp_path: Path, pp: int, tp: int, layout: list[str]) -> None:
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("layout", [["--dpp-policy", "dpp"], ["--dpp-policy", "dpp", *SP],
-                                    ["--dpp-policy", "dpp-zb"]],
-                         ids=["tp2", "tp2-sp", "tp2-dpp-zb"])
+                                    ["--dpp-policy", "dpp", *SP, *VARLEN]],
+                         ids=["tp2", "tp2-sp", "tp2-sp-varlen"])
 def test_tp2_slot_graphs_equal_eager(tmp_path: Path, layout: list[str]) -> None:
     """One stage, TP=2: the block's forward and backward graphs hold its TP collectives (tp2-sp: the
-    sequence-parallel all-gathers and reduce-scatters, input and output [s/2, b, h])."""
+    sequence-parallel all-gathers and reduce-scatters, input and output [s/2, b, h]; tp2-sp-varlen: a
+    graph pair per bucket length 32..128, each slot's input [length/2, b, h])."""
     _compare(tmp_path, 1, 2, layout)
 
 
 @pytest.mark.timeout(900)
-def test_pp2_tp2_sequence_parallel_graphs_equal_eager(tmp_path: Path) -> None:
-    """PP=2 x TP=2 with --sequence-parallel: both TP pairs replay their slots' graphs in the order
-    their leader decided, while activations cross the stage boundary as [s/2, b, h] shards."""
-    _compare(tmp_path, 2, 2, ["--dpp-policy", "dpp", *SP])
+@pytest.mark.parametrize("layout", [["--dpp-policy", "dpp", *SP], ["--dpp-policy", "dpp-zb"]],
+                         ids=["sp", "dpp-zb"])
+def test_pp2_tp2_graphs_equal_eager(tmp_path: Path, layout: list[str]) -> None:
+    """PP=2 x TP=2: both TP pairs replay their slots' graphs in the order their leader decided (sp:
+    activations cross the stage boundary as [s/2, b, h] shards; dpp-zb: stage 1's slots hold F, I and
+    W graphs, the W graphs replayed in the leader's order too)."""
+    _compare(tmp_path, 2, 2, layout)
