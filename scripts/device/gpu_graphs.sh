@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # CUDA graphs with dropout, BERT, TP=2 (+ sequence parallelism) and megatron-core's graphs at PP=2:
-# their GPU tests on 1 or 2 GPUs in under 8 minutes, logs and junit XML under $OUT. With 2 GPUs the
-# TP=2 tests run first on both, then the one-GPU tests side by side, one GPU each (their two ranks
-# share it over gloo); with 1 GPU the TP tests skip (NCCL needs a GPU per rank).
+# their GPU tests on 1 or 2 GPUs in under 8 minutes, logs and junit XML under $OUT. Three pytest runs
+# side by side (tiny models: they share GPUs fine): the one-GPU tests in two halves (their two ranks
+# share a GPU over gloo), and with 2 GPUs the TP=2 tests on both (NCCL needs a GPU per rank: with one
+# GPU they are not run). PP=2 x TP=2 needs 4 GPUs: scripts/device/call_4gpu_tier.sh 4.
 #   run(command="bash scripts/device/gpu_graphs.sh", kind="nvidia-h100-x2", carry=[".whl"])
-# PP=2 x TP=2 needs 4 GPUs: scripts/device/call_4gpu_tier.sh 4.
 set -u
 source scripts/device/env.sh || exit 1
 G=tests/gpu
@@ -20,11 +20,11 @@ A=("$G/test_graph_rng.py" "$G/test_dpp_cuda_graphs.py::test_graphed_dropout_repe
 B=("$G/test_dpp_cuda_graphs.py::test_graphed_bert_equals_eager_bert" "$G/test_dpp_cuda_graphs.py::test_graphed_dpp_equals_eager_dpp[v1]")
 start=$SECONDS
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    t tp2 0,1 200 "$G/test_tp_cuda_graphs.py::test_tp2_slot_graphs_equal_eager"
-    t one-a 0 260 "${A[@]}" &
-    t one-b 1 260 "${B[@]}" &
-    wait
+    t tp2 0,1 420 "$G/test_tp_cuda_graphs.py::test_tp2_slot_graphs_equal_eager" &
+    t one-b 1 420 "${B[@]}" &
 else
-    t one 0 460 "${A[@]}" "${B[@]}"
+    t one-b 0 420 "${B[@]}" &
 fi
+t one-a 0 420 "${A[@]}" &
+wait
 echo "all in $((SECONDS - start)) s"
