@@ -949,6 +949,8 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
         "megatron-core's schedules (not --use-dpp: the DPP runtime's graphs are --dpp-cuda-graphs)":
             not par.use_dpp,
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
+        "NCCL (not --distributed-backend gloo: over gloo the trainer runs its own 1f1b policy, not "
+        "megatron-core's schedule, which creates the graphs)": par.distributed_backend != "gloo",
         "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
             not cfg.data.variable_seq_lengths,
         f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,

@@ -337,6 +337,7 @@ def test_megatron_graphs_give_gpt_layers_no_shared_mask_tensor() -> None:
 @pytest.mark.parametrize("extra, needle", [
     (["--use-dpp"], "megatron-core's schedules (not --use-dpp"),
     (["--device", "cpu"], "--device cuda (got cpu)"),
+    (["--distributed-backend", "gloo"], "NCCL (not --distributed-backend gloo"),
 ])
 def test_megatron_graphs_refuse_what_they_cannot_run(extra, needle) -> None:
     with pytest.raises(ConfigError) as err:
