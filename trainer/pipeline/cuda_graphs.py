@@ -93,8 +93,8 @@ def _register_generators(graph: torch.cuda.CUDAGraph) -> None:
     """Before a capture: register every state of megatron's graph-safe RNG tracker with ``graph``
     (torch registers the default generator by itself at capture start, not the tracker's states, and a
     dropout that draws from an unregistered state inside a capture fails). Each replay then advances each generator by
-    what the graph draws: fresh masks every replay. Without a graph-safe tracker (the CPU tests) there
-    is nothing to register and nothing random may be drawn (the config refuses dropout there)."""
+    what the graph draws: fresh masks every replay. Without a graph-safe tracker there is nothing to
+    register (the CPU tests' stand-ins; with graphs on CUDA trainer.train always seeds the graph-safe one)."""
     from megatron.core.tensor_parallel import random as tp_random
 
     tracker = tp_random.get_cuda_rng_tracker()
