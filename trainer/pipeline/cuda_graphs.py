@@ -53,10 +53,11 @@ A TP group on gloo cannot be captured (its collectives run on the host), so the 
 Dropout (p > 0): every replay draws fresh masks. megatron's RNG tracker is created graph-safe
 (``use_cudagraphable_rng``: each tracker state is a generator object the tracker swaps in, rather than
 a state tensor it copies), and each forward graph registers every tracker state besides the default
-generator torch registers itself (:func:`_register_generators`, as megatron-core's own graphed layers
-do; only with dropout > 0, as a registered generator costs two small kernels per replay). A registered generator hands
-the capture a device-side seed and offset, and each replay advances the generator's offset by what the
-graph draws, so a replay draws what an eager op at that point of the generator's sequence would:
+generator torch registers itself (:func:`_register_generators`, as megatron-core's own graphed
+layers do; only with dropout > 0, as a registered generator costs two small kernels per replay). A
+registered generator hands the capture a device-side seed and offset, and each replay advances the
+generator's offset by what the graph draws, so a replay draws what an eager op at that point of the
+generator's sequence would:
 the same distribution, a different mask every replay, and the same run again from the same seed (the
 order of forwards on a stage decides the sequence). Not bit-equal to an eager run: a graph consumes
 its offsets in whole-graph steps. Recompute with dropout is refused: megatron's checkpoint keeps a
@@ -92,9 +93,10 @@ log = logging.getLogger(__name__)
 def _register_generators(graph: torch.cuda.CUDAGraph) -> None:
     """Before a capture: register every state of megatron's graph-safe RNG tracker with ``graph``
     (torch registers the default generator by itself at capture start, not the tracker's states, and a
-    dropout that draws from an unregistered state inside a capture fails). Each replay then advances each generator by
-    what the graph draws: fresh masks every replay. Without a graph-safe tracker there is nothing to
-    register (the CPU tests' stand-ins; with graphs on CUDA trainer.train always seeds the graph-safe one)."""
+    dropout that draws from an unregistered state inside a capture fails). Each replay then advances
+    each generator by what the graph draws: fresh masks every replay. Without a graph-safe tracker
+    there is nothing to register (the CPU tests' stand-ins; with graphs on CUDA trainer.train always
+    seeds the graph-safe one)."""
     from megatron.core.tensor_parallel import random as tp_random
 
     tracker = tp_random.get_cuda_rng_tracker()
