@@ -341,7 +341,10 @@ def _rng_state() -> dict[str, Any]:
         from megatron.core import tensor_parallel
 
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
-        state["rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        # With CUDA graphs the tracker is megatron's graph-safe one, whose states are generator objects:
+        # saved as state tensors, so a checkpoint loads into either kind of tracker.
+        state["rng_tracker_states"] = {name: tensor_parallel.convert_cuda_rng_state(s, to_graphable=False)
+                                       for name, s in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
     return state
 
 
@@ -353,7 +356,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         from megatron.core import tensor_parallel
 
         torch.cuda.set_rng_state(state["cuda_rng_state"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        graph_safe = getattr(tracker, "use_cudagraphable_rng", False)  # as Megatron-LM's checkpoint loader does
+        tracker.set_states({name: tensor_parallel.convert_cuda_rng_state(s, to_graphable=graph_safe)
+                            for name, s in state["rng_tracker_states"].items()})
 
 
 def _rng_sharded_object():

@@ -1,6 +1,6 @@
 """The GPU tests (``pytest -m gpu``) as the 4-GPU tier calls run them: each group is one pytest run,
-on a GPU pair (two ranks on cuda:0/1 of what it sees) or on all four. Part 1 and part 2 are one
-device call each (scripts/device/call_4gpu_tier.sh PART), each under the 10-minute limit.
+on a GPU pair (two ranks on cuda:0/1 of what it sees) or on all four. Each part is one
+device call (scripts/device/call_4gpu_tier.sh PART), each under the 10-minute limit.
 
     python scripts/device/gpu_tier_groups.py NAME   # the test ids of group NAME, one per line
 
@@ -17,8 +17,7 @@ _TRAIN = "tests/dist/test_train_gpu.py"
 
 GROUPS: dict[str, list[str]] = {
     # part 1: A and B side by side on GPUs 0,1 and 2,3, then C on all four
-    "A": [f"{_G}/test_transport_gpu.py", f"{_GRAPHS}[v1]", f"{_GRAPHS}[v2]", f"{_GRAPHS}[v1-varlen]",
-          f"{_G}/test_megatron_cuda_graphs.py"],
+    "A": [f"{_G}/test_transport_gpu.py", f"{_GRAPHS}[v1]", f"{_GRAPHS}[v2]", f"{_GRAPHS}[v1-varlen]"],
     "B": [f"{_G}/test_transport_nccl_gpu.py", f"{_GRAPHS}[v1-recompute]", f"{_GRAPHS}[v1-queued1]",
           f"{_GRAPHS}[v1-recompute-slot]", f"{_G}/test_checkpoint_gpu.py", f"{_G}/test_gpu_spans.py"],
     "C": [f"{_G}/test_dpp_nccl_split.py"],
@@ -29,14 +28,22 @@ GROUPS: dict[str, list[str]] = {
           "tests/dist/test_clock_offset.py::test_offsets_undo_injected_skew_over_nccl"],
     # part 3: first 10 losses of every DPP policy against megatron-core's 1F1B, issue-12 model, 4 GPUs
     "D": [f"{_TRAIN}::test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus"],
-    # part 4: graphed dpp-zb with the runtime-launched overlapped DP reduction, PP=2 x DP=2 on 4 GPUs
+    # part 5: graphed dpp-zb with the runtime-launched overlapped DP reduction, PP=2 x DP=2 on 4 GPUs
     "L": [f"{_G}/test_dpp_cuda_graphs.py::test_graphed_dpp_zb_with_overlapped_dp_reduction_equals_eager"],
+    # part 4: graphs with dropout, BERT, TP (pairs: TP=2 on one stage), megatron-core's graphs at PP=1 and 2;
+    # then PP=2 x TP=2 (sequence parallelism; dpp-zb) on all four
+    "G1": [f"{_G}/test_graph_rng.py", f"{_G}/test_dpp_cuda_graphs.py::test_graphed_dropout_repeats_from_its_seed_"
+           "and_stays_close_to_eager", f"{_G}/test_megatron_cuda_graphs.py"],
+    "G2": [f"{_G}/test_tp_cuda_graphs.py::test_tp2_slot_graphs_equal_eager",
+           f"{_G}/test_dpp_cuda_graphs.py::test_graphed_bert_equals_eager_bert"],
+    "T4": [f"{_G}/test_tp_cuda_graphs.py::test_pp2_tp2_graphs_equal_eager"],
 }
 PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "1": (("A", "B"), "C", 400, 140),
     "2": (("Z1", "Z2"), "E", 300, 200),
     "3": ((), "D", 0, 560),
-    "4": ((), "L", 0, 500),
+    "4": (("G1", "G2"), "T4", 340, 230),
+    "5": ((), "L", 0, 500),
 }
 """Part -> (groups run side by side on GPU pairs 0,1 and 2,3; the group run on all four GPUs after
 them; seconds for the pairs; seconds for the last group)."""

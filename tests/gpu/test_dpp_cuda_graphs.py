@@ -2,9 +2,11 @@
 
 Two pipeline stages; on a one-GPU machine both ranks share the GPU (--distributed-backend gloo, as
 the DPP runtime's CUDA IPC path allows). fp32 and dropout 0, so graph replays and eager ops run the
-same kernels on the same data: losses and gradients must agree to rounding. The graphed run must
-really replay (its log counts the forwards each stage replayed) -- a run that silently fell back to
-eager everywhere would pass the comparison and prove nothing.
+same kernels on the same data: losses and gradients must agree to rounding (GPT and BERT). The graphed
+run must really replay (its log counts the forwards each stage replayed) -- a run that silently fell
+back to eager everywhere would pass the comparison and prove nothing. With dropout 0.1 (Megatron-LM's
+default) the graphed run repeats itself from the same seed and stays close to the eager run, whose
+masks differ (tests/gpu/test_graph_rng.py checks the masks themselves).
 
     python -m pytest -m gpu tests/gpu/test_dpp_cuda_graphs.py -s
 """
@@ -32,8 +34,8 @@ GPT = ["--device", "cuda", "--mock-data", "--num-layers", "4", "--hidden-size", 
 REPLAYED = re.compile(r"stage (\d+) chunk (\d+): (\d+) training forward\(s\) replayed from CUDA graphs, (\d+) eager")
 
 
-def _run(out: Path, extra: list[str]) -> tuple[list, dict]:
-    args = [*GPT, *extra]
+def _run(out: Path, extra: list[str], model: list[str] = GPT) -> tuple[list, dict]:
+    args = [*model, *extra]
     if torch.cuda.device_count() < 2:
         args += ["--distributed-backend", "gloo"]
     return train(out, 2, ["--dump-grads", "2", "--", *args], last_rank=1)
@@ -114,3 +116,53 @@ def test_graphed_dpp_zb_with_overlapped_dp_reduction_equals_eager(tmp_path: Path
     assert_same_losses(eager, graphed)
     if not distopt:
         assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
+def _replayed_everywhere(results: list, chunks: int = 1) -> None:
+    counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
+    print("replayed/eager forwards per (stage, chunk):", counts)
+    assert counts == {(s, c): (ITERS * M, 0) for s in range(2) for c in range(chunks)}, counts
+
+
+BERT = [*[a for a in GPT if a not in ("--vocab-size", "1000")], "--model", "bert", "--vocab-size", "128",
+        "--make-vocab-size-divisible-by", "64"]
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("policy", [DPP, ZB], ids=["dpp", "dpp-zb"])
+def test_graphed_bert_equals_eager_bert(tmp_path: Path, policy: list[str]) -> None:
+    """BERT: the encoder block is graphed; each replay fills its slot's mask buffer with the
+    microbatch's padding mask (mock BERT samples are padded to different lengths)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _, eager = _run(tmp_path / "eager", policy, BERT)
+    results, graphed = _run(tmp_path / "graphed", [*policy, "--dpp-cuda-graphs"], BERT)
+    _replayed_everywhere(results)
+    assert_same_losses(eager, graphed)
+    assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
+
+
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+@pytest.mark.timeout(700)
+def test_graphed_dropout_repeats_from_its_seed_and_stays_close_to_eager(tmp_path: Path) -> None:
+    """Dropout 0.1 in every graph: the same seed gives the same losses (the masks are a function of
+    the seed and the order of forwards, not of timing); another seed other losses; the eager run draws
+    other masks from the same distribution, so its losses are close, not equal."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    graphed_flags = [*DPP, "--dpp-cuda-graphs", *DROPOUT]
+    results, first = _run(tmp_path / "graphed", graphed_flags)
+    _replayed_everywhere(results)
+    _, again = _run(tmp_path / "again", graphed_flags)
+    assert_same_losses(first, again)
+    _, reseeded = _run(tmp_path / "reseeded", [*graphed_flags, "--seed", "4321"])
+    assert any(reseeded[it]["lm loss"] != first[it]["lm loss"] for it in first)
+    _, eager = _run(tmp_path / "eager", [*DPP, *DROPOUT])
+    _, no_dropout = _run(tmp_path / "no-dropout", [*DPP, "--dpp-cuda-graphs"])
+    print("iteration  eager  graphed  graphed-without-dropout")
+    for it in sorted(first, key=int):
+        e, g, n = eager[it]["lm loss"], first[it]["lm loss"], no_dropout[it]["lm loss"]
+        print(it, e, g, n)
+        assert g == pytest.approx(e, rel=2e-2), f"iteration {it}"
+    assert any(first[it]["lm loss"] != no_dropout[it]["lm loss"] for it in first)  # dropout did act
+    assert any(first[it]["lm loss"] != eager[it]["lm loss"] for it in first)  # other masks than eager's

@@ -253,21 +253,33 @@ def test_graphs_config_is_accepted_where_it_can_run() -> None:
     assert varlen.parallel.dpp_cuda_graphs and varlen.data.variable_seq_lengths
     split = parse_config(GOOD + ["--dpp-policy", "dpp-zb"], world_size=2)  # F, I and W graphs per slot
     assert split.parallel.dpp_cuda_graphs and split.parallel.dpp_policy == "dpp-zb"
+    # TP collectives captured into the graphs (NCCL: the default backend on CUDA), with and without SP
+    tp = parse_config(GOOD + ["--tensor-model-parallel-size", "2"], world_size=4)
+    assert tp.parallel.dpp_cuda_graphs and tp.parallel.tensor_model_parallel_size == 2
+    sp = parse_config(GOOD + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--distributed-backend", "nccl"], world_size=4)
+    assert sp.parallel.sequence_parallel and sp.parallel.dpp_cuda_graphs
+    # dropout: a graph-safe RNG draws fresh masks every replay (Megatron-LM's default 0.1)
+    drop = parse_config([a for a in GOOD if a not in ("--hidden-dropout", "--attention-dropout", "0")], world_size=2)
+    assert (drop.model.hidden_dropout, drop.model.attention_dropout) == (0.1, 0.1) and drop.parallel.dpp_cuda_graphs
+    assert parse_config(GOOD + ["--model", "bert"], world_size=2).parallel.dpp_cuda_graphs
 
 
 @pytest.mark.parametrize("extra, needle", [
     (["--device", "cpu"], "--device cuda (got cpu)"),
     (["--dpp-policy", "zb-h1"], "--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its "
                                 "cap; got zb-h1)"),
-    (["--hidden-dropout", "0.1"], "--hidden-dropout 0 --attention-dropout 0 (got 0.1, 0.0)"),
-    (["--model", "bert"], "--model gpt (got bert)"),
+    (["--tensor-model-parallel-size", "2", "--distributed-backend", "gloo"],
+     "--distributed-backend nccl with --tensor-model-parallel-size 2"),
+    (["--hidden-dropout", "0.1", "--recompute-activations"], "no recompute with dropout (got --hidden-dropout 0.1"),
+    (["--attention-dropout", "0.1", "--dpp-recompute-slots", "1"], "no recompute with dropout"),
     (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5", "--seq-length-divisible-by", "1",
       "--seq-length", "64", "--max-position-embeddings", "64"],
      "at most 32 sequence lengths to capture with --variable-seq-lengths"),
 ])
 def test_graphs_refuse_what_they_cannot_capture(extra, needle) -> None:
     with pytest.raises(ConfigError) as err:
-        parse_config(GOOD + extra, world_size=2)
+        parse_config(GOOD + extra, world_size=4 if "--tensor-model-parallel-size" in extra else 2)
     assert f"--dpp-cuda-graphs needs {needle}" in str(err.value)
 
 
@@ -295,15 +307,37 @@ def test_megatron_graphs_reach_megatron_core_config() -> None:
     assert parse_config(GOOD, world_size=2).parallel.cuda_graph_impl == "none"
 
 
-def test_benchmark_lists_megatron_graphs_as_not_run_under_a_pipeline() -> None:
+def test_benchmark_runs_megatron_graphs_under_a_pipeline() -> None:
     [line] = plan(BenchConfig(), ["megatron-1f1b-graphs"], ["a"], ("dpp",))
-    assert isinstance(line, NotRun) and "PP > 1" in line.reason
+    assert not isinstance(line, NotRun) and "--cuda-graph-impl" in line.args
+
+
+def test_megatron_graphs_are_accepted_under_a_pipeline() -> None:
+    cfg = parse_config(MEGATRON_GRAPHS + ["--pipeline-model-parallel-size", "2"], world_size=2)
+    assert (cfg.parallel.cuda_graph_impl, cfg.parallel.pipeline_model_parallel_size) == ("local", 2)
+
+
+def test_megatron_graphs_give_gpt_layers_no_shared_mask_tensor() -> None:
+    """The collated causal mask is one cached tensor for every microbatch: under megatron-core's graphs
+    the forward step passes none (its causal attention applies its own mask), everything else as given."""
+    from trainer.model.steps import causal_mask_from_attention
+
+    seen = []
+
+    def step(data_iterator, model):
+        seen.append(next(data_iterator))
+        return "out", model
+
+    batch = {"tokens": torch.ones(1, 2), "attention_mask": torch.ones(1, 1, 2, 2, dtype=torch.bool)}
+    assert causal_mask_from_attention(step)(iter([batch]), "m") == ("out", "m")
+    assert seen[0]["attention_mask"] is None and seen[0]["tokens"] is batch["tokens"]
+    assert batch["attention_mask"] is not None  # the cached mask itself is untouched
 
 
 @pytest.mark.parametrize("extra, needle", [
     (["--use-dpp"], "megatron-core's schedules (not --use-dpp"),
     (["--device", "cpu"], "--device cuda (got cpu)"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1 (got 2"),
+    (["--distributed-backend", "gloo"], "NCCL (not --distributed-backend gloo"),
 ])
 def test_megatron_graphs_refuse_what_they_cannot_run(extra, needle) -> None:
     with pytest.raises(ConfigError) as err:
@@ -318,7 +352,7 @@ def test_megatron_graphs_name_the_implementations_offered() -> None:
 
 def test_benchmark_lists_the_graphs_line_as_not_run_where_it_cannot() -> None:
     cuda = plan(BenchConfig(), ["dpp-graphs", "megatron-1f1b-graphs"], ["a", "b"], ("dpp",))
-    assert [type(x).__name__ for x in cuda] == ["Line", "NotRun", "Line", "NotRun"]
+    assert [type(x).__name__ for x in cuda] == ["Line", "Line", "Line", "NotRun"]
     assert "--variable-seq-lengths" in cuda[2].args  # scenario (b) graphs every bucket length
     assert "capture one sequence length" in cuda[3].reason or "pipeline schedule" in cuda[3].reason
     cpu = plan(BenchConfig(device="cpu"), ["dpp-graphs"], ["a"], ("dpp",))
@@ -416,3 +450,160 @@ def test_graphs_default_to_deciding_one_op_ahead() -> None:
     assert queued(GOOD) == 1
     assert queued([*GOOD, "--dpp-max-queued-ops", "0"]) == 0
     assert queued([*GOOD, "--dpp-max-queued-ops", "3"]) == 3
+
+
+def test_sequence_parallel_slots_take_the_rank_shard_and_key_by_full_length() -> None:
+    """--sequence-parallel: the block's input is this rank's 1/TP of the sequence; a slot is keyed by the
+    full length (the first stage reads tokens [b, s]) and captured at the shard's rows."""
+    seen = []
+
+    def capture(call, shapes, masks, device):
+        seen.append({n: (shapes.rows(n), tuple(masks[n].shape)) for n in shapes.captured_lengths()})
+        return {n: ("len", n) for n in shapes.captured_lengths()}
+
+    shapes = GraphShapes(activation=(S // 2, B, H), activation_dtype=torch.float32, tokens=(B, S),
+                         lengths=(2, S), sequence_shards=2)
+    assert shapes.captured_lengths() == (S, 2)
+    assert GraphShapes(activation=(S // 2, B, H), activation_dtype=torch.float32, tokens=(B, S),
+                       sequence_shards=2).captured_lengths() == (S,)
+    masks = {n: torch.ones(1, 1, n, n, dtype=torch.bool) for n in (2, S)}
+    later = ChunkGraphs(_TinyGPT(pre_process=False), False, 2, shapes, masks, torch.device("cpu"), capture=capture)
+    assert seen[0] == {S: (S // 2, (1, 1, S, S)), 2: (1, (1, 1, 2, 2))}  # shard rows, full-length masks
+    assert later.take(0, torch.zeros(S // 2, B, H)) == ("len", S)
+    assert later.take(1, torch.zeros(1, B, H)) == ("len", 2)
+    later.give_back(0)
+    assert later.take(2, torch.zeros(S, B, H)) is None  # a full-length activation was not captured here
+    first = ChunkGraphs(_TinyGPT(pre_process=True), True, 1, shapes, masks, torch.device("cpu"), capture=capture)
+    assert first.take(0, torch.zeros(B, S, dtype=torch.long)) == ("len", S)
+
+
+class _TinyBERT(_TinyGPT):
+    """BertModel's naming: its transformer block is ``encoder``."""
+
+    def __init__(self, pre_process: bool) -> None:
+        super().__init__(pre_process)
+        self.encoder = self.decoder
+        del self.decoder
+
+    def set_input_tensor(self, tensors) -> None:
+        self.encoder.set_input_tensor(tensors[0])
+
+    def forward(self, input_ids, position_ids, attention_mask, labels=None, rotary_pos_emb=None):
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
+        return self.encoder(hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+
+
+def test_bert_replays_its_encoder_and_matches_the_chunk() -> None:
+    tokens, pos, mask = _batch()
+    ref = _TinyBERT(pre_process=True)
+    ref(tokens, pos, mask).square().sum().backward()
+    chunk = _TinyBERT(pre_process=True)
+    graphs = _graphs(chunk, first=True)
+    assert graphs.decoder is chunk.encoder
+    out = Replay(graphs, graphs.take(0, tokens), chunk)(tokens, pos, mask)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref(tokens, pos, mask))
+    for name, grad in _grads(ref).items():
+        torch.testing.assert_close(_grads(chunk)[name], grad)
+    assert "forward" not in vars(chunk.encoder)
+
+
+def test_a_varying_mask_is_copied_into_the_slots_buffer(monkeypatch) -> None:
+    """BERT: each replay fills the slot's captured mask buffer with its microbatch's padding mask; GPT's
+    pairs have no buffer (their captured mask is every microbatch's) and copy nothing."""
+    from trainer.pipeline import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs._Replayed, "apply", lambda x, pair: x)
+    buffer = torch.zeros(B, 1, S, S, dtype=torch.bool)
+    pair = cuda_graphs._GraphPair(None, None, None, None, None, None, mask=buffer)
+    given = torch.rand(B, 1, S, S) < 0.5
+    x = torch.zeros(S, B, H)
+    assert cuda_graphs._PairReplay(pair)(x, given) is x
+    assert torch.equal(buffer, given) and buffer.data_ptr() != given.data_ptr()
+    with pytest.raises(RuntimeError, match=r"an attention mask of shape \(1, 1, 6, 6\), captured \(2, 1, 6, 6\)"):
+        cuda_graphs._PairReplay(pair)(x, torch.ones(1, 1, S, S, dtype=torch.bool))
+    gpt = cuda_graphs._GraphPair(None, None, None, None, None, None)
+    assert cuda_graphs._PairReplay(gpt)(x, given) is x  # nothing to fill
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.registered = []
+
+    def register_generator_state(self, state) -> None:
+        self.registered.append(state)
+
+
+def test_every_graph_registers_the_graph_safe_trackers_states(monkeypatch) -> None:
+    """Dropout inside a graph draws from megatron's tracker states (the TP-region one included): each
+    graph registers them all, so every replay advances them (fresh masks). Without the graph-safe
+    tracker nothing is registered, and megatron's RNG save/restore is bypassed instead."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    from trainer.pipeline import cuda_graphs
+
+    class Tracker:
+        use_cudagraphable_rng = True
+
+    states = {"model-parallel-rng": object(), "data-parallel-rng": object()}
+    monkeypatch.setattr(tp_random, "get_cuda_rng_tracker", lambda: Tracker())
+    monkeypatch.setattr(tp_random, "get_all_rng_states", lambda: states)
+    graph = _FakeGraph()
+    cuda_graphs._register_generators(graph)
+    assert graph.registered == list(states.values())
+    originals = (tp_random._get_all_rng_states, tp_random._set_all_rng_states, tp_random.CudaRNGStatesTracker.fork)
+    with cuda_graphs._rng_state_bypassed():  # graph-safe: megatron's own save/restore stays
+        assert (tp_random._get_all_rng_states, tp_random._set_all_rng_states,
+                tp_random.CudaRNGStatesTracker.fork) == originals
+    Tracker.use_cudagraphable_rng = False
+    graph = _FakeGraph()
+    cuda_graphs._register_generators(graph)
+    assert graph.registered == []
+
+
+def test_only_a_block_with_dropout_registers_generators() -> None:
+    """A registered generator costs two kernels per replay, so graphs register them only where the
+    block's TransformerConfig has dropout."""
+    from types import SimpleNamespace
+
+    from trainer.pipeline.cuda_graphs import _draws_random
+
+    def call(hidden, attention):
+        return SimpleNamespace(decoder=SimpleNamespace(config=SimpleNamespace(hidden_dropout=hidden,
+                                                                              attention_dropout=attention)))
+
+    assert not _draws_random(call(0.0, 0.0))
+    assert _draws_random(call(0.1, 0.0)) and _draws_random(call(0.0, 0.1))
+    assert not _draws_random(SimpleNamespace(decoder=torch.nn.Linear(1, 1)))  # no config: nothing drawn
+
+
+def test_checkpoints_save_graph_safe_rng_states_as_tensors(monkeypatch) -> None:
+    """With graphs the RNG tracker holds generator objects (graph-safe): a checkpoint stores their state
+    tensors, and a tracker that is not graph-safe loads them as they are. (CUDA stand-ins: the CPU
+    generator has the same get_state; the graph-safe direction needs CUDA.)"""
+    from megatron.core import tensor_parallel
+
+    from trainer import checkpoint
+
+    class Tracker:
+        use_cudagraphable_rng = False
+
+        def __init__(self) -> None:
+            self.states = {"model-parallel-rng": torch.Generator().manual_seed(7)}
+
+        def get_states(self):
+            return self.states
+
+        def set_states(self, states) -> None:
+            self.states = states
+
+    tracker = Tracker()
+    want = tracker.states["model-parallel-rng"].get_state()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: tracker)
+    saved = checkpoint._rng_state()
+    assert torch.equal(saved["rng_tracker_states"]["model-parallel-rng"], want)
+    checkpoint._set_rng_state(saved)
+    assert torch.equal(tracker.states["model-parallel-rng"], want)

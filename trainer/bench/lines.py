@@ -321,9 +321,6 @@ def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policie
         return "CUDA graphs need CUDA"
     if "--cuda-graph-impl" in flags and scenario == "b":
         return "megatron-core's local CUDA graphs capture one sequence length; scenario (b) varies it"
-    if "--cuda-graph-impl" in flags and cfg.pipeline_parallel > 1:
-        return ("megatron-core's local CUDA graphs failed to build under its pipeline schedule (0.19.2 without "
-                "Transformer Engine, 4xH100: assert in _create_cudagraphs); the trainer refuses them at PP > 1")
     if scenario == "d" and not cfg.corpus:
         return "scenario (d) needs --corpus PREFIX (a GPT-2-tokenized indexed corpus, e.g. the sample corpus)"
     if scenario == "d" and name == "direct-megatron":

@@ -291,10 +291,15 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         f"--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its cap; got {par.dpp_policy})":
             resolve_dpp_policy(cfg)[0] in ("dpp", "dpp-zb"),
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
-        f"--model gpt (got {m.model})": m.model == "gpt",
-        f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
-        f"--hidden-dropout 0 --attention-dropout 0 (got {m.hidden_dropout}, {m.attention_dropout}): captured "
-        "dropout would replay the same mask": m.hidden_dropout == 0 and m.attention_dropout == 0,
+        f"--distributed-backend nccl with --tensor-model-parallel-size {par.tensor_model_parallel_size} (the TP "
+        "collectives are captured into the graphs; gloo's run on the host)":
+            par.tensor_model_parallel_size == 1 or par.distributed_backend != "gloo",
+        f"no recompute with dropout (got --hidden-dropout {m.hidden_dropout} --attention-dropout "
+        f"{m.attention_dropout}): megatron's checkpoint keeps the graph-safe RNG state by reference, so a "
+        "recomputed attention would draw a different dropout mask than its forward; set both dropouts to 0 or "
+        "drop --recompute-activations / --recompute-granularity / --dpp-recompute-slots":
+            (m.hidden_dropout == 0 and m.attention_dropout == 0)
+            or (m.recompute is None and not any(par.dpp_recompute_slots)),
         f"at most {MAX_GRAPHED_LENGTHS} sequence lengths to capture with --variable-seq-lengths (each slot holds a "
         f"graph pair per length; --seq-length {m.seq_length} / --seq-length-divisible-by "
         f"{cfg.data.seq_length_divisible_by} gives {-(-m.seq_length // cfg.data.seq_length_divisible_by)}: "
@@ -334,15 +339,15 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
         "megatron-core's schedules (not --use-dpp: the DPP runtime's graphs are --dpp-cuda-graphs)":
             not par.use_dpp,
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
+        "NCCL (not --distributed-backend gloo: over gloo the trainer runs its own 1f1b policy, not "
+        "megatron-core's schedule, which creates the graphs)": par.distributed_backend != "gloo",
         "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
             not cfg.data.variable_seq_lengths,
         f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,
-        # Measured on 4xH100 with megatron-core 0.19.2 (no Transformer Engine there): at PP=4 its graph
-        # creation fails after the first step (assert fwd_buffer_reuse_ref_count == 0 in
-        # _create_cudagraphs); PP=1 ran and matched eager. Refused until a pipeline run has passed.
-        f"--pipeline-model-parallel-size 1 (got {par.pipeline_model_parallel_size}: megatron-core's "
-        "local graphs failed to build under its pipeline schedule in the one configuration tried, "
-        "docs/benchmarks.md)": par.pipeline_model_parallel_size == 1,
+        # At PP > 1 graph creation asserted (fwd_buffer_reuse_ref_count == 0 in _create_cudagraphs) while
+        # the trainer passed every microbatch the same cached causal-mask tensor; GPT's forward step now
+        # passes no mask under these graphs (trainer.model.steps.causal_mask_from_attention,
+        # docs/benchmarks.md): PP=2 graphed equals eager on 2xH200. BERT's mask is made per microbatch.
     }
     return [f"--cuda-graph-impl {par.cuda_graph_impl} needs {need}" for need, ok in why.items() if not ok]
 

@@ -217,9 +217,10 @@ class ParallelConfig:
     dpp_cuda_graphs: bool = False
     """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
-    the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
-    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot), TP 1 and dropout 0; costs GPU memory per
-    slot."""
+    the launch overhead that makes small-microbatch forwards host-bound. GPT or BERT on CUDA with --use-dpp
+    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot); TP > 1 (with or without --sequence-parallel)
+    captures the TP collectives and needs NCCL; dropout draws fresh masks every replay (not with
+    recompute); costs GPU memory per slot."""
     dpp_recompute_slots: tuple[int, ...] = ()
     """With --dpp-cuda-graphs: how many of a stage's graph slots (of each chunk's, at v > 1) recompute
     the core attention in their backward graph (selective recompute, per slot), listed per stage from

@@ -61,6 +61,28 @@ def bert_forward_step(data_iterator, model):
     return output, partial(_bert_loss, batch["loss_mask"], batch["is_random"])
 
 
+def causal_mask_from_attention(forward_step: Callable) -> Callable:
+    """GPT's forward step with no attention mask (--cuda-graph-impl local): megatron-core's causal
+    attention then applies its own cached causal mask (fused_softmax's default), the same values.
+
+    Why: the collated causal mask is one cached tensor shared by every microbatch
+    (trainer.model.batches.causal_mask), so to megatron-core's graph recorder it is one buffer that is
+    an input of every layer's graph of every microbatch. Under its pipeline schedule (one graph per
+    layer and microbatch, created in execution order) that buffer stays "in use" until the last
+    microbatch's forward graph is captured, but 1F1B captures backward graphs before that, and
+    _create_cudagraphs asserts ``fwd_buffer_reuse_ref_count == 0`` before each backward capture
+    (docs/benchmarks.md, megatron-core's own CUDA graphs). Without a mask argument nothing is shared.
+    Transformer Engine runs pass no mask for causal attention either."""
+
+    def step(data_iterator, model):
+        if data_iterator is None:
+            return forward_step(data_iterator, model)
+        batch = next(data_iterator)
+        return forward_step(iter([{**batch, "attention_mask": None}]), model)
+
+    return step
+
+
 def make_forward_step(model_name: str, per_token_loss: bool = False) -> Callable:
     """``per_token_loss`` (GPT only, as in Megatron-LM: BERT's loss stays per microbatch): the
     3-tuple loss for megatron-core's calculate_per_token_loss."""

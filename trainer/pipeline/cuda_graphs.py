@@ -31,10 +31,42 @@ activations in the slot exactly as eager dpp-zb keeps them in the store; what W 
 activations (each linear's output gradient) is copied during I into buffers the slot owns
 (:class:`trainer.pipeline.split_backward.StaticOperandStore` says why).
 
-Scope (checked by the config before any process starts): GPT, --use-dpp with --dpp-policy dpp or
-dpp-zb, TP 1, dropout 0 (a captured dropout would need megatron's graph-safe RNG tracker; with p = 0
-no random numbers are drawn, and the tracker's fork is bypassed while capturing), no
---overlap-grad-reduce.
+Scope (checked by the config before any process starts): GPT or BERT, --use-dpp with --dpp-policy
+dpp or dpp-zb, no --overlap-grad-reduce, and with TP > 1 an NCCL tensor-parallel group.
+
+Tensor parallelism (TP > 1, with or without --sequence-parallel): the block's TP collectives
+(all-reduce; all-gather and reduce-scatter under sequence parallelism) are captured into its graphs as
+NCCL kernels, the way megatron-core's and Transformer Engine's graphed layers capture them. Three
+things keep capture and replay from deadlocking or pairing collectives wrongly across a TP group:
+every communicator has run the same collectives eagerly before any capture (the warm-up: NCCL
+communicators initialise lazily, which a capture forbids); every TP rank captures the same graphs in
+the same order (slots, lengths and chunks are iterated identically, so any collective NCCL runs while
+registering a captured buffer pairs up); and every TP rank replays the same graph of the same slot in
+the same order, because the runtime makes the TP peers run the leader's actions in the leader's order
+(trainer/pipeline/tp_decision.py) and a slot is picked by :meth:`ChunkGraphs.take` from nothing but
+that order. Captures run with ``capture_error_mode="thread_local"``: the NCCL process group's
+watchdog thread (and the transport's threads) keep querying CUDA while this thread captures, which the
+default global mode would turn into a capture error. Under sequence parallelism the block's input and
+output are the rank's shard of the sequence ([s / TP, b, h]); the attention masks stay full length.
+A TP group on gloo cannot be captured (its collectives run on the host), so the config asks for NCCL.
+
+Dropout (p > 0): every replay draws fresh masks. megatron's RNG tracker is created graph-safe
+(``use_cudagraphable_rng``: each tracker state is a generator object the tracker swaps in, rather than
+a state tensor it copies), and each forward graph registers every tracker state besides the default
+generator torch registers itself (:func:`_register_generators`, as megatron-core's own graphed
+layers do; only with dropout > 0, as a registered generator costs two small kernels per replay). A
+registered generator hands the capture a device-side seed and offset, and each replay advances the
+generator's offset by what the graph draws, so a replay draws what an eager op at that point of the
+generator's sequence would:
+the same distribution, a different mask every replay, and the same run again from the same seed (the
+order of forwards on a stage decides the sequence). Not bit-equal to an eager run: a graph consumes
+its offsets in whole-graph steps. Recompute with dropout is refused: megatron's checkpoint keeps a
+graph-safe state by reference, so the recomputed attention would draw a new mask, not the forward's.
+
+BERT: its block is ``encoder``, not ``decoder``, and its attention mask ([b, 1, s, s], from each
+microbatch's padding) changes between microbatches, so a BERT slot owns a mask buffer per length that
+each replay fills (``GraphShapes.mask_varies``); GPT's causal mask is the same tensor every time and
+is captured as a constant.
 
 Selective recompute (--recompute-activations / --recompute-granularity selective) works inside the
 graphs: the forward graph keeps only the core attention's inputs, and the backward graph recomputes
@@ -58,6 +90,46 @@ from trainer.pipeline.split_backward import SplitBackward, StaticOperandStore, W
 log = logging.getLogger(__name__)
 
 
+def _register_generators(graph: torch.cuda.CUDAGraph) -> None:
+    """Before a capture: register every state of megatron's graph-safe RNG tracker with ``graph``
+    (torch registers the default generator by itself at capture start, not the tracker's states, and a
+    dropout that draws from an unregistered state inside a capture fails). Each replay then advances
+    each generator by what the graph draws: fresh masks every replay. Without a graph-safe tracker
+    there is nothing to register (the CPU tests' stand-ins; with graphs on CUDA trainer.train always
+    seeds the graph-safe one)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tracker = tp_random.get_cuda_rng_tracker()
+    if not tp_random.is_graph_safe_cuda_rng_tracker(tracker):
+        return
+    for state in tp_random.get_all_rng_states().values():
+        graph.register_generator_state(state)
+
+
+def _graph_safe_rng() -> bool:
+    """Whether megatron's RNG tracker is the graph-safe one (trainer.train seeds it so with graphs)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    return tp_random.is_graph_safe_cuda_rng_tracker(tp_random.get_cuda_rng_tracker())
+
+
+def _graph(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, draws: bool = False):
+    """One capture in thread-local capture mode (see the module docstring, tensor parallelism);
+    ``draws``: the captured code draws random numbers (dropout), so the tracker's generators are
+    registered first. Only then: a registered generator costs two small kernels per replay (its seed
+    and offset written for the graph), whether or not the graph draws from it."""
+    if draws:
+        _register_generators(graph)
+    return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+
+
+def _draws_random(call: torch.nn.Module) -> bool:
+    """Whether the block's forward draws random numbers: dropout > 0 in its TransformerConfig. (Its
+    backward never draws: recompute with dropout is refused, and a dropout's backward reuses its mask.)"""
+    config = getattr(call.decoder, "config", None)
+    return config is not None and (config.hidden_dropout > 0 or config.attention_dropout > 0)
+
+
 class _BlockCall(torch.nn.Module):
     """The callable a slot captures: a chunk's transformer block from its input activation (graphs
     take tensors only). The block reads its input from ``hidden_states`` on the first stage and from
@@ -75,10 +147,14 @@ class _BlockCall(torch.nn.Module):
 
 
 def _decoder_of(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The transformer block behind megatron's DDP / Float16Module wrappers."""
+    """The transformer block behind megatron's DDP / Float16Module wrappers: GPTModel's ``decoder``,
+    BertModel's ``encoder``."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    return get_attr_wrapped_model(chunk, "decoder")
+    try:
+        return get_attr_wrapped_model(chunk, "decoder")
+    except RuntimeError:
+        return get_attr_wrapped_model(chunk, "encoder")
 
 
 @contextlib.contextmanager
@@ -133,14 +209,24 @@ class GraphShapes:
     """What a slot is captured for: the chunk input's largest shape and dtype, the microbatch's [b, s]
     at that length, and every sequence length a microbatch may have (one, unless the lengths vary)."""
 
-    activation: tuple[int, ...]  # [s, b, h] of the received activation at the longest length
+    activation: tuple[int, ...]  # [s / shards, b, h] of the block's input at the longest length
     activation_dtype: torch.dtype
     tokens: tuple[int, int]  # [b, s] at the longest length
     lengths: tuple[int, ...] = ()
     """Captured sequence lengths (--variable-seq-lengths: every bucket length); () = only s."""
+    sequence_shards: int = 1
+    """--sequence-parallel: the TP size (the block's input holds 1/shards of the sequence); else 1."""
+    mask_varies: bool = False
+    """The attention mask differs between microbatches (BERT's padding): each slot owns a mask buffer
+    per length that a replay fills. False (GPT): the captured mask is the one every microbatch passes."""
 
     def captured_lengths(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.lengths or (self.activation[0],)), reverse=True))
+        """Full sequence lengths, longest first."""
+        return tuple(sorted(set(self.lengths or (self.activation[0] * self.sequence_shards,)), reverse=True))
+
+    def rows(self, length: int) -> int:
+        """The block input's first dimension at a sequence length (this rank's shard of it)."""
+        return length // self.sequence_shards
 
 
 @contextlib.contextmanager
@@ -148,11 +234,15 @@ def _rng_state_bypassed() -> Iterator[None]:
     """megatron saves and restores the CUDA generator's state around attention dropout (its RNG
     tracker's fork) and around a recomputed block (selective recompute's checkpoint saves every RNG
     state in the forward and restores it for the recompute in the backward). Reading or setting a
-    generator's state is not allowed while a graph is being captured. With dropout 0 (required) nothing
-    random is drawn in between, so for warm-up and capture the fork is skipped and the checkpoint's
-    save/restore is a no-op (replays never run Python)."""
+    generator's state is not allowed while a graph is being captured. Without the graph-safe tracker
+    dropout is 0 (the config's rule) and nothing random is drawn in between, so for warm-up and capture
+    the fork is skipped and the checkpoint's save/restore is a no-op (replays never run Python). With
+    the graph-safe tracker (trainer.train seeds it so with graphs) nothing is bypassed."""
     from megatron.core.tensor_parallel import random as tp_random
 
+    if _graph_safe_rng():  # its fork and save/restore swap generator objects: legal while capturing
+        yield
+        return
     saved = (tp_random.CudaRNGStatesTracker.fork, tp_random._get_all_rng_states, tp_random._set_all_rng_states)
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     tp_random._get_all_rng_states = lambda: (None, None, None)
@@ -182,6 +272,9 @@ class _GraphPair:
     """Split backward: the slot's output-gradient buffers that ``bwd`` writes and ``wgt`` reads. Held
     here because nothing else holds them: ordinary allocations, which the caching allocator would
     hand to other tensors (while the graphs still use their addresses) once unreferenced."""
+    mask: torch.Tensor | None = None
+    """The slot's attention-mask buffer at this length when masks vary (BERT), which each replay fills;
+    None: the captured mask is every microbatch's."""
 
 
 class _PairReplay:
@@ -192,7 +285,14 @@ class _PairReplay:
         self.pair = pair
 
     def __call__(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        # The mask was captured with the pair (a causal mask of the pair's length); the given one is that mask.
+        # GPT: the mask was captured with the pair (the causal mask of the pair's length, the tensor every
+        # microbatch passes). BERT: this microbatch's padding mask goes into the slot's mask buffer.
+        buffer = self.pair.mask
+        if buffer is not None and attention_mask is not None and attention_mask.data_ptr() != buffer.data_ptr():
+            if attention_mask.shape != buffer.shape:
+                raise RuntimeError(f"--dpp-cuda-graphs: an attention mask of shape {tuple(attention_mask.shape)}, "
+                                   f"captured {tuple(buffer.shape)}")
+            buffer.copy_(attention_mask)
         return _Replayed.apply(x, self.pair)
 
     def replay_weights(self) -> None:
@@ -277,11 +377,12 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
     stream = torch.cuda.current_stream(device)
     replays = {}
     for length in shapes.captured_lengths():
-        x = x_buf[:length].detach().requires_grad_()
-        grad_out = grad_buf[:length]
+        x = x_buf[:shapes.rows(length)].detach().requires_grad_()
+        grad_out = grad_buf[:shapes.rows(length)]
+        mask = masks[length].clone() if shapes.mask_varies else masks[length]
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(fwd, pool=pool, stream=stream):
-            out = call(x, masks[length])
+        with _graph(fwd, pool, stream, draws=_draws_random(call)):
+            out = call(x, mask)
         # Leaves' .grad must start empty, so autograd hands each new gradient to the hook (no copy).
         stale = [p for p in params if p.grad is not None]
         if stale or x.grad is not None:
@@ -289,7 +390,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         store = StaticOperandStore(grad_buffers) if split is not None else None
         with (split.capture_into(store, f"CUDA graph capture at length {length}") if split is not None
               else contextlib.nullcontext()):
-            with torch.cuda.graph(bwd, pool=backward_pool, stream=stream):
+            with _graph(bwd, backward_pool, stream):
                 out.backward(grad_out)
         _check_grads_went_to_main_grad(params, f"the backward graph at length {length}")
         wgt = None
@@ -298,10 +399,11 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
                 raise RuntimeError(f"split backward with CUDA graphs: the backward at length {length} deferred "
                                    f"{len(store)} weight GEMM(s), the warm-up {len(grad_buffers)}")
             wgt = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(wgt, pool=backward_pool, stream=stream):
+            with _graph(wgt, backward_pool, stream):
                 store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
             _check_grads_went_to_main_grad(params, f"the W graph at length {length}")
-        pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt, grad_buffers)
+        pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt, grad_buffers,
+                          mask if shapes.mask_varies else None)
         x.grad = None
         del out
         replays[length] = _PairReplay(pair)
@@ -322,8 +424,8 @@ def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.d
     sized = None
     for length in shapes.captured_lengths():
         for i in range(iters):
-            x = torch.zeros((length, *shapes.activation[1:]), dtype=shapes.activation_dtype, device=device,
-                            requires_grad=True)
+            x = torch.zeros((shapes.rows(length), *shapes.activation[1:]), dtype=shapes.activation_dtype,
+                            device=device, requires_grad=True)
             out = call(x, masks[length])
             if split is None or i < iters - 1:
                 out.backward(torch.ones_like(out))
@@ -385,6 +487,18 @@ class ChunkGraphs:
         self._taken: dict[int, tuple[int, int]] = {}  # microbatch -> (slot, captured length)
         self.replayed = self.eager = 0  # forwards of training steps, for the end-of-run log
 
+    def release(self) -> None:
+        """Free every captured graph. Graphs that captured NCCL collectives (TP > 1) keep their
+        communicators busy: ncclCommDestroy, and so destroy_process_group, waits for them for ever
+        while they exist (pytorch/pytorch#115388), so a run frees its graphs before the process groups."""
+        for slot in self.slots:
+            for pair in (slot.values() if isinstance(slot, dict) else [slot]):
+                for name in ("fwd", "bwd", "wgt"):
+                    graph = getattr(pair, name, None)
+                    if graph is not None:
+                        graph.reset()
+        self.slots = []
+
     def length_of(self, x: torch.Tensor) -> int | None:
         """The captured length ``x`` (tokens on the first stage, the activation elsewhere) has, or None."""
         if self.first:
@@ -392,7 +506,7 @@ class ChunkGraphs:
             length = x.shape[1] if ok else None
         else:
             ok = tuple(x.shape[1:]) == self.shapes.activation[1:] and x.dtype == self.shapes.activation_dtype
-            length = x.shape[0] if ok else None
+            length = x.shape[0] * self.shapes.sequence_shards if ok else None
         return length if length in self.lengths else None
 
     def take(self, microbatch: int, x: torch.Tensor):

@@ -389,7 +389,8 @@ class _Step:
             return None
         from trainer.pipeline.cuda_graphs import Replay
 
-        call = graphs.take(m, data["tokens"] if first else input_tensor)
+        tokens = data["tokens"] if "tokens" in data else data["text"]  # GPT's batch, BERT's
+        call = graphs.take(m, tokens if first else input_tensor)
         return None if call is None else Replay(graphs, call, self.chunks[c])
 
     def _graphs_of(self, c: int):

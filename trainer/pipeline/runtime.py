@@ -93,6 +93,13 @@ class PipelineRuntime:
         """Close in reverse opening order (tracer, TP channel, links); every one is closed even if an
         earlier close raises, and the first such error is re-raised. Idempotent."""
         first: Exception | None = None
+        graphs = {}
+        if self.context is not None:
+            graphs, self.context.graphs = self.context.graphs or {}, None
+        if graphs:
+            torch.cuda.synchronize(self.device)  # no replay may still run on the GPU
+            for chunk_graphs in graphs.values():
+                chunk_graphs.release()  # before the process groups go (ChunkGraphs.release says why)
         for name in reversed(self._OWNED):
             resource = getattr(self, name)
             setattr(self, name, None)
@@ -206,9 +213,18 @@ class PipelineRuntime:
         slots = getattr(self.context.policy, "cap", None) or one_f_one_b_cap(shape, topo.pp_rank)
         mbs, seq = cfg.optim.micro_batch_size, cfg.model.seq_length
         lengths = bucket_lengths(cfg.data.seq_length_divisible_by, seq) if cfg.data.variable_seq_lengths else (seq,)
-        shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
-                             tokens=(mbs, seq), lengths=lengths)
-        masks = {n: causal_mask(n, self.device) for n in lengths}
+        # --sequence-parallel: the block's input and output are this rank's 1/TP of the sequence.
+        shards = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+        bert = cfg.model.model == "bert"
+        shapes = GraphShapes(activation=(seq // shards, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
+                             tokens=(mbs, seq), lengths=lengths, sequence_shards=shards, mask_varies=bert)
+        if bert:  # the block's mask as BertModel makes it from a padding mask (here: no padding)
+            from megatron.core.utils import get_attr_wrapped_model
+
+            extend = get_attr_wrapped_model(self.model[0], "bert_extended_attention_mask")
+            masks = {n: extend(torch.ones(mbs, n, dtype=torch.int64, device=self.device)) for n in lengths}
+        else:
+            masks = {n: causal_mask(n, self.device) for n in lengths}
         recompute_slots = self.plan.schedule.recompute_slots_of(topo.pp_rank)
         self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device,
                                                    recompute_slots=recompute_slots,

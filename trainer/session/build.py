@@ -91,7 +91,7 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
         raise LaunchError("--multi-node but every rank reported the same node (" + topology.describe()
                           + "): drop --multi-node, or launch on several nodes")
     init_megatron_parallel(topology)
-    _seed(cfg, topology)
+    _seed(cfg, topology, graphed=plan.schedule.cuda_graphs)
     feed = MicrobatchFeed(cfg, topology, device, plan.num_microbatches, consumed_samples)
     from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
     from trainer.model.steps import uses_per_token_loss
@@ -104,6 +104,12 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
                      and hooks.forward_backward_func is None)
     forward_step = make_forward_step(
         cfg.model.model, per_token_loss=uses_per_token_loss(cfg.model.model, cfg.data.variable_seq_lengths))
+    if cfg.parallel.cuda_graph_impl == "local" and cfg.model.model == "gpt":
+        from trainer.model.steps import causal_mask_from_attention
+
+        # One cached mask tensor shared by every microbatch's layer graphs broke megatron-core's graph
+        # creation at PP > 1; without a mask its causal attention applies its own (docs/benchmarks.md).
+        forward_step = causal_mask_from_attention(forward_step)
     optimizer, scheduler = _optimizer(cfg, model)
     wire_grad_sync(model, optimizer, plan.schedule, scheduled_by_hook=hooks.forward_backward_func is not None)
     runtime = None
@@ -135,7 +141,7 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
         raise
 
 
-def _seed(cfg: TrainConfig, topology: Topology) -> None:
+def _seed(cfg: TrainConfig, topology: Topology, graphed: bool = False) -> None:
     # Megatron's rule: one seed per pipeline stage; TP ranks share it so CPU-initialised
     # weights are split from the same full matrix, DP replicas share it so they start equal.
     import random
@@ -149,8 +155,9 @@ def _seed(cfg: TrainConfig, topology: Topology) -> None:
     if cfg.run.device == "cuda":
         from megatron.core import tensor_parallel
 
-        # megatron-core's graphed layers need an RNG tracker whose states a graph can replay.
-        graphs = cfg.parallel.cuda_graph_impl == "local"
+        # Graphed layers (megatron-core's or the runtime's slot graphs) need an RNG tracker whose states
+        # a graph can register and replay (fresh dropout masks every replay).
+        graphs = cfg.parallel.cuda_graph_impl == "local" or graphed
         tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs)
 
 
