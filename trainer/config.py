@@ -30,7 +30,10 @@ from trainer.names import TOKENIZERS, TRANSPORTS, TokenizerType, Transport
 from trainer.node_addresses import read_node_ips
 from trainer.stall_injection import stall_problems
 
-DPP_POLICIES = ("auto", "dpp", "dpp-zb", "zb-h1")
+DPP_POLICIES = ("auto", "dpp", "dpp-zb", "zb-h1", "1f1b", "interleaved")
+STATIC_DPP_POLICIES = ("zb-h1", "1f1b", "interleaved")
+"""Fixed orders the DPP runtime replays as written (trainer/schedule/static.py): the bars the dynamic
+policies are measured against in the same runtime, with or without --dpp-cuda-graphs."""
 DECAY_STYLES = ("constant", "linear", "cosine")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # megatron-core's AttnBackend names
 # Environment switches megatron-core sets for Transformer Engine per backend (LanguageModule's
@@ -220,10 +223,11 @@ class ParallelConfig:
     when the neighbour *queued* the op making it), run a deferred W meanwhile, and a landed gradient's
     I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, as before the
     eleventh session; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
-    dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1"] = "auto"
+    dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1", "1f1b", "interleaved"] = "auto"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
-    the runtime's non-DPP CPU path), auto (the default: dpp-zb with --dpp-cuda-graphs where its split
+    the runtime's non-DPP CPU path), 1f1b / interleaved (megatron-core's orders, v = 1 / v >= 2, replayed
+    by the DPP runtime: with --dpp-cuda-graphs the graphed static bars), auto (the default: dpp-zb with --dpp-cuda-graphs where its split
     backward is possible, else dpp -- what measured fastest at equal memory, eleventh session,
     docs/schedules.md; the log's layout line says which ran and why). Split backward needs
     megatron-core's local layer spec."""
@@ -306,7 +310,7 @@ class ParallelConfig:
         elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} and --dpp-max-inflight={self.dpp_max_inflight}: "
                      "give one (a fixed cap for every stage, or a multiple of each stage's 1F1B cap)")
-        elif self.dpp_cap_factor != 1.0 and not (self.use_dpp and self.dpp_policy != "zb-h1"):
+        elif self.dpp_cap_factor != 1.0 and not (self.use_dpp and self.dpp_policy not in STATIC_DPP_POLICIES):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
         if self.dpp_max_inflight is not None and self.dpp_max_inflight < 1:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
@@ -314,9 +318,12 @@ class ParallelConfig:
             p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
         elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
             p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
-        if self.dpp_policy == "zb-h1" and self.dpp_max_inflight is not None:
+        if self.dpp_policy in STATIC_DPP_POLICIES and self.dpp_max_inflight is not None:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
-                     "not to the static zb-h1")
+                     f"not to the static {self.dpp_policy}")
+        if self.dpp_policy in ("1f1b", "interleaved") and not self.use_dpp:
+            p.append(f"--dpp-policy={self.dpp_policy} needs --use-dpp (without it megatron-core's own "
+                     "schedule runs, or on CPU the runtime's static order for the layout)")
         return p
 
     def __post_init__(self) -> None:
@@ -825,6 +832,7 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
     p.extend(_variable_length_problems(cfg))
     p.extend(_bert_data_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
+    p.extend(_static_order_problems(cfg, world_size))
     p.extend(_recompute_slot_problems(cfg))
     p.extend(_megatron_graph_problems(cfg))
     p.extend(attention_backend_problems(cfg))
@@ -895,8 +903,9 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         return []
     why = {
         "--use-dpp (the graphs replace ops of the DPP runtime)": par.use_dpp,
-        f"--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its cap; got {par.dpp_policy})":
-            cfg.dpp_policy in ("dpp", "dpp-zb"),
+        f"--dpp-policy dpp, dpp-zb, {', '.join(STATIC_DPP_POLICIES)} (got {par.dpp_policy}); a static order "
+        "gets as many slots per chunk as it holds activations at most":
+            cfg.dpp_policy in ("dpp", "dpp-zb", *STATIC_DPP_POLICIES),
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
         f"--model gpt (got {m.model})": m.model == "gpt",
         f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size})": par.tensor_model_parallel_size == 1,
@@ -912,6 +921,26 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
             or -(-m.seq_length // cfg.data.seq_length_divisible_by) <= MAX_GRAPHED_LENGTHS,
     }
     return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
+
+
+def _static_order_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """--dpp-policy 1f1b / interleaved: the chunk count their order is written for, and (interleaved)
+    megatron-core's rule that microbatches come in whole groups of PP (trainer.schedule.static)."""
+    policy, pp = cfg.parallel.dpp_policy, cfg.parallel.pipeline_model_parallel_size
+    p = []
+    if policy == "1f1b" and cfg.virtual_pipeline > 1:
+        p.append(f"--dpp-policy=1f1b needs one model chunk per stage, got {cfg.virtual_pipeline}: use interleaved")
+    if policy == "interleaved" and cfg.virtual_pipeline < 2:
+        p.append("--dpp-policy=interleaved needs two or more model chunks per stage "
+                 "(--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage)")
+    o, tp = cfg.optim, cfg.parallel.tensor_model_parallel_size
+    if policy == "interleaved" and world_size % (tp * pp) == 0:
+        per_replica = o.micro_batch_size * (world_size // (tp * pp))
+        microbatches = o.global_batch_size // per_replica if o.global_batch_size % per_replica == 0 else None
+        if microbatches is not None and microbatches % pp:
+            p.append(f"--dpp-policy=interleaved needs microbatches ({microbatches}) divisible by "
+                     f"--pipeline-model-parallel-size={pp} (megatron-core's interleaved 1F1B order)")
+    return p
 
 
 def _recompute_slot_problems(cfg: TrainConfig) -> list[str]:

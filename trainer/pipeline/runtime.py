@@ -26,6 +26,7 @@ from trainer.config import TrainConfig
 from trainer.names import tp_decision_name
 from trainer.pipeline.dpp import DppContext, MicrobatchData, make_forward_backward_func
 from trainer.schedule.core import PipelineShape
+from trainer.schedule.registry import DYNAMIC_SCHEDULES, STATIC_SCHEDULES
 from trainer.topology import Topology
 from trainer.transport.factory import LinkOptions
 
@@ -61,14 +62,27 @@ def policy_choice(cfg: TrainConfig, topology: Topology) -> tuple[str, dict[str, 
     """(policy name, its options) for this run: --dpp-policy under --use-dpp, zb-h1 whenever asked
     for, else the static 1f1b (interleaved with VP) that CPU and gloo runs use in megatron's place."""
     par, policy = cfg.parallel, cfg.dpp_policy  # --dpp-policy auto resolved (trainer.config.resolve_dpp_policy)
-    if par.use_dpp and policy != "zb-h1":
+    if par.use_dpp and policy in DYNAMIC_SCHEDULES:
         options: dict[str, Any] = {"max_inflight": par.dpp_max_inflight, "cap_factor": par.dpp_cap_factor}
         if policy == "dpp-zb":
             options["fill_transit"] = par.dpp_fill_transit
         return policy, options
-    if policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
-        return "zb-h1", {}
+    if policy in STATIC_SCHEDULES:  # a static order asked for (zb-h1 also without --use-dpp)
+        return policy, {}
     return ("interleaved" if topology.virtual_pipeline > 1 else "1f1b"), {}
+
+
+def graph_slots(policy: Any, shape: PipelineShape, stage: int) -> tuple[int, ...]:
+    """CUDA graph slots per chunk of ``stage`` under ``policy``: a dynamic policy's cap (each chunk
+    may hold up to it), or what a static order holds at most per chunk (its fixed order needs them all:
+    ZB-H1 holds p activations on every stage where its 1F1B cap is p - s, and a forward without a
+    free slot would run eagerly)."""
+    from trainer.schedule.dynamic import one_f_one_b_cap
+
+    held = getattr(policy, "held_per_chunk", None)
+    if held is not None:
+        return held(shape.num_chunks)
+    return (getattr(policy, "cap", None) or one_f_one_b_cap(shape, stage),) * shape.num_chunks
 
 
 class PipelineRuntime:
@@ -228,7 +242,14 @@ class PipelineRuntime:
         from trainer.schedule.dynamic import one_f_one_b_cap
 
         cfg, topo, shape = self.cfg, self.topology, self.shape
-        slots = getattr(self.context.policy, "cap", None) or one_f_one_b_cap(shape, topo.pp_rank)
+        slots = graph_slots(self.context.policy, shape, topo.pp_rank)
+        cap = one_f_one_b_cap(shape, topo.pp_rank)
+        if hasattr(self.context.policy, "held_per_chunk") and sum(slots) > cap:
+            # The static order's own need, above the 1F1B cap the dynamic policies keep to: the graph
+            # log line after capture says what the extra slots reserve.
+            log.info("stage %d: static %s holds up to %s activation(s) per chunk (1F1B cap %d in all): "
+                     "capturing that many graph slots", topo.pp_rank, self.context.policy.name,
+                     "/".join(map(str, slots)), cap)
         mbs, seq = cfg.optim.micro_batch_size, cfg.model.seq_length
         lengths = bucket_lengths(cfg.data.seq_length_divisible_by, seq) if cfg.data.variable_seq_lengths else (seq,)
         shapes = GraphShapes(activation=(seq, mbs, cfg.model.hidden_size), activation_dtype=params_dtype(cfg),
