@@ -2,7 +2,8 @@
 # One device call: how much of DPP's win is the schedule. On the GPUs present (2: PP=2, 4: PP=4; the
 # benchmark model GPT 16L h2048 seq 1024 mbs 2, M=32, bf16, scenario (a), 10 iterations) ONE bench call
 # runs megatron-core's best eager 1F1B, the static orders replayed by the DPP runtime through the same
-# CUDA graph slots (1f1b-graphs, interleaved-graphs, zb-h1-graphs) and graphed dpp / dpp-zb, then prints
+# CUDA graph slots (1f1b-graphs, interleaved-graphs, zb-h1-graphs), graphed dpp / dpp-zb and graphed v=2 dpp
+# with enough recomputing slots for interleaved-graphs' memory (dpp-graphs-v2-parity), then prints
 # the report's headline: vs megatron's best eager line, vs the best graphed static line, step vs the
 # balanced limit (sum of per-stage GPU busy / PP). Report and per-line logs under $OUT.
 #   run(command="bash scripts/device/bench_static.sh", kind="nvidia-h100-x2", carry=[".whl"])
@@ -12,7 +13,7 @@
 set -u
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LINES=megatron-1f1b-best,1f1b-graphs,interleaved-graphs,zb-h1-graphs,dpp-graphs,dpp-zb-graphs
+LINES=megatron-1f1b-best,1f1b-graphs,interleaved-graphs,zb-h1-graphs,dpp-graphs,dpp-zb-graphs,dpp-graphs-v2-parity
 if [ "$DEVICE" = cuda ]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
     export PYTHONUNBUFFERED=1

@@ -35,6 +35,10 @@ def test_headline_states_the_three_ratios_of_the_fastest_dpp_line_within_memory(
     assert "best graphed static order in the same runtime (1f1b-graphs, 490.0 ms): **0.958x**" in text
     assert f"= {(486 + 346 + 346 + 395) / 4:.1f} ms" in text and f"**{511.5 / ((486 + 346 + 346 + 395) / 4):.3f}x**" in text
     assert "the static bar's: " in text
+    v2 = [_line("interleaved-graphs", 520.0, 12.0), _line("dpp-graphs-v2", 480.0, 20.0),
+          _line("dpp-graphs-v2-parity", 495.0, 13.0)]
+    text = "\n".join(headline(results + v2, "a"))
+    assert "- v=2: **dpp-graphs-v2-parity** vs interleaved-graphs: **1.051x** at 1.083x its peak reserved." in text
     assert balanced_limit_ms(results[0]) == pytest.approx((452 + 345 + 345 + 394) / 4)
 
 
@@ -154,3 +158,14 @@ def test_resplit_runs_a_short_round_and_takes_the_fits_split() -> None:
 
     kept, choices = choose_splits(cfg, ["dpp"], DPP_POLICIES, balanced)
     assert kept.split is None and "recommends no re-split" in choices[0].reason
+
+
+def test_the_v2_parity_line_recomputes_enough_slots_to_match_the_interleaved_orders_memory() -> None:
+    from trainer.bench.lines import parity_recompute_slots
+
+    # PP=4, M=32: the dynamic cap 11/9/7/5 in each of 2 chunks against interleaved's 8+4/8+4/7+3/5+1 slots
+    assert parity_recompute_slots(4, 32) == (10, 6, 4, 4)
+    assert parity_recompute_slots(2, 32) == (4, 2)
+    [line] = plan(BenchConfig(num_microbatches=32, pipeline_parallel=4), ["dpp-graphs-v2-parity"], ["a"], DPP_POLICIES)
+    assert line.args[line.args.index("--dpp-recompute-slots") + 1] == "10,6,4,4"
+    parse_config(line.args[line.args.index("--mock-data"):], world_size=4)

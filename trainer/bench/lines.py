@@ -9,6 +9,7 @@ direct-megatron line is listed as not run, with the reason.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -93,6 +94,13 @@ CATALOGUE = {
     "zb-h1-graphs": ("--use-dpp --dpp-policy zb-h1 --dpp-cuda-graphs (the static ZB-H1 order, F, I and W graphs per "
                      "slot, p slots on every stage: what ZB-H1 holds)", 1,
                      ["--use-dpp", "--dpp-policy", "zb-h1", "--dpp-cuda-graphs"], True),
+    # v=2 at memory parity with interleaved-graphs: the dynamic policy captures its whole cap in *each* chunk
+    # (a forward may take any chunk's slot), the interleaved order only what it holds per chunk, so enough
+    # slots per stage recompute the core attention (--dpp-recompute-slots, each chunk's) to come within 1.10x
+    # of the interleaved order's slot memory; counts from parity_recompute_slots for the call's PP and M.
+    "dpp-graphs-v2-parity": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs --dpp-recompute-slots <per stage>, v=2 "
+                             "(recomputing slots chosen for <= 1.10x interleaved-graphs' slot memory)", 2,
+                             ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "1f1b-eager": ("--use-dpp --dpp-policy 1f1b (megatron-core's 1F1B order in the DPP runtime, eager)", 1,
                    ["--use-dpp", "--dpp-policy", "1f1b"], True),
     "interleaved-eager": ("--use-dpp --dpp-policy interleaved, v=2 (the interleaved order in the DPP runtime, eager)", 2,
@@ -105,6 +113,31 @@ CATALOGUE = {
 QUEUED_SUFFIX = re.compile(r"^(?P<base>.+)-q(?P<k>0|[1-9][0-9]*)$")
 """``<dpp line>-qK``: that line with ``--dpp-max-queued-ops K`` (decisions near GPU time, run_ahead.py;
 ``-q0`` = unbounded, the graphed lines' behaviour before the default became 1 with graphs)."""
+
+
+RECOMPUTING_SLOT_SHARE = 0.55
+"""Activation memory of a slot that recomputes its core attention, as a share of one that keeps it (the
+benchmark model, h2048 seq 1024 mbs 2: the attention probabilities are most of a layer's saved activations;
+trainer/pipeline/cuda_graphs.py)."""
+
+
+def parity_recompute_slots(pp: int, microbatches: int, vp: int = 2, bound: float = 1.10) -> tuple[int, ...]:
+    """Per stage, how many of each chunk's graph slots the dynamic policy must capture recomputing so its
+    slot memory stays within ``bound`` x the interleaved order's: the dynamic policy holds its cap in every
+    chunk, the interleaved order its own peak per chunk (trainer.pipeline.runtime.graph_slots)."""
+    from trainer.schedule.core import PipelineShape
+    from trainer.schedule.dynamic import one_f_one_b_cap
+    from trainer.schedule.registry import make_policy
+
+    shape = PipelineShape(pp, microbatches, vp)
+    counts = []
+    for stage in range(pp):
+        cap = one_f_one_b_cap(shape, stage)
+        static = sum(make_policy("interleaved", shape, stage).held_per_chunk(vp))
+        saved_per_slot = vp * (1.0 - RECOMPUTING_SLOT_SHARE)
+        need = max(0.0, (vp * cap - bound * static) / saved_per_slot)
+        counts.append(min(cap, math.ceil(need - 1e-9)))
+    return tuple(counts)
 
 
 def line_entry(name: str) -> tuple[str, int, list[str], bool] | None:
@@ -348,6 +381,9 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
                 continue
             split = _split_for(cfg, vp) if balanced else None
             args = common_args(cfg) + flags
+            if base_name(name) == "dpp-graphs-v2-parity":
+                counts = parity_recompute_slots(cfg.pipeline_parallel, cfg.num_microbatches, vp)
+                args += ["--dpp-recompute-slots", ",".join(map(str, counts))]
             if scenario == "d":  # the corpus instead of mock tokens; its tokenizer gives the vocabulary
                 args = [a for a in args if a != "--mock-data"] + corpus_args(cfg)
             if vp > 1:
@@ -395,6 +431,6 @@ def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policie
             return f"this checkout's trainer has no --dpp-policy {policy} (accepted: {', '.join(available_policies) or 'none'})"
     if name == "megatron-interleaved-v2" and cfg.device == "cuda" and cfg.num_microbatches % cfg.pipeline_parallel:
         return f"megatron-core's interleaved schedule needs M ({cfg.num_microbatches}) divisible by PP"
-    if "interleaved" in flags and cfg.num_microbatches % cfg.pipeline_parallel:
+    if ("interleaved" in flags or name.startswith("dpp-graphs-v2-parity")) and cfg.num_microbatches % cfg.pipeline_parallel:
         return f"the interleaved 1F1B order needs M ({cfg.num_microbatches}) divisible by PP"
     return ""

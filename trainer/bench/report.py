@@ -189,7 +189,23 @@ def headline(results: list[LineResult], scenario: str) -> list[str]:
                        if static is not None and balanced_limit_ms(static) else "") + ".")
     else:
         out.append("3. step vs the balanced limit: n/a (no per-stage busy time measured).")
+    out += _v2_against_interleaved(ok)
     return out + [""]
+
+
+def _v2_against_interleaved(ok: list[LineResult]) -> list[str]:
+    """v=2: the fastest dynamic v=2 line within MEMORY_BOUND of the graphed interleaved order's memory."""
+    bars = [r for r in ok if base_name(r.name) == "interleaved-graphs"]
+    dynamic = [r for r in ok if _is_dynamic(r.name) and _vp(r.name) == 2]
+    if not bars or not dynamic:
+        return []
+    bar = min(bars, key=lambda r: r.median_ms)
+    fits = [r for r in dynamic if r.reserved_gib and bar.reserved_gib and r.reserved_gib <= MEMORY_BOUND * bar.reserved_gib]
+    if not fits:
+        return [f"- v=2: no dynamic v=2 line within {MEMORY_BOUND:.2f}x {bar.name}'s peak reserved memory."]
+    best = min(fits, key=lambda r: r.median_ms)
+    return [f"- v=2: **{best.name}** vs {bar.name}: **{bar.median_ms / best.median_ms:.3f}x** at "
+            f"{best.reserved_gib / bar.reserved_gib:.3f}x its peak reserved."]
 
 
 def _balance(results: list[LineResult], scenario: str) -> list[str]:
