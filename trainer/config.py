@@ -235,7 +235,8 @@ class ParallelConfig:
     """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
     the launch overhead that makes small-microbatch forwards host-bound. GPT on CUDA with --use-dpp
-    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot), TP 1 and dropout 0; costs GPU memory per
+    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot), or a static order (1f1b, interleaved,
+    zb-h1: as many slots per chunk as the order holds at most), TP 1 and dropout 0; costs GPU memory per
     slot."""
     dpp_recompute_slots: tuple[int, ...] = ()
     """With --dpp-cuda-graphs: how many of a stage's graph slots (of each chunk's, at v > 1) recompute
