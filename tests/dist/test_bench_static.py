@@ -54,7 +54,12 @@ def test_cpu_dry_run_states_three_ratios_and_the_split_it_chose(tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cpu_dry_run_writes_one_table_per_layout(tmp_path: Path) -> None:
-    text = _bench(tmp_path, "--layouts", "2x1x1,2x1x2+overlap+distopt")
+    # megatron-core's distributed optimizer takes Adam only (the bench refuses +distopt with SGD before running)
+    refused = subprocess.run([sys.executable, "-m", "trainer.bench.pipeline", *TINY, "--layouts", "2x1x2+distopt",
+                              "--out", str(tmp_path / "x"), "--report", str(tmp_path / "x.md")],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "supports Adam only; pass --optimizer adam (got sgd)" in refused.stderr
+    text = _bench(tmp_path, "--layouts", "2x1x1,2x1x2+overlap+distopt", "--optimizer", "adam")
     sections = text.split("## Layout ")[1:]
     assert [s.splitlines()[0] for s in sections] == ["pp2xtp1xdp1", "pp2xtp1xdp2+overlap+distopt"]
     for section in sections:

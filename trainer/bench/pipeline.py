@@ -109,7 +109,10 @@ def _available_policies() -> tuple[str, ...]:
 
 def _problems(args: argparse.Namespace) -> list[str]:
     p = [f"--lines: unknown line {n!r}" for n in _line_names(args) if line_entry(n) is None]
-    p += parse_layouts(args.layouts)[1]
+    layouts, layout_problems = parse_layouts(args.layouts)
+    p += layout_problems
+    p += [f"--layouts {lay.label}: megatron-core's distributed optimizer supports Adam only; pass --optimizer adam "
+          f"(got {args.optimizer})" for lay in layouts if "distopt" in lay.options and args.optimizer != "adam"]
     p += [f"--scenarios: unknown scenario {s!r}" for s in args.scenarios.split(",") if s not in SCENARIOS]
     if "d" in args.scenarios.split(","):
         if not args.corpus:
