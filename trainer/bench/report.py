@@ -160,7 +160,7 @@ def headline(results: list[LineResult], scenario: str) -> list[str]:
     why = (f"fastest within {MEMORY_BOUND:.2f}x {bar.name}'s peak reserved" if fits
            else "fastest DPP line" + (" (memory not compared)" if not (bar and bar.reserved_gib) else
                                       f" (none within {MEMORY_BOUND:.2f}x the memory)"))
-    out = [f"**Headline** — **{best.name}** ({why}), {best.median_ms:.1f} ms/iter:", ""]
+    out = [f"**Headline** — **{best.name}** ({why}), {best.median_ms:.1f} ms/iter:"]
 
     def memory(of: LineResult, against: LineResult) -> str:
         if of.reserved_gib and against.reserved_gib:

@@ -36,14 +36,12 @@ class SplitChoice:
         return f"- v={self.vp} lines ran the {where}: {self.reason}"
 
 
-def profiling_line(names: list[str], vp: int) -> str | None:
-    """The line whose short round is fitted for chunk count ``vp``: the first listed line of that
-    count that runs on the balanced split (any schedule's GPU busy per stage measures the same layers)."""
-    for name in names:
-        entry = line_entry(name)
-        if entry is not None and entry[1] == vp and entry[3] and name != "direct-megatron":
-            return name
-    return None
+def profiling_lines(names: list[str], vp: int) -> list[str]:
+    """Candidates for the short round fitted for chunk count ``vp``, in order: the listed lines of that
+    count that run on the balanced split (any schedule's GPU busy per stage measures the same layers);
+    the first one that can run here is used."""
+    return [name for name in names if (entry := line_entry(name)) is not None and entry[1] == vp and entry[3]
+            and name != "direct-megatron"]
 
 
 def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[str, ...],
@@ -55,18 +53,19 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
     short = dataclasses.replace(cfg, train_iters=cfg.skip_iters + PROFILE_ITERS + cfg.gpu_busy_iters)
     choices: list[SplitChoice] = []
     for vp in sorted({line_entry(n)[1] for n in names if line_entry(n) is not None}):
-        name = profiling_line(names, vp)
+        candidates = profiling_lines(names, vp)
         field = "split" if vp == 1 else "split_vp"
         given = getattr(cfg, field)
         if given is not None:
             choices.append(SplitChoice(vp, given, f"given (--{field.replace('_', '-')}); no profiling round"))
             continue
-        if name is None:
+        if not candidates:
             continue
-        planned = [p for p in plan(short, [name], ["a"], available_policies) if isinstance(p, Line)]
+        planned = [p for p in plan(short, candidates, ["a"], available_policies) if isinstance(p, Line)]
         if not planned:
-            choices.append(SplitChoice(vp, None, f"the profiling line {name} cannot run here; balanced split kept"))
+            choices.append(SplitChoice(vp, None, f"none of {', '.join(candidates)} can run here; balanced split kept"))
             continue
+        name = planned[0].name
         line = dataclasses.replace(planned[0], name=f"resplit-{name}")
         result = run(line, short)
         start = planned[0].split
