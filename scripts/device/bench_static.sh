@@ -24,7 +24,7 @@ if [ "$DEVICE" = cuda ]; then
     PP=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 4))")
     [ "$PP" -ge 2 ] || { echo "needs 2 or 4 GPUs, found $PP"; exit 1; }
     [ "$PP" -eq 3 ] && PP=2
-    SIZES="--num-layers 16 --num-microbatches 32 --train-iters 10 --threads 4 --line-timeout 100"
+    SIZES="--num-layers 16 --num-microbatches 32 --train-iters 10 --threads 4 --line-timeout 90"
     python3 -m trainer.bench.launch_probe 2>&1 | grep "^\[host\]"
 else
     PP=2
@@ -33,7 +33,7 @@ else
            --micro-batch-size 2 --num-microbatches 4 --train-iters 4 --no-bf16 --line-timeout 300"
 fi
 echo "bench_static: PP=$PP on $DEVICE, lines $LINES"
-timeout 540 python3 -m trainer.bench.pipeline --out /tmp/bench-static --report "$OUT/benchmarks-static.md" \
+timeout 480 python3 -m trainer.bench.pipeline --out /tmp/bench-static --report "$OUT/benchmarks-static.md" \
     --scenarios a --pipeline-parallel "$PP" $SIZES --lines "$LINES" "$@" 2>&1 | grep "^\[bench\]"
 for d in /tmp/bench-static/*/; do  # each line's rank logs, tails only (what failed and the graph memory lines)
     grep -hE "CUDA graphs for|static .* holds|replayed from CUDA graphs|Error|error" "$d"/rank*.log 2>/dev/null \
