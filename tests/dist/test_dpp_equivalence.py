@@ -114,7 +114,12 @@ def _case(layout: str, policy: str, case_id: str):
 CASES = ([_case(layout, "dpp", layout) for layout in LAYOUTS if layout not in SPLIT_ONLY]
          + [_case(layout, "dpp-zb", f"{layout}-dpp-zb") for layout in LAYOUTS
             if layout not in NO_DPP | NO_SPLIT_BACKWARD]
-         + [pytest.param("gpt-pp2-no-dpp", "zb-h1", id="gpt-pp2-no-dpp-zb-h1")])
+         + [pytest.param("gpt-pp2-no-dpp", "zb-h1", id="gpt-pp2-no-dpp-zb-h1")]
+         # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the bars the
+         # benchmark's graphed static lines run (graphs are CUDA only; their maths is the eager one).
+         + [pytest.param(layout, policy, id=f"{layout}-{policy}")
+            for layout, policy in (("gpt-pp4", "1f1b"), ("gpt-pp4-vp2", "interleaved"), ("gpt-pp4", "zb-h1"),
+                                   ("gpt-pp2-uneven", "zb-h1"))])
 
 
 # --variable-seq-lengths (issue 13): mock documents of log-normal length, microbatches cut to their

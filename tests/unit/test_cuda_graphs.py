@@ -267,8 +267,6 @@ def test_graphs_config_is_accepted_where_it_can_run() -> None:
 
 @pytest.mark.parametrize("extra, needle", [
     (["--device", "cpu"], "--device cuda (got cpu)"),
-    (["--dpp-policy", "zb-h1"], "--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its "
-                                "cap; got zb-h1)"),
     (["--tensor-model-parallel-size", "2", "--distributed-backend", "gloo"],
      "--distributed-backend nccl with --tensor-model-parallel-size 2"),
     (["--hidden-dropout", "0.1", "--recompute-activations"], "no recompute with dropout (got --hidden-dropout 0.1"),
@@ -281,6 +279,34 @@ def test_graphs_refuse_what_they_cannot_capture(extra, needle) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(GOOD + extra, world_size=4 if "--tensor-model-parallel-size" in extra else 2)
     assert f"--dpp-cuda-graphs needs {needle}" in str(err.value)
+
+
+@pytest.mark.parametrize("policy, extra", [("zb-h1", []), ("1f1b", []),
+                                           ("interleaved", ["--num-virtual-stages-per-pipeline-rank", "2"])])
+def test_graphs_replay_the_static_orders_under_dpp(policy, extra) -> None:
+    cfg = parse_config(GOOD + ["--dpp-policy", policy] + extra, world_size=2)
+    schedule = resolve_plan(cfg, 2).schedule
+    assert schedule.cuda_graphs and schedule.engine == "runtime" and schedule.policy == policy
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--dpp-policy", "1f1b", "--num-virtual-stages-per-pipeline-rank", "2"],
+     "--dpp-policy=1f1b needs one model chunk per stage, got 2"),
+    (["--dpp-policy", "interleaved"], "--dpp-policy=interleaved needs two or more model chunks per stage"),
+    (["--dpp-policy", "1f1b", "--dpp-cap-factor", "1.5"], "--dpp-cap-factor=1.5 applies to --use-dpp with"),
+    (["--dpp-policy", "interleaved", "--dpp-max-inflight", "3", "--num-virtual-stages-per-pipeline-rank", "2"],
+     "not to the static interleaved"),
+])
+def test_static_orders_refuse_what_their_order_cannot_run(extra, needle) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(GOOD + extra, world_size=2)
+    assert needle in str(err.value)
+
+
+def test_static_1f1b_needs_the_dpp_runtime() -> None:
+    argv = [a for a in GOOD if a not in ("--use-dpp", "--dpp-cuda-graphs")] + ["--dpp-policy", "1f1b"]
+    with pytest.raises(ConfigError, match=r"--dpp-policy=1f1b needs --use-dpp"):
+        parse_config(argv, world_size=2)
 
 
 def test_graphs_without_dpp_are_refused() -> None:

@@ -9,10 +9,12 @@ direct-megatron line is listed as not run, with the reason.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
 from trainer import layer_split
+from trainer.bench.layouts import Layout
 from trainer.problems import raise_if_any
 
 CATALOGUE = {
@@ -28,6 +30,8 @@ CATALOGUE = {
     "megatron-interleaved-v2": ("megatron-core interleaved 1F1B v=2, overlapped P2P, balanced split", 2,
                                 ["--no-batch-p2p-sync"], True),
     "dpp": ("--use-dpp --dpp-policy dpp (greedy)", 1, ["--use-dpp", "--dpp-policy", "dpp"], True),
+    "dpp-default": ("--use-dpp alone: the runtime and policy --use-dpp picks for the layout (its log's layout "
+                    "line says which and why)", 1, ["--use-dpp"], True),
     "dpp-v2": ("--use-dpp --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp"], True),
     # Every graphed line decides with at most one op queued ahead (--dpp-max-queued-ops' default with
     # graphs since the seventh session); "-q0" appended gives the earlier unbounded behaviour.
@@ -77,12 +81,63 @@ CATALOGUE = {
                           ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2"],
                           True),
     "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
+    # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the fair bars for the
+    # dynamic policies -- same runtime, transport, graphs and run-ahead bound, only the order differs. Graphed,
+    # each chunk gets as many slots as the order holds at most (ZB-H1: p on every stage; the log and the
+    # peak-reserved column say what that costs).
+    "1f1b-graphs": ("--use-dpp --dpp-policy 1f1b --dpp-cuda-graphs (megatron-core's 1F1B order replayed by the DPP "
+                    "runtime from the same CUDA graph slots: the graphed static bar)", 1,
+                    ["--use-dpp", "--dpp-policy", "1f1b", "--dpp-cuda-graphs"], True),
+    "interleaved-graphs": ("--use-dpp --dpp-policy interleaved --dpp-cuda-graphs, v=2 (megatron-core's interleaved "
+                           "1F1B order from the same graph slots, as many per chunk as the order holds)", 2,
+                           ["--use-dpp", "--dpp-policy", "interleaved", "--dpp-cuda-graphs"], True),
+    "zb-h1-graphs": ("--use-dpp --dpp-policy zb-h1 --dpp-cuda-graphs (the static ZB-H1 order, F, I and W graphs per "
+                     "slot, p slots on every stage: what ZB-H1 holds)", 1,
+                     ["--use-dpp", "--dpp-policy", "zb-h1", "--dpp-cuda-graphs"], True),
+    # v=2 at memory parity with interleaved-graphs: the dynamic policy captures its whole cap in *each* chunk
+    # (a forward may take any chunk's slot), the interleaved order only what it holds per chunk, so enough
+    # slots per stage recompute the core attention (--dpp-recompute-slots, each chunk's) to come within 1.10x
+    # of the interleaved order's slot memory; counts from parity_recompute_slots for the call's PP and M.
+    "dpp-graphs-v2-parity": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs --dpp-recompute-slots <per stage>, v=2 "
+                             "(recomputing slots chosen for <= 1.10x interleaved-graphs' slot memory)", 2,
+                             ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
+    "1f1b-eager": ("--use-dpp --dpp-policy 1f1b (megatron-core's 1F1B order in the DPP runtime, eager)", 1,
+                   ["--use-dpp", "--dpp-policy", "1f1b"], True),
+    "interleaved-eager": ("--use-dpp --dpp-policy interleaved, v=2 (the interleaved order in the DPP runtime, eager)", 2,
+                          ["--use-dpp", "--dpp-policy", "interleaved"], True),
+    "zb-h1-eager": ("--use-dpp --dpp-policy zb-h1 (the static ZB-H1 order in the DPP runtime, eager)", 1,
+                    ["--use-dpp", "--dpp-policy", "zb-h1"], True),
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
                         "1F1B, balanced split, no batch sync", 1, ["--no-batch-p2p-sync"], True),
 }
 QUEUED_SUFFIX = re.compile(r"^(?P<base>.+)-q(?P<k>0|[1-9][0-9]*)$")
 """``<dpp line>-qK``: that line with ``--dpp-max-queued-ops K`` (decisions near GPU time, run_ahead.py;
 ``-q0`` = unbounded, the graphed lines' behaviour before the default became 1 with graphs)."""
+
+
+RECOMPUTING_SLOT_SHARE = 0.55
+"""Activation memory of a slot that recomputes its core attention, as a share of one that keeps it (the
+benchmark model, h2048 seq 1024 mbs 2: the attention probabilities are most of a layer's saved activations;
+trainer/pipeline/cuda_graphs.py)."""
+
+
+def parity_recompute_slots(pp: int, microbatches: int, vp: int = 2, bound: float = 1.10) -> tuple[int, ...]:
+    """Per stage, how many of each chunk's graph slots the dynamic policy must capture recomputing so its
+    slot memory stays within ``bound`` x the interleaved order's: the dynamic policy holds its cap in every
+    chunk, the interleaved order its own peak per chunk (trainer.pipeline.runtime.graph_slots)."""
+    from trainer.schedule.core import PipelineShape
+    from trainer.schedule.dynamic import one_f_one_b_cap
+    from trainer.schedule.registry import make_policy
+
+    shape = PipelineShape(pp, microbatches, vp)
+    counts = []
+    for stage in range(pp):
+        cap = one_f_one_b_cap(shape, stage)
+        static = sum(make_policy("interleaved", shape, stage).held_per_chunk(vp))
+        saved_per_slot = vp * (1.0 - RECOMPUTING_SLOT_SHARE)
+        need = max(0.0, (vp * cap - bound * static) / saved_per_slot)
+        counts.append(min(cap, math.ceil(need - 1e-9)))
+    return tuple(counts)
 
 
 def line_entry(name: str) -> tuple[str, int, list[str], bool] | None:
@@ -99,9 +154,17 @@ def line_entry(name: str) -> tuple[str, int, list[str], bool] | None:
     return f"{what}; --dpp-max-queued-ops {k}", vp, [*flags, "--dpp-max-queued-ops", k], balanced
 
 
+def base_name(name: str) -> str:
+    """``name`` without a ``-qK`` suffix (which line of the catalogue it varies)."""
+    match = QUEUED_SUFFIX.match(name)
+    return match["base"] if match and name not in CATALOGUE else name
+
+
 DEFAULT_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-interleaved-v2", "dpp", "dpp-graphs",
                  "dpp-graphs-cf1.5", "dpp-zb",
                  "dpp-zb-v2", "direct-megatron")
+LAYOUT_DEFAULT_LINES = ("megatron-1f1b-best", "dpp-default")
+"""--layouts without --lines: per layout, megatron-core's best eager configuration of it against the DPP default."""
 SCENARIOS = {"a": "uniform", "b": "variable sequence lengths", "c": "transient stalls",
              "d": "variable sequence lengths of a real corpus"}
 SEED = 1234
@@ -109,6 +172,11 @@ SEED = 1234
 MEGATRON_LINES = ("megatron-1f1b-default", "megatron-1f1b-best", "megatron-1f1b-best-rc", "megatron-1f1b-graphs",
                   "megatron-interleaved-v2")
 """The trainer's megatron-core lines: the best of them is the bar every ratio is taken against."""
+STATIC_GRAPHED_LINES = ("1f1b-graphs", "interleaved-graphs", "zb-h1-graphs")
+"""Static orders through the DPP runtime's graphs: the best of them is the headline's second bar."""
+STATIC_EAGER_LINES = ("1f1b-eager", "interleaved-eager", "zb-h1-eager")
+"""The same orders eager (the second bar where no graphed one ran, e.g. on CPU: labelled so)."""
+STATIC_LINES = STATIC_GRAPHED_LINES + STATIC_EAGER_LINES
 
 
 @dataclass(frozen=True)
@@ -167,13 +235,25 @@ class BenchConfig:
     """Scenario (d): the corpus's GPT-2 merges."""
     extra: tuple[str, ...] = ()
     """More trainer flags for every line (e.g. ``--transport nccl``)."""
+    layout: Layout | None = None
+    """TP, DP and their options of this configuration (``--layouts``; trainer/bench/layouts.py); None:
+    PP = --pipeline-parallel, TP = DP = 1. Not a flag of its own: set per layout by the command."""
     cpu_bind: str = "numa"
     """CPUs of each rank, the same for every line: numa (the cores of its GPU's NUMA node, shared
     among the ranks there; an even split where the node is unknown; trainer.cpu_binding) or none."""
 
     @property
+    def data_parallel(self) -> int:
+        return self.layout.data_parallel if self.layout is not None else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size if self.layout is not None else self.pipeline_parallel
+
+    @property
     def global_batch_size(self) -> int:
-        return self.num_microbatches * self.micro_batch_size
+        """M microbatches per data-parallel replica: M x mbs x DP."""
+        return self.num_microbatches * self.micro_batch_size * self.data_parallel
 
 
 def balanced_split(num_layers: int, pp: int, vp: int, head_weight: float) -> tuple[int, int] | None:
@@ -201,10 +281,14 @@ class Line:
     """``trainer.train`` or ``trainer.bench.direct``."""
     args: list[str] = field(default_factory=list)
     split: tuple[int, int] | None = None
+    layout: str = ""
+    """The layout's label (``--layouts``), or "" for the single layout of --pipeline-parallel."""
+    world_size: int = 0
+    """Ranks of the run (PP x TP x DP); 0: the configuration's."""
 
     @property
     def key(self) -> str:
-        return f"{self.scenario}-{self.name}"
+        return f"{self.layout}-{self.scenario}-{self.name}" if self.layout else f"{self.scenario}-{self.name}"
 
 
 @dataclass(frozen=True)
@@ -214,6 +298,7 @@ class NotRun:
     name: str
     scenario: str
     reason: str
+    layout: str = ""
 
 
 def common_args(cfg: BenchConfig) -> list[str]:
@@ -225,7 +310,8 @@ def common_args(cfg: BenchConfig) -> list[str]:
             "--pipeline-model-parallel-size", str(cfg.pipeline_parallel), "--train-iters", str(cfg.train_iters),
             "--optimizer", cfg.optimizer, "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--seed", str(SEED), "--log-interval", "1", "--gpu-busy-iters", str(cfg.gpu_busy_iters)]
-    return args + (["--bf16"] if cfg.bf16 else []) + list(cfg.extra)
+    layout = cfg.layout.trainer_args() if cfg.layout is not None else []
+    return args + layout + (["--bf16"] if cfg.bf16 else []) + list(cfg.extra)
 
 
 def variable_length_args(cfg: BenchConfig) -> list[str]:
@@ -281,10 +367,13 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
             what, vp, flags, balanced = line_entry(name)
             reason = _cannot_run(cfg, name, flags, available_policies, scenario)
             if reason:
-                out.append(NotRun(name, scenario, reason))
+                out.append(NotRun(name, scenario, reason, cfg.layout.label if cfg.layout is not None else ""))
                 continue
             split = _split_for(cfg, vp) if balanced else None
             args = common_args(cfg) + flags
+            if base_name(name) == "dpp-graphs-v2-parity":
+                counts = parity_recompute_slots(cfg.pipeline_parallel, cfg.num_microbatches, vp)
+                args += ["--dpp-recompute-slots", ",".join(map(str, counts))]
             if scenario == "d":  # the corpus instead of mock tokens; its tokenizer gives the vocabulary
                 args = [a for a in args if a != "--mock-data"] + corpus_args(cfg)
             if vp > 1:
@@ -303,7 +392,8 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
                 label = f"CPU stand-in: our runtime's static {schedule.policy} policy (megatron-core's schedules " \
                         "need CUDA); " + what.split(", ", 1)[-1]
             module = "trainer.bench.direct" if name == "direct-megatron" else "trainer.train"
-            out.append(Line(name, scenario, label, module, args, split))
+            out.append(Line(name, scenario, label, module, args, split,
+                            cfg.layout.label if cfg.layout is not None else "", cfg.world_size))
     return out
 
 
@@ -325,6 +415,8 @@ def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policie
         return "scenario (d) needs --corpus PREFIX (a GPT-2-tokenized indexed corpus, e.g. the sample corpus)"
     if scenario == "d" and name == "direct-megatron":
         return "trainer.bench.direct builds mock microbatches only; scenario (d) reads a corpus"
+    if name == "direct-megatron" and cfg.layout is not None and cfg.world_size != cfg.pipeline_parallel:
+        return "trainer.bench.direct drives a pipeline only (TP = DP = 1); the layout's megatron line is megatron-1f1b-best"
     if name == "direct-megatron" and cfg.device != "cuda":
         return "megatron-core's schedules need CUDA (its P2P allocates on the GPU); no CPU stand-in for this line"
     if "--dpp-policy" in flags:
@@ -333,4 +425,6 @@ def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policie
             return f"this checkout's trainer has no --dpp-policy {policy} (accepted: {', '.join(available_policies) or 'none'})"
     if name == "megatron-interleaved-v2" and cfg.device == "cuda" and cfg.num_microbatches % cfg.pipeline_parallel:
         return f"megatron-core's interleaved schedule needs M ({cfg.num_microbatches}) divisible by PP"
+    if ("interleaved" in flags or name.startswith("dpp-graphs-v2-parity")) and cfg.num_microbatches % cfg.pipeline_parallel:
+        return f"the interleaved 1F1B order needs M ({cfg.num_microbatches}) divisible by PP"
     return ""

@@ -25,9 +25,11 @@ import time
 from pathlib import Path
 
 from trainer.bench.launch_probe import probe_in_subprocess
+from trainer.bench.layouts import parse_layouts
 from trainer.bench.lines import (
     CATALOGUE,
     DEFAULT_LINES,
+    LAYOUT_DEFAULT_LINES,
     SCENARIOS,
     BenchConfig,
     Line,
@@ -55,6 +57,8 @@ def build_parser() -> OneLineParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     docs = field_docs(BenchConfig)
     for f in dataclasses.fields(BenchConfig):
+        if f.name == "layout":  # set per --layouts entry, not a flag
+            continue
         flag = "--" + f.name.replace("_", "-")
         helptext = docs.get(f.name, "").replace("%", "%%")
         if f.name == "bf16":
@@ -66,9 +70,18 @@ def build_parser() -> OneLineParser:
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default, help=helptext)
-    parser.add_argument("--lines", default=",".join(DEFAULT_LINES),
+    parser.add_argument("--lines", default=None,
                         help=f"comma-separated, from: {', '.join(CATALOGUE)}; any DPP line with -qK "
-                             "appended adds --dpp-max-queued-ops K (e.g. dpp-graphs-q2)")
+                             "appended adds --dpp-max-queued-ops K (e.g. dpp-graphs-q2). Default: "
+                             f"{','.join(DEFAULT_LINES)}; with --layouts: {','.join(LAYOUT_DEFAULT_LINES)}")
+    parser.add_argument("--layouts", default="",
+                        help="comma-separated PPxTPxDP[+sp][+overlap][+distopt] (e.g. 4x1x1,2x2x1+sp,"
+                             "2x1x2+overlap+distopt): run the lines once per layout, one table each "
+                             "(trainer/bench/layouts.py); overrides --pipeline-parallel")
+    parser.add_argument("--resplit", choices=("none", "auto"), default="none",
+                        help="auto: a short profiling round per chunk count fits the stage balance and the lines "
+                             "run on the re-split it recommends (trainer/bench/resplit.py); the report says "
+                             "which split each line ran and why")
     parser.add_argument("--scenarios", default="a,b,c", help="comma-separated, from a (uniform), "
                         "b (variable lengths), c (transient stalls), d (variable lengths of --corpus)")
     parser.add_argument("--out", type=Path, required=True, help="folder for each line's metrics, logs, traces")
@@ -83,7 +96,7 @@ def build_parser() -> OneLineParser:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)}
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if f.name != "layout"}
     values["extra"] = tuple(shlex.split(args.extra))
     return BenchConfig(**values)
 
@@ -95,7 +108,11 @@ def _available_policies() -> tuple[str, ...]:
 
 
 def _problems(args: argparse.Namespace) -> list[str]:
-    p = [f"--lines: unknown line {n!r}" for n in args.lines.split(",") if line_entry(n) is None]
+    p = [f"--lines: unknown line {n!r}" for n in _line_names(args) if line_entry(n) is None]
+    layouts, layout_problems = parse_layouts(args.layouts)
+    p += layout_problems
+    p += [f"--layouts {lay.label}: megatron-core's distributed optimizer supports Adam only; pass --optimizer adam "
+          f"(got {args.optimizer})" for lay in layouts if "distopt" in lay.options and args.optimizer != "adam"]
     p += [f"--scenarios: unknown scenario {s!r}" for s in args.scenarios.split(",") if s not in SCENARIOS]
     if "d" in args.scenarios.split(","):
         if not args.corpus:
@@ -117,13 +134,19 @@ def _problems(args: argparse.Namespace) -> list[str]:
     return p
 
 
+def _line_names(args: argparse.Namespace) -> list[str]:
+    if args.lines is not None:
+        return args.lines.split(",")
+    return list(LAYOUT_DEFAULT_LINES if args.layouts else DEFAULT_LINES)
+
+
 def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace,
               cpu_sets: list[list[int]] | None) -> LineResult:
     folder = args.out / line.key
     extra = ["--metrics-dir", str(folder)]
     if cfg.device == "cpu" and line.module == "trainer.train":
         extra += ["--profile-dir", str(folder / "traces")]  # CPU: no kernels, so our span tracer draws it
-    run = run_ranks(line.module, line.args + extra, cfg.pipeline_parallel, folder, cfg.device,
+    run = run_ranks(line.module, line.args + extra, line.world_size or cfg.world_size, folder, cfg.device,
                     args.line_timeout, args.threads, cpu_sets=cpu_sets)
     result = line_result(line.key, line.name, line.scenario, line.label, folder, cfg.skip_iters)
     if line.scenario in ("b", "d"):  # the trainer counts batch x --seq-length; count the documents' real tokens
@@ -144,14 +167,49 @@ def _picture(result: LineResult, folder: Path, report: Path) -> str | None:
     return None
 
 
+def _layout_configs(args: argparse.Namespace) -> list[BenchConfig]:
+    """One configuration per --layouts entry (PP from the layout), or the one of the flags."""
+    base = _config(args)
+    layouts = parse_layouts(args.layouts)[0]
+    return [dataclasses.replace(base, pipeline_parallel=lay.pipeline_parallel, layout=lay) for lay in layouts] or [base]
+
+
+def _resplit(configs: list[BenchConfig], names: list[str], args: argparse.Namespace,
+             cpu_sets: list[list[int]] | None) -> tuple[list[BenchConfig], list[str]]:
+    """--resplit auto: each layout's profiling round(s) and the split its lines then run on."""
+    from trainer.bench.resplit import choose_splits
+
+    chosen_configs, notes = [], []
+    for c in configs:
+        chosen, choices = choose_splits(c, names, _available_policies(),
+                                        lambda line, short: _run_line(line, short, args, cpu_sets))
+        chosen_configs.append(chosen)
+        prefix = f"{c.layout.label}: " if c.layout is not None else ""
+        notes += [prefix + choice.note().removeprefix("- ") for choice in choices]
+    for note in notes:
+        print(f"[bench] split: {note}", flush=True)
+    return chosen_configs, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     problems = _problems(args)
     if problems:
         return parser.report(problems_text(problems))
-    cfg = _config(args)
-    planned = plan(cfg, args.lines.split(","), args.scenarios.split(","), _available_policies())
+    names, scenarios = _line_names(args), args.scenarios.split(",")
+    configs = _layout_configs(args)
+    cfg = max(configs, key=lambda c: c.world_size)  # CPU binding and the report's header: the widest layout
+    cpu_sets = None
+    if cfg.cpu_bind == "numa" and not args.dry_plan:  # one plan for every line of the call
+        cpu_sets, account = numa_cpu_sets(cfg.world_size, cfg.device)
+        print(f"[bench] CPU binding: {account}", flush=True)
+    notes: list[str] = []
+    if args.resplit == "auto" and not args.dry_plan:
+        configs, notes = _resplit(configs, names, args, cpu_sets)
+    planned = [(c, item) for c in configs for item in plan(c, names, scenarios, _available_policies())]
+    config_of = {item.key: c for c, item in planned if isinstance(item, Line)}
+    planned = [item for _, item in planned]
     lines = [p for p in planned if isinstance(p, Line)]
     not_run = [p for p in planned if isinstance(p, NotRun)]
     commands = {ln.key: f"python -m {ln.module} {shlex.join(ln.args)}" for ln in lines}
@@ -163,16 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     host = probe_in_subprocess() if cfg.device == "cuda" else ""
     if host:
         print(f"[bench] host: {host}", flush=True)
-    cpu_sets = None
-    if cfg.cpu_bind == "numa":  # one plan for every line of the call
-        cpu_sets, account = numa_cpu_sets(cfg.pipeline_parallel, cfg.device)
-        print(f"[bench] CPU binding: {account}", flush=True)
     start = time.monotonic()
     results: dict[str, LineResult] = {}
     pictures: dict[str, str] = {}
     for round_ in range(args.rounds):
         for line in lines:
-            result = _run_line(line, cfg, args, cpu_sets)
+            result = _run_line(line, config_of[line.key], args, cpu_sets)
             if result.ok:
                 result.round_medians = [result.median_ms]
             if round_ and line.key in results and results[line.key].ok and result.ok:
@@ -185,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 pictures[line.key] = picture
             # Rewritten after every line: a call cut off by its time limit still leaves a report.
             write_report(args.report, cfg, list(results.values()), not_run, commands, pictures,
-                         time.monotonic() - start, host)
+                         time.monotonic() - start, host, layouts={ln.key: ln.layout for ln in lines if ln.layout},
+                         notes=notes)
     print(f"[bench] wrote {args.report} and {len(pictures)} timeline(s)", flush=True)
     return 0 if all(r.ok for r in results.values()) else 1
 

@@ -9,8 +9,12 @@ from typing import Any
 from trainer.bench.lines import (
     MEGATRON_LINES,
     SCENARIOS,
+    STATIC_EAGER_LINES,
+    STATIC_GRAPHED_LINES,
+    STATIC_LINES,
     BenchConfig,
     NotRun,
+    base_name,
     line_entry,
     variable_length_args,
     variable_length_tokens,
@@ -99,7 +103,7 @@ def _verdict(results: list[LineResult], scenario: str) -> list[str]:
     for vp, bars in ((1, [r for r in ok if r.name in MEGATRON_LINES and _vp(r.name) == 1]),
                      (2, [r for r in ok if r.name == "megatron-interleaved-v2"])):
         bar = min(bars, key=lambda r: r.median_ms, default=None)
-        dpp = [r for r in ok if r.name not in MEGATRON_LINES and r.name != "direct-megatron" and _vp(r.name) == vp]
+        dpp = [r for r in ok if _is_dynamic(r.name) and _vp(r.name) == vp]
         if bar is None or not dpp:
             continue
         fits = [r for r in dpp if r.reserved_gib and bar.reserved_gib and r.reserved_gib <= MEMORY_BOUND * bar.reserved_gib]
@@ -116,6 +120,92 @@ def _verdict(results: list[LineResult], scenario: str) -> list[str]:
         out.append(f"- v={vp}: fastest DPP line within {MEMORY_BOUND:.2f}x {bar.name}'s memory: **{best.name}**, "
                    f"{ratio:.3f}x{spread} at {best.reserved_gib / bar.reserved_gib:.3f}x the memory{verdict}.")
     return out + [""] if out else []
+
+
+def _is_dynamic(name: str) -> bool:
+    """A line of the dynamic policies (dpp, dpp-zb), not a megatron or static-order bar."""
+    return name not in MEGATRON_LINES and name != "direct-megatron" and base_name(name) not in STATIC_LINES
+
+
+def balanced_limit_ms(result: LineResult) -> float | None:
+    """The step's physical floor if its GPU work were spread evenly: sum of per-stage busy / PP."""
+    if not result.busy_ms:
+        return None
+    return sum(result.busy_ms.values()) / len(result.busy_ms)
+
+
+def best_static(results: list[LineResult], scenario: str) -> tuple[LineResult | None, bool]:
+    """(fastest graphed static-order line, True), else (fastest eager static-order line, False)."""
+    ok = [r for r in results if r.ok and r.scenario == scenario]
+    for names, graphed in ((STATIC_GRAPHED_LINES, True), (STATIC_EAGER_LINES, False)):
+        candidates = [r for r in ok if base_name(r.name) in names]
+        if candidates:
+            return min(candidates, key=lambda r: r.median_ms), graphed
+    return None, False
+
+
+def headline(results: list[LineResult], scenario: str) -> list[str]:
+    """Three ratios for the scenario's fastest DPP line (within MEMORY_BOUND of megatron's best where one
+    fits): vs megatron-core's best eager line (graphs + schedule), vs the best graphed static order in the
+    same runtime (what the dynamic schedule alone buys), and its step vs the balanced limit (how far from
+    the GPU work spread evenly; sum of per-stage GPU busy / PP)."""
+    ok = [r for r in results if r.ok and r.scenario == scenario]
+    dynamic = [r for r in ok if _is_dynamic(r.name)]
+    if not dynamic:
+        return []
+    bar = best_megatron(results, scenario)
+    fits = [r for r in dynamic if bar and r.reserved_gib and bar.reserved_gib
+            and r.reserved_gib <= MEMORY_BOUND * bar.reserved_gib]
+    best = min(fits or dynamic, key=lambda r: r.median_ms)
+    why = (f"fastest within {MEMORY_BOUND:.2f}x {bar.name}'s peak reserved" if fits
+           else "fastest DPP line" + (" (memory not compared)" if not (bar and bar.reserved_gib) else
+                                      f" (none within {MEMORY_BOUND:.2f}x the memory)"))
+    out = [f"**Headline** — **{best.name}** ({why}), {best.median_ms:.1f} ms/iter:"]
+
+    def memory(of: LineResult, against: LineResult) -> str:
+        if of.reserved_gib and against.reserved_gib:
+            return f", at {of.reserved_gib / against.reserved_gib:.3f}x its peak reserved"
+        return ""
+
+    if bar is not None:
+        out.append(f"1. vs megatron-core's best eager line ({bar.name}, {bar.median_ms:.1f} ms): "
+                   f"**{bar.median_ms / best.median_ms:.3f}x**{memory(best, bar)}.")
+    else:
+        out.append("1. vs megatron-core's best eager line: n/a (no megatron line ran in this scenario).")
+    static, graphed = best_static(results, scenario)
+    if static is not None:
+        kind = "graphed static" if graphed else "static (eager: no graphed static line ran, e.g. on CPU)"
+        out.append(f"2. vs the best {kind} order in the same runtime ({static.name}, {static.median_ms:.1f} ms): "
+                   f"**{static.median_ms / best.median_ms:.3f}x**{memory(best, static)} — what the dynamic "
+                   "schedule buys over a fixed order with the same kernels and launches.")
+    else:
+        out.append("2. vs the best graphed static line: n/a (add 1f1b-graphs, interleaved-graphs, zb-h1-graphs).")
+    limit = balanced_limit_ms(best)
+    if limit:
+        source = "" if best.busy_source.startswith("GPU") or not best.busy_source else f" ({best.busy_source})"
+        out.append(f"3. step vs its balanced limit (sum of per-stage busy / PP = {limit:.1f} ms{source}): "
+                   f"**{best.median_ms / limit:.3f}x**" + (
+                       f"; the static bar's: {static.median_ms / balanced_limit_ms(static):.3f}x"
+                       if static is not None and balanced_limit_ms(static) else "") + ".")
+    else:
+        out.append("3. step vs the balanced limit: n/a (no per-stage busy time measured).")
+    out += _v2_against_interleaved(ok)
+    return out + [""]
+
+
+def _v2_against_interleaved(ok: list[LineResult]) -> list[str]:
+    """v=2: the fastest dynamic v=2 line within MEMORY_BOUND of the graphed interleaved order's memory."""
+    bars = [r for r in ok if base_name(r.name) == "interleaved-graphs"]
+    dynamic = [r for r in ok if _is_dynamic(r.name) and _vp(r.name) == 2]
+    if not bars or not dynamic:
+        return []
+    bar = min(bars, key=lambda r: r.median_ms)
+    fits = [r for r in dynamic if r.reserved_gib and bar.reserved_gib and r.reserved_gib <= MEMORY_BOUND * bar.reserved_gib]
+    if not fits:
+        return [f"- v=2: no dynamic v=2 line within {MEMORY_BOUND:.2f}x {bar.name}'s peak reserved memory."]
+    best = min(fits, key=lambda r: r.median_ms)
+    return [f"- v=2: **{best.name}** vs {bar.name}: **{bar.median_ms / best.median_ms:.3f}x** at "
+            f"{best.reserved_gib / bar.reserved_gib:.3f}x its peak reserved."]
 
 
 def _balance(results: list[LineResult], scenario: str) -> list[str]:
@@ -181,8 +271,11 @@ def _corpus_note(cfg: BenchConfig) -> list[str]:
 
 
 def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_run: list[NotRun],
-                 commands: dict[str, str], pictures: dict[str, str], wall_s: float, host: str = "") -> None:
-    """``host``: the launch probe's line (trainer.bench.launch_probe), printed under the card."""
+                 commands: dict[str, str], pictures: dict[str, str], wall_s: float, host: str = "",
+                 layouts: dict[str, str] | None = None, notes: list[str] = ()) -> None:
+    """``host``: the launch probe's line (trainer.bench.launch_probe), printed under the card.
+    ``layouts``: line key -> layout label (``--layouts``): one section, and tables, per layout.
+    ``notes``: which layer split the lines ran and why (``--resplit auto``)."""
     versions = next((r.versions for r in results if r.versions), {})
     lines = [
         "# Pipeline benchmark", "",
@@ -203,8 +296,29 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
         "picture shows those kernels per stage (our span tracer does not see megatron-core's schedules, the "
         "kernel trace sees every schedule); on CPU, our runtime's traced F/B spans.", "",
     ]
+    if notes:
+        lines += ["## Layer split (--resplit auto)", ""] + [f"- {n}" for n in notes] + [""]
+    layouts = layouts or {}
+    labels = list(dict.fromkeys(layouts.values())) or [""]
+    for label in labels:
+        subset = [r for r in results if layouts.get(r.key, "") == label]
+        if label:
+            lines += [f"## Layout {label}", ""]
+        lines += _scenario_sections(subset, cfg, pictures, "###" if label else "##")
+    if not_run:
+        lines += ["## Lines not run", ""] + [f"- ({n.scenario}) **{n.name}**" + (f" [{n.layout}]" if n.layout else "")
+                                             + f": {n.reason}" for n in not_run] + [""]
+    lines += ["## Commands", "", "Every line's ranks ran:", ""]
+    lines += [f"- `{key}`: `{command}`" for key, command in commands.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _scenario_sections(results: list[LineResult], cfg: BenchConfig, pictures: dict[str, str],
+                       level: str) -> list[str]:
+    lines: list[str] = []
     for scenario, title in SCENARIOS.items():
-        lines += [f"## ({scenario}) {title}", ""]
+        lines += [f"{level} ({scenario}) {title}", ""]
         if not any(r.scenario == scenario for r in results):
             lines += ["not run in this call.", ""]
             continue
@@ -215,6 +329,7 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
         if scenario == "c":
             lines += [f"`--inject-stalls {cfg.stall}` (RANK:FRACTION:MS:SEED) for every line: the same forward "
                       "ops of that rank delayed (a GPU spin kernel on CUDA); backwards are not delayed.", ""]
+        lines += headline(results, scenario)
         lines += _table(results, scenario) + [""]
         lines += _verdict(results, scenario)
         lines += _rounds(results, scenario)
@@ -227,12 +342,7 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
             lines.append(f"- **{r.name}**: {r.label}." + (f" ![{r.key}]({picture})" if picture else "")
                          + ("" if r.ok else f" **{r.status}**"))
         lines.append("")
-    if not_run:
-        lines += ["## Lines not run", ""] + [f"- ({n.scenario}) **{n.name}**: {n.reason}" for n in not_run] + [""]
-    lines += ["## Commands", "", "Every line's ranks ran:", ""]
-    lines += [f"- `{key}`: `{command}`" for key, command in commands.items()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def _kernel_rows(documents: list[dict[str, Any]]) -> tuple[list[tuple[str, list, list]], float]:

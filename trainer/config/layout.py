@@ -9,6 +9,7 @@ from trainer.config.plan import (
     graph_problems,
     megatron_batch_problems,
     megatron_p2p_problems,
+    static_order_problems,
     schedule_problems,
 )
 from trainer.config.training import TrainConfig
@@ -71,6 +72,7 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
     p.extend(_bert_data_problems(cfg))
     p.extend(schedule_problems(cfg))
     p.extend(graph_problems(cfg))
+    p.extend(static_order_problems(cfg, world_size))
     p.extend(attention_backend_problems(cfg))
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
         p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainer.config.sections import STATIC_DPP_POLICIES
 from trainer.config.training import TrainConfig
 from trainer.config.transformer_engine import TE_ATTENTION_BACKENDS, installed, uses_transformer_engine_spec
 from trainer.layer_split import describe_split, layers_per_stage, stage_layers
@@ -199,13 +200,14 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
     if uses_megatron_schedule(cfg):
         return SchedulePlan(MEGATRON, static, reason="without --use-dpp on CUDA: megatron-core's own schedule",
                             megatron_grad_sync=par.overlap_grad_reduce, log_text="megatron-core", **common)
-    if par.use_dpp and dpp_policy != "zb-h1":
+    if par.use_dpp and dpp_policy not in STATIC_DPP_POLICIES:
         options = PolicyOptions(par.dpp_max_inflight, par.dpp_cap_factor,
                                 par.dpp_fill_transit if dpp_policy == "dpp-zb" else None)
         return SchedulePlan(RUNTIME, dpp_policy, reason=why, options=options,
                             split_backward=dpp_policy in SPLIT_BACKWARD, log_text=named, **common)
-    if dpp_policy == "zb-h1":  # static zero-bubble, with or without --use-dpp
-        return SchedulePlan(RUNTIME, "zb-h1", reason=why, split_backward=True, log_text=named, **common)
+    if dpp_policy in STATIC_DPP_POLICIES:  # a static order asked for (zb-h1 also without --use-dpp)
+        return SchedulePlan(RUNTIME, dpp_policy, reason=why, split_backward=dpp_policy in SPLIT_BACKWARD,
+                            log_text=named, **common)
     where = ("--device cpu" if cfg.run.device != "cuda" else
              "--distributed-backend gloo (ranks may share a GPU)")
     return SchedulePlan(RUNTIME, static, reason=f"without --use-dpp on {where}: megatron-core's P2P cannot run "
@@ -250,6 +252,26 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
+def static_order_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """--dpp-policy 1f1b / interleaved: the chunk count their order is written for, and (interleaved)
+    megatron-core's rule that microbatches come in whole groups of PP (trainer.schedule.static)."""
+    policy, pp = cfg.parallel.dpp_policy, cfg.parallel.pipeline_model_parallel_size
+    p = []
+    if policy == "1f1b" and cfg.virtual_pipeline > 1:
+        p.append(f"--dpp-policy=1f1b needs one model chunk per stage, got {cfg.virtual_pipeline}: use interleaved")
+    if policy == "interleaved" and cfg.virtual_pipeline < 2:
+        p.append("--dpp-policy=interleaved needs two or more model chunks per stage "
+                 "(--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage)")
+    o, tp = cfg.optim, cfg.parallel.tensor_model_parallel_size
+    if policy == "interleaved" and world_size % (tp * pp) == 0:
+        per_replica = o.micro_batch_size * (world_size // (tp * pp))
+        microbatches = o.global_batch_size // per_replica if o.global_batch_size % per_replica == 0 else None
+        if microbatches is not None and microbatches % pp:
+            p.append(f"--dpp-policy=interleaved needs microbatches ({microbatches}) divisible by "
+                     f"--pipeline-model-parallel-size={pp} (megatron-core's interleaved 1F1B order)")
+    return p
+
+
 def graph_problems(cfg: TrainConfig) -> list[str]:
     """What rules out the CUDA graphs asked for: the runtime's (--dpp-cuda-graphs, --dpp-recompute-slots)
     and megatron-core's (--cuda-graph-impl local)."""
@@ -288,8 +310,9 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         return []
     why = {
         "--use-dpp (the graphs replace ops of the DPP runtime)": par.use_dpp,
-        f"--dpp-policy dpp or dpp-zb (zb-h1's fixed order needs more slots than its cap; got {par.dpp_policy})":
-            resolve_dpp_policy(cfg)[0] in ("dpp", "dpp-zb"),
+        f"--dpp-policy dpp, dpp-zb, {', '.join(STATIC_DPP_POLICIES)} (got {par.dpp_policy}); a static order "
+        "gets as many slots per chunk as it holds activations at most":
+            resolve_dpp_policy(cfg)[0] in ("dpp", "dpp-zb", *STATIC_DPP_POLICIES),
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
         f"--distributed-backend nccl with --tensor-model-parallel-size {par.tensor_model_parallel_size} (the TP "
         "collectives are captured into the graphs; gloo's run on the host)":

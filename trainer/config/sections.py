@@ -15,7 +15,10 @@ from typing import Literal
 
 from trainer.names import TRANSPORTS, Transport
 
-DPP_POLICIES = ("auto", "dpp", "dpp-zb", "zb-h1")
+DPP_POLICIES = ("auto", "dpp", "dpp-zb", "zb-h1", "1f1b", "interleaved")
+STATIC_DPP_POLICIES = ("zb-h1", "1f1b", "interleaved")
+"""Fixed orders the DPP runtime replays as written (trainer/schedule/static.py): the bars the dynamic
+policies are measured against in the same runtime, with or without --dpp-cuda-graphs."""
 DECAY_STYLES = ("constant", "linear", "cosine")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # megatron-core's AttnBackend names
 DEFAULT_TRAIN_ITERS = 10  # without --train-iters or --train-samples (Megatron-LM requires one)
@@ -207,18 +210,21 @@ class ParallelConfig:
     forward until W (TP x the local input's memory per such linear; W is a local GEMM); ``regather``
     keeps the local 1/TP and all-gathers it again in W, as megatron's backward does (megatron's memory,
     a TP all-gather per linear in every W). trainer/pipeline/split_backward.py."""
-    dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1"] = "auto"
+    dpp_policy: Literal["auto", "dpp", "dpp-zb", "zb-h1", "1f1b", "interleaved"] = "auto"
     """Policy of the DPP runtime (``--dpp-policy``): dpp (greedy), dpp-zb (greedy with split backward:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
-    the runtime's non-DPP CPU path), auto (the default: dpp-zb with --dpp-cuda-graphs where its split
-    backward is possible, else dpp -- what measured fastest at equal memory,
-    docs/schedules.md; the log's layout line says which ran and why: trainer/config/plan.py). Split backward needs
-    megatron-core's local layer spec."""
+    the runtime's non-DPP CPU path), 1f1b / interleaved (megatron-core's orders, v = 1 / v >= 2, replayed
+    as written by the runtime: with --dpp-cuda-graphs the graphed static bars the dynamic policies are
+    measured against), auto (the default: dpp-zb with --dpp-cuda-graphs where its split backward is
+    possible, else dpp -- what measured fastest at equal memory, docs/schedules.md; the log's layout
+    line says which ran and why: trainer/config/plan.py). Split backward needs megatron-core's local
+    layer spec."""
     dpp_cuda_graphs: bool = False
     """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
     the launch overhead that makes small-microbatch forwards host-bound. GPT or BERT on CUDA with --use-dpp
-    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot); TP > 1 (with or without --sequence-parallel)
+    --dpp-policy dpp or dpp-zb (F, I and W graphs per slot) or a static order (1f1b, interleaved, zb-h1:
+    as many slots per chunk as the order holds at most); TP > 1 (with or without --sequence-parallel)
     captures the TP collectives and needs NCCL; dropout draws fresh masks every replay (not with
     recompute); costs GPU memory per slot."""
     dpp_recompute_slots: tuple[int, ...] = ()
@@ -287,7 +293,7 @@ class ParallelConfig:
         elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} and --dpp-max-inflight={self.dpp_max_inflight}: "
                      "give one (a fixed cap for every stage, or a multiple of each stage's 1F1B cap)")
-        elif self.dpp_cap_factor != 1.0 and not (self.use_dpp and self.dpp_policy != "zb-h1"):
+        elif self.dpp_cap_factor != 1.0 and not (self.use_dpp and self.dpp_policy not in STATIC_DPP_POLICIES):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
         if self.dpp_max_inflight is not None and self.dpp_max_inflight < 1:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
@@ -297,9 +303,12 @@ class ParallelConfig:
             p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
         if self.dpp_sp_wgrad_input not in ("keep", "regather"):
             p.append(f"--dpp-sp-wgrad-input={self.dpp_sp_wgrad_input!r} must be one of keep, regather")
-        if self.dpp_policy == "zb-h1" and self.dpp_max_inflight is not None:
+        if self.dpp_policy in STATIC_DPP_POLICIES and self.dpp_max_inflight is not None:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
-                     "not to the static zb-h1")
+                     f"not to the static {self.dpp_policy}")
+        if self.dpp_policy in ("1f1b", "interleaved") and not self.use_dpp:
+            p.append(f"--dpp-policy={self.dpp_policy} needs --use-dpp (without it megatron-core's own "
+                     "schedule runs, or on CPU the runtime's static order for the layout)")
         return p
 
     def __post_init__(self) -> None:

@@ -32,7 +32,12 @@ activations (each linear's output gradient) is copied during I into buffers the 
 (:class:`trainer.pipeline.split_backward.StaticOperandStore` says why).
 
 Scope (checked by the config before any process starts): GPT or BERT, --use-dpp with --dpp-policy
-dpp or dpp-zb, no --overlap-grad-reduce, and with TP > 1 an NCCL tensor-parallel group.
+dpp, dpp-zb or a static order, and with TP > 1 an NCCL tensor-parallel group.
+
+Static orders (--dpp-policy 1f1b, interleaved, zb-h1 under --use-dpp): the same slots, captured as
+many per chunk as the order itself holds at most (trainer.schedule.static.peak_held_per_chunk; ZB-H1
+holds p on every stage where 1F1B holds p - s), so every forward of the order replays: the fair bar
+for the dynamic policies -- same kernels, same launches, only the order differs.
 
 Tensor parallelism (TP > 1, with or without --sequence-parallel): the block's TP collectives
 (all-reduce; all-gather and reduce-scatter under sequence parallelism) are captured into its graphs as
@@ -585,27 +590,32 @@ def run_on_side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int, shapes: GraphShapes,
+def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int, ...], shapes: GraphShapes,
                          masks: dict, device: torch.device, recompute_slots: int = 0,
                          split: SplitBackward | None = None) -> dict[int, ChunkGraphs]:
-    """Graph slots for each chunk of this stage (``masks``: each captured length's attention mask;
+    """Graph slots for each chunk of this stage (``slots``: one count for every chunk, or one per chunk --
+    a static order's own peak per chunk; ``masks``: each captured length's attention mask;
     ``recompute_slots`` of each chunk's slots recompute the core attention, at most all of them;
     ``split``: the split-backward controller when the policy splits backwards into I and W).
     Runs each block's forward and backward a few times with zero inputs (warm-up and capture; no
     gradient is accumulated anywhere): call it before the first step."""
-    recompute_slots = min(recompute_slots, slots)
+    per_chunk = (slots,) * len(chunks) if isinstance(slots, int) else tuple(slots)
+    if len(per_chunk) != len(chunks):
+        raise ValueError(f"stage {stage}: {len(per_chunk)} slot counts for {len(chunks)} chunk(s)")
     graphs = {}
     before = torch.cuda.memory_reserved(device)
     backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)
     for c, chunk in enumerate(chunks):
-        graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), slots, shapes, masks, device,
-                                backward_pool=backward_pool, recompute_slots=recompute_slots, split=split)
+        graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), per_chunk[c], shapes, masks, device,
+                                backward_pool=backward_pool, recompute_slots=min(recompute_slots, per_chunk[c]),
+                                split=split)
     torch.cuda.synchronize(device)
     # The warm-up's eager blocks stay cached in the ordinary pool; hand them back so the run's reserved
     # peak is graphs + what the eager ops really need, not graphs + the largest warm-up.
     torch.cuda.empty_cache()
-    log.info("stage %d: CUDA graphs for chunk(s) %s, %d slot(s) each (%d recomputing the core attention%s), "
+    log.info("stage %d: CUDA graphs for chunk(s) %s, %s slot(s) (%d recomputing the core attention%s), "
              "length(s) %s; %.2f GiB reserved for them",
-             stage, sorted(graphs), slots, recompute_slots, "; F, I and W graphs: split backward" if split else "",
+             stage, sorted(graphs), "/".join(map(str, per_chunk)), min(recompute_slots, max(per_chunk)),
+             "; F, I and W graphs: split backward" if split else "",
              ",".join(map(str, shapes.captured_lengths())), (torch.cuda.memory_reserved(device) - before) / 2**30)
     return graphs

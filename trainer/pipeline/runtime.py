@@ -48,6 +48,19 @@ def _link_options(links: LinkPlan) -> LinkOptions:
     return LinkOptions(credits=links.credits, shm_slot_bytes=links.shm_slot_bytes)
 
 
+def graph_slots(policy: Any, shape: PipelineShape, stage: int) -> tuple[int, ...]:
+    """CUDA graph slots per chunk of ``stage`` under ``policy``: a dynamic policy's cap (each chunk
+    may hold up to it), or what a static order holds at most per chunk (its fixed order needs them all:
+    ZB-H1 holds p activations on every stage where its 1F1B cap is p - s, and a forward without a
+    free slot would run eagerly)."""
+    from trainer.schedule.dynamic import one_f_one_b_cap
+
+    held = getattr(policy, "held_per_chunk", None)
+    if held is not None:
+        return held(shape.num_chunks)
+    return (getattr(policy, "cap", None) or one_f_one_b_cap(shape, stage),) * shape.num_chunks
+
+
 class PipelineRuntime:
     """Context manager: ``with PipelineRuntime(...) as runtime:`` opens everything (see the module
     docstring for the order); ``runtime.forward_backward`` is called like megatron-core's schedules.
@@ -210,7 +223,14 @@ class PipelineRuntime:
         from trainer.schedule.dynamic import one_f_one_b_cap
 
         cfg, topo, shape = self.cfg, self.topology, self.shape
-        slots = getattr(self.context.policy, "cap", None) or one_f_one_b_cap(shape, topo.pp_rank)
+        slots = graph_slots(self.context.policy, shape, topo.pp_rank)
+        cap = one_f_one_b_cap(shape, topo.pp_rank)
+        if hasattr(self.context.policy, "held_per_chunk") and sum(slots) > cap:
+            # The static order's own need, above the 1F1B cap the dynamic policies keep to: the graph
+            # log line after capture says what the extra slots reserve.
+            log.info("stage %d: static %s holds up to %s activation(s) per chunk (1F1B cap %d in all): "
+                     "capturing that many graph slots", topo.pp_rank, self.context.policy.name,
+                     "/".join(map(str, slots)), cap)
         mbs, seq = cfg.optim.micro_batch_size, cfg.model.seq_length
         lengths = bucket_lengths(cfg.data.seq_length_divisible_by, seq) if cfg.data.variable_seq_lengths else (seq,)
         # --sequence-parallel: the block's input and output are this rank's 1/TP of the sequence.

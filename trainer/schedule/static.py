@@ -47,6 +47,28 @@ class StaticPolicy:
     def __repr__(self) -> str:
         return f"StaticPolicy({self.name!r}, {len(self.order)} actions)"
 
+    def held_per_chunk(self, num_chunks: int) -> tuple[int, ...]:
+        """Most activations the order holds at once per chunk (:func:`peak_held_per_chunk`): how many
+        CUDA graph slots each chunk needs so that no forward of the order runs eagerly."""
+        return peak_held_per_chunk(self.order, num_chunks, self.split_backward)
+
+
+def peak_held_per_chunk(order: Sequence[Action], num_chunks: int, split_backward: bool) -> tuple[int, ...]:
+    """Per chunk, the most activations ``order`` holds at once: F takes one, the action that ends the
+    microbatch's backward there gives it back (B; W for a split backward, which still reads the
+    saved inputs). A static order fixes this number, where a dynamic policy is bounded by its cap:
+    ZB-H1 holds ``p`` on every stage (1F1B: ``p - s``), interleaved 1F1B its warm-up count + 1 over
+    both chunks together, split unevenly between them."""
+    release = Op.W if split_backward else Op.B
+    held, peak = [0] * num_chunks, [0] * num_chunks
+    for action in order:
+        if action.op is Op.F:
+            held[action.chunk] += 1
+            peak[action.chunk] = max(peak[action.chunk], held[action.chunk])
+        elif action.op is release:
+            held[action.chunk] -= 1
+    return tuple(peak)
+
 
 def gpipe_order(shape: PipelineShape, stage: int) -> list[Action]:
     """All forwards (chunk by chunk, oldest microbatch first), then all backwards in reverse chunk

@@ -1,0 +1,172 @@
+"""The benchmark's graphed static bars, its three-ratio headline, --layouts and --resplit auto (no runs:
+the report from given figures, the plan's command lines, and the split chosen from a profiling round's
+figures handed in by a stand-in for the run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.bench.layouts import Layout, parse_layouts
+from trainer.bench.lines import BenchConfig, Line, NotRun, plan
+from trainer.bench.report import balanced_limit_ms, headline, write_report
+from trainer.bench.resplit import choose_splits
+from trainer.bench.results import LineResult
+from trainer.config import DPP_POLICIES, parse_config
+
+
+def _line(name: str, ms: float, gib: float | None, busy: tuple[float, ...] = (), scenario: str = "a") -> LineResult:
+    return LineResult(f"{scenario}-{name}", name, scenario, name, timed_ms=[ms], round_medians=[ms], reserved_gib=gib,
+                      busy_ms=dict(enumerate(busy)), busy_source="GPU kernels (torch.profiler)" if busy else "")
+
+
+def test_headline_states_the_three_ratios_of_the_fastest_dpp_line_within_memory() -> None:
+    # issue-33-like figures: megatron 810.7 eager, dpp-zb-graphs 474.0 at 1.155x (over the bound),
+    # dpp-zb-graphs-rs2 511.5 at 1.037x; the graphed static 1F1B 490 ms; busy 449/346/346/395.
+    results = [_line("megatron-1f1b-best", 810.7, 11.67, (452, 345, 345, 394)),
+               _line("dpp-zb-graphs", 474.0, 13.48, (449, 346, 346, 395)),
+               _line("dpp-zb-graphs-rs2", 511.5, 12.10, (486, 346, 346, 395)),
+               _line("1f1b-graphs", 490.0, 13.48, (450, 345, 345, 394)),
+               _line("zb-h1-graphs", 500.0, 14.9, (451, 347, 347, 396)),
+               _line("1f1b-eager", 800.0, 11.7)]
+    text = "\n".join(headline(results, "a"))
+    assert "**dpp-zb-graphs-rs2** (fastest within 1.10x megatron-1f1b-best's peak reserved)" in text
+    assert "vs megatron-core's best eager line (megatron-1f1b-best, 810.7 ms): **1.585x**" in text
+    # the second bar is the best *graphed* static line, not the eager one
+    assert "best graphed static order in the same runtime (1f1b-graphs, 490.0 ms): **0.958x**" in text
+    assert f"= {(486 + 346 + 346 + 395) / 4:.1f} ms" in text and f"**{511.5 / ((486 + 346 + 346 + 395) / 4):.3f}x**" in text
+    assert "the static bar's: " in text
+    v2 = [_line("interleaved-graphs", 520.0, 12.0), _line("dpp-graphs-v2", 480.0, 20.0),
+          _line("dpp-graphs-v2-parity", 495.0, 13.0)]
+    text = "\n".join(headline(results + v2, "a"))
+    assert "- v=2: **dpp-graphs-v2-parity** vs interleaved-graphs: **1.051x** at 1.083x its peak reserved." in text
+    assert balanced_limit_ms(results[0]) == pytest.approx((452 + 345 + 345 + 394) / 4)
+
+
+def test_headline_falls_back_to_an_eager_static_line_and_says_so() -> None:
+    results = [_line("megatron-1f1b-best", 100.0, None, (40, 30)), _line("dpp", 90.0, None, (40, 30)),
+               _line("zb-h1-eager", 95.0, None), _line("1f1b-eager", 99.0, None)]
+    text = "\n".join(headline(results, "a"))
+    assert "**dpp** (fastest DPP line (memory not compared))" in text
+    assert "static (eager: no graphed static line ran, e.g. on CPU) order in the same runtime (zb-h1-eager" in text
+    assert "**1.056x**" in text
+    assert headline([_line("megatron-1f1b-best", 1.0, None)], "a") == []  # no DPP line: no headline
+
+
+def test_static_lines_plan_their_policy_with_graphs_and_are_not_dynamic_in_the_verdict(tmp_path) -> None:
+    cfg = BenchConfig(num_microbatches=32, pipeline_parallel=4)
+    planned = plan(cfg, ["1f1b-graphs", "interleaved-graphs", "zb-h1-graphs", "zb-h1-graphs-q0"], ["a"],
+                   DPP_POLICIES)
+    lines = {p.name: p for p in planned if isinstance(p, Line)}
+    assert set(lines) == {"1f1b-graphs", "interleaved-graphs", "zb-h1-graphs", "zb-h1-graphs-q0"}
+    for name, policy in (("1f1b-graphs", "1f1b"), ("interleaved-graphs", "interleaved"), ("zb-h1-graphs", "zb-h1")):
+        args = lines[name].args
+        assert args[args.index("--dpp-policy") + 1] == policy and "--dpp-cuda-graphs" in args
+    assert lines["interleaved-graphs"].args[lines["interleaved-graphs"].args.index(
+        "--num-virtual-stages-per-pipeline-rank") + 1] == "2"
+    assert lines["zb-h1-graphs-q0"].args[-lines["zb-h1-graphs-q0"].args[::-1].index("--dpp-max-queued-ops")] == "0"
+    # every planned static line is a configuration the trainer accepts (on CUDA)
+    for line in lines.values():
+        argv = line.args[line.args.index("--mock-data"):]
+        parse_config(argv + ["--device", "cuda"], world_size=4)
+    # CPU: graphs are listed as not run, with the reason; M not divisible by PP refuses the interleaved order
+    cpu = plan(BenchConfig(device="cpu", num_microbatches=6, pipeline_parallel=4), ["1f1b-graphs", "interleaved-eager"],
+               ["a"], DPP_POLICIES)
+    reasons = {p.name: p.reason for p in cpu if isinstance(p, NotRun)}
+    assert reasons == {"1f1b-graphs": "CUDA graphs need CUDA",
+                       "interleaved-eager": "the interleaved 1F1B order needs M (6) divisible by PP"}
+    # In the verdict (fastest DPP line within memory) a static line never stands for DPP.
+    report = tmp_path / "r.md"
+    write_report(report, BenchConfig(device="cpu"), [_line("megatron-1f1b-best", 500, 10.0),
+                                                      _line("1f1b-graphs", 400, 10.5), _line("dpp", 450, 10.5)],
+                 [], {}, {}, 1.0)
+    assert "fastest DPP line within 1.10x megatron-1f1b-best's memory: **dpp**" in report.read_text()
+
+
+def test_layouts_parse_and_refuse_what_cannot_mean_anything() -> None:
+    layouts, problems = parse_layouts("4x1x1, 2x2x1+sp,2x1x2+overlap+distopt")
+    assert problems == []
+    assert [lay.label for lay in layouts] == ["pp4xtp1xdp1", "pp2xtp2xdp1+sp", "pp2xtp1xdp2+overlap+distopt"]
+    assert [lay.world_size for lay in layouts] == [4, 4, 4]
+    assert layouts[2].trainer_args() == ["--overlap-grad-reduce", "--use-distributed-optimizer"]
+    assert layouts[1].trainer_args() == ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    _, problems = parse_layouts("2x1x1+sp,4x1,2x1x1+overlap,1x2x2,2x1x2+fast,2x1x1,2x1x1")
+    text = "\n".join(problems)
+    assert "'2x1x1+sp': +sp (--sequence-parallel) needs TP > 1" in text
+    assert "'4x1' is not PPxTPxDP" in text
+    assert "'2x1x1+overlap': +overlap (--overlap-grad-reduce) needs DP > 1" in text
+    assert "'1x2x2': the benchmark compares pipeline schedules: PP must be >= 2" in text
+    assert "unknown option(s) fast" in text and "pp2xtp1xdp1 given twice" in text
+
+
+def test_a_layout_plans_its_ranks_batch_and_flags_per_line(tmp_path) -> None:
+    lay = Layout(2, 1, 2, ("overlap", "distopt"))
+    cfg = BenchConfig(device="cpu", num_microbatches=4, micro_batch_size=2, pipeline_parallel=2, layout=lay)
+    planned = plan(cfg, ["megatron-1f1b-best", "dpp-default", "direct-megatron"], ["a"], DPP_POLICIES)
+    lines = [p for p in planned if isinstance(p, Line)]
+    assert [ln.key for ln in lines] == ["pp2xtp1xdp2+overlap+distopt-a-megatron-1f1b-best",
+                                        "pp2xtp1xdp2+overlap+distopt-a-dpp-default"]
+    for ln in lines:
+        assert ln.world_size == 4 and ln.layout == lay.label
+        assert ln.args[ln.args.index("--global-batch-size") + 1] == "16"  # M x mbs x DP
+        assert "--overlap-grad-reduce" in ln.args and "--use-distributed-optimizer" in ln.args
+    [skipped] = [p for p in planned if isinstance(p, NotRun)]
+    assert skipped.layout == lay.label and "TP = DP = 1" in skipped.reason
+    # One table per layout in the report.
+    other = Layout(2, 2, 1, ("sp",))
+    results = [_line("megatron-1f1b-best", 100, None), _line("dpp-default", 90, None)]
+    for r in results:
+        r.key = f"{lay.label}-{r.key}"
+    second = [_line("megatron-1f1b-best", 200, None), _line("dpp-default", 210, None)]
+    for r in second:
+        r.key = f"{other.label}-{r.key}"
+    report = tmp_path / "r.md"
+    write_report(report, cfg, results + second, [skipped], {}, {}, 1.0,
+                 layouts={r.key: (lay if r in results else other).label for r in results + second})
+    text = report.read_text()
+    first, rest = text.split(f"## Layout {lay.label}")[1].split(f"## Layout {other.label}")
+    assert "| dpp-default |" in first and "1.111x" in first
+    assert "| dpp-default |" in rest and "0.952x" in rest
+    assert "[pp2xtp1xdp2+overlap+distopt]: trainer.bench.direct drives a pipeline only" in text
+
+
+def test_resplit_runs_a_short_round_and_takes_the_fits_split() -> None:
+    cfg = BenchConfig(device="cpu", num_layers=16, pipeline_parallel=4, num_microbatches=8, train_iters=10)
+    ran: list[tuple[str, int, list[str]]] = []
+
+    def run(line: Line, short: BenchConfig) -> LineResult:
+        ran.append((line.name, short.train_iters, line.args))
+        result = _line(line.name, 100.0, None)
+        # stage 0 persistently slow: 5/4/4/3 split measured 130/100/100/100 ms (the last stage's head ~1 layer)
+        result.busy_rows = [[130.0, 100.0, 100.0, 100.0]] * 4
+        result.layers_per_stage = [5, 4, 4, 3]
+        return result
+
+    # the first listed line of the chunk count that can run here (graphs cannot on CPU)
+    chosen, choices = choose_splits(cfg, ["1f1b-graphs", "megatron-1f1b-best", "dpp"], DPP_POLICIES, run)
+    assert [r[0] for r in ran] == ["resplit-megatron-1f1b-best"]
+    assert ran[0][1] == cfg.skip_iters + 3 + cfg.gpu_busy_iters  # a short round
+    [choice] = choices
+    assert choice.vp == 1 and chosen.split == choice.split and choice.split[0] < 5
+    assert "the stage-balance fit's re-split of 5/4/4/3" in choice.note()
+    # A given split is kept without a round; a balanced run keeps its split and says why.
+    kept, choices = choose_splits(BenchConfig(device="cpu", split=(5, 3)), ["dpp"], DPP_POLICIES, run)
+    assert kept.split == (5, 3) and "given (--split)" in choices[0].reason and len(ran) == 1
+
+    def balanced(line: Line, short: BenchConfig) -> LineResult:
+        result = _line(line.name, 100.0, None)
+        result.busy_rows, result.layers_per_stage = [[100.0, 100.0, 100.0, 100.0]] * 4, [5, 4, 4, 3]
+        return result
+
+    kept, choices = choose_splits(cfg, ["dpp"], DPP_POLICIES, balanced)
+    assert kept.split is None and "recommends no re-split" in choices[0].reason
+
+
+def test_the_v2_parity_line_recomputes_enough_slots_to_match_the_interleaved_orders_memory() -> None:
+    from trainer.bench.lines import parity_recompute_slots
+
+    # PP=4, M=32: the dynamic cap 11/9/7/5 in each of 2 chunks against interleaved's 8+4/8+4/7+3/5+1 slots
+    assert parity_recompute_slots(4, 32) == (10, 6, 4, 4)
+    assert parity_recompute_slots(2, 32) == (4, 2)
+    [line] = plan(BenchConfig(num_microbatches=32, pipeline_parallel=4), ["dpp-graphs-v2-parity"], ["a"], DPP_POLICIES)
+    assert line.args[line.args.index("--dpp-recompute-slots") + 1] == "10,6,4,4"
+    parse_config(line.args[line.args.index("--mock-data"):], world_size=4)

@@ -1,0 +1,76 @@
+"""Benchmark layouts: ``PPxTPxDP`` with Megatron-LM's data- and tensor-parallel options, one table each.
+
+``--layouts 4x1x1,2x2x1+sp,2x1x2+overlap+distopt`` runs the benchmark's lines once per layout, so one
+call compares, per layout, megatron-core's best eager configuration of that layout with the DPP
+default on the same model and data. ``+sp`` is ``--sequence-parallel`` (needs TP > 1), ``+overlap``
+``--overlap-grad-reduce`` and ``+distopt`` ``--use-distributed-optimizer`` (both need DP > 1 to mean
+anything, and are refused without it). The global batch is M x mbs x DP: every replica runs the same
+M microbatches, so the per-GPU work of a layout does not depend on its DP.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+OPTIONS = {"sp": "--sequence-parallel", "overlap": "--overlap-grad-reduce", "distopt": "--use-distributed-optimizer"}
+_FORM = re.compile(r"^(?P<pp>[1-9][0-9]*)x(?P<tp>[1-9][0-9]*)x(?P<dp>[1-9][0-9]*)(?P<opts>(\+[a-z]+)*)$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout of the benchmark's model."""
+
+    pipeline_parallel: int
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    options: tuple[str, ...] = ()
+    """Keys of :data:`OPTIONS`, in the order given."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel * self.tensor_parallel * self.data_parallel
+
+    @property
+    def label(self) -> str:
+        """``PP4xTP1xDP1`` and the options, as the report's section titles and the line folders name it."""
+        base = f"pp{self.pipeline_parallel}xtp{self.tensor_parallel}xdp{self.data_parallel}"
+        return base + "".join(f"+{o}" for o in self.options)
+
+    def trainer_args(self) -> list[str]:
+        """Trainer flags of this layout beyond --pipeline-model-parallel-size (which every line has)."""
+        args = ["--tensor-model-parallel-size", str(self.tensor_parallel)] if self.tensor_parallel > 1 else []
+        return args + [OPTIONS[o] for o in self.options]
+
+    def describe(self) -> str:
+        flags = " ".join(OPTIONS[o] for o in self.options)
+        return (f"PP={self.pipeline_parallel} x TP={self.tensor_parallel} x DP={self.data_parallel} "
+                f"({self.world_size} ranks)" + (f", {flags}" if flags else ""))
+
+
+def parse_layouts(text: str) -> tuple[list[Layout], list[str]]:
+    """(layouts, problems) of a ``--layouts`` value; an empty value gives no layouts and no problem."""
+    layouts, problems = [], []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        match = _FORM.match(item)
+        if not match:
+            problems.append(f"--layouts: {item!r} is not PPxTPxDP[+sp][+overlap][+distopt] (e.g. 2x2x1+sp)")
+            continue
+        options = tuple(o for o in match["opts"].split("+") if o)
+        unknown = [o for o in options if o not in OPTIONS]
+        layout = Layout(int(match["pp"]), int(match["tp"]), int(match["dp"]), options)
+        if unknown:
+            problems.append(f"--layouts: {item!r}: unknown option(s) {', '.join(unknown)} "
+                            f"(known: {', '.join(OPTIONS)})")
+        if "sp" in options and layout.tensor_parallel < 2:
+            problems.append(f"--layouts: {item!r}: +sp (--sequence-parallel) needs TP > 1")
+        for option in ("overlap", "distopt"):
+            if option in options and layout.data_parallel < 2:
+                problems.append(f"--layouts: {item!r}: +{option} ({OPTIONS[option]}) needs DP > 1")
+        if layout.pipeline_parallel < 2:
+            problems.append(f"--layouts: {item!r}: the benchmark compares pipeline schedules: PP must be >= 2")
+        if not unknown:
+            layouts.append(layout)
+    labels = [lay.label for lay in layouts]
+    problems += [f"--layouts: {label} given twice" for label in sorted({x for x in labels if labels.count(x) > 1})]
+    return layouts, problems

@@ -1,0 +1,92 @@
+"""``--resplit auto``: a short profiling round picks the layer split the stage-balance fit recommends.
+
+Why: the fit (trainer/schedule/stage_balance.py) names a persistently slow stage and the Megatron
+split that would fix it, but applying it took a second call by hand. Here one line per chunk count
+(v=1, v=2) of the call runs a few iterations on the split the benchmark would use, its per-stage GPU
+busy (host spans on CPU) is fitted, and where the fit recommends a re-split every line of that chunk
+count runs on it. The report says, per chunk count, which split the lines ran and why (the fit's
+figures, or why the split stayed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trainer.bench.lines import BenchConfig, Line, line_entry, plan
+from trainer.bench.results import LineResult
+
+PROFILE_ITERS = 3
+"""Timed iterations of the profiling round beyond the warm-up and the profiled ones (only the
+profiled iterations' busy time is fitted; the rest lets the step settle)."""
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """The split the lines of one chunk count ran, and why."""
+
+    vp: int
+    split: tuple[int, int] | None
+    """(first, last) stage layers; None = the even split."""
+    reason: str
+
+    def note(self) -> str:
+        where = "even split" if self.split is None else f"--decoder-first/last-pipeline-num-layers {self.split[0]}/{self.split[1]}"
+        return f"- v={self.vp} lines ran the {where}: {self.reason}"
+
+
+def profiling_lines(names: list[str], vp: int) -> list[str]:
+    """Candidates for the short round fitted for chunk count ``vp``, in order: the listed lines of that
+    count that run on the balanced split (any schedule's GPU busy per stage measures the same layers);
+    the first one that can run here is used."""
+    return [name for name in names if (entry := line_entry(name)) is not None and entry[1] == vp and entry[3]
+            and name != "direct-megatron"]
+
+
+def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[str, ...],
+                  run: Callable[[Line, BenchConfig], LineResult]) -> tuple[BenchConfig, list[SplitChoice]]:
+    """Run the profiling round(s) with ``run`` and return the configuration the lines then run with
+    (``split`` / ``split_vp`` set where the fit recommends a re-split) and what was chosen per chunk count."""
+    from trainer.schedule.stage_balance import describe, stage_balance
+
+    short = dataclasses.replace(cfg, train_iters=cfg.skip_iters + PROFILE_ITERS + cfg.gpu_busy_iters)
+    choices: list[SplitChoice] = []
+    for vp in sorted({line_entry(n)[1] for n in names if line_entry(n) is not None}):
+        candidates = profiling_lines(names, vp)
+        field = "split" if vp == 1 else "split_vp"
+        given = getattr(cfg, field)
+        if given is not None:
+            choices.append(SplitChoice(vp, given, f"given (--{field.replace('_', '-')}); no profiling round"))
+            continue
+        if not candidates:
+            continue
+        planned = [p for p in plan(short, candidates, ["a"], available_policies) if isinstance(p, Line)]
+        if not planned:
+            choices.append(SplitChoice(vp, None, f"none of {', '.join(candidates)} can run here; balanced split kept"))
+            continue
+        name = planned[0].name
+        line = dataclasses.replace(planned[0], name=f"resplit-{name}")
+        result = run(line, short)
+        start = planned[0].split
+        if not result.ok:
+            choices.append(SplitChoice(vp, start, f"the profiling round ({name}) failed: kept the balanced split"))
+            continue
+        rows = result.busy_rows or ([list(result.busy_ms.values())] if result.busy_ms else [])
+        try:
+            balance = stage_balance(rows, result.layers_per_stage, vp)
+        except ValueError as err:
+            choices.append(SplitChoice(vp, start, f"the profiling round ({name}) could not be fitted ({err}): "
+                                                  "kept the balanced split"))
+            continue
+        fitted = describe(balance).removeprefix("stage balance: ").replace("\n  ", "; ")
+        source = f"profiling round of {name}, {short.train_iters} iterations, busy from {result.busy_source}"
+        if balance.recommend:
+            layers = balance.best.layers
+            split = (layers[0], layers[-1])
+            cfg = dataclasses.replace(cfg, **{field: split})
+            choices.append(SplitChoice(vp, split, f"the stage-balance fit's re-split of "
+                                                  f"{'/'.join(map(str, balance.layers))} ({source}): {fitted}"))
+        else:
+            choices.append(SplitChoice(vp, start, f"the fit recommends no re-split ({source}): {fitted}"))
+    return cfg, choices
