@@ -9,8 +9,8 @@ from trainer.config.plan import (
     graph_problems,
     megatron_batch_problems,
     megatron_p2p_problems,
-    static_order_problems,
     schedule_problems,
+    static_order_problems,
 )
 from trainer.config.training import TrainConfig
 from trainer.config.transformer_engine import attention_backend_problems
