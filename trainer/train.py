@@ -66,7 +66,7 @@ from trainer.model.prefetch import MicrobatchPrefetcher
 from trainer.pipeline.runtime import PipelineRuntime
 from trainer.pipeline.runtime import link_options as link_options  # re-exported: callers import it from here
 from trainer.run_metrics import RunMeasurement
-from trainer.run_token import agreed_run_token
+from trainer.run_token import agreed_run_token, remove_run_segments
 from trainer.topology import Topology
 
 log = logging.getLogger("trainer.train")
@@ -737,11 +737,13 @@ def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> 
         faulthandler.dump_traceback_later(cfg.parallel.dpp_timeout_s + 60, exit=True)
         session.close()
         faulthandler.cancel_dump_traceback_later()
+        remove_run_segments(getattr(session, "run_token", None))  # the run's last act (trainer.run_token)
         session.record_exit(code)
         return code
     except Exception:
         log.exception("rank %d failed", launch.rank)
         session.flush_traces()
+        remove_run_segments(getattr(session, "run_token", None))  # the run's last act (trainer.run_token)
         sys.stdout.flush()
         # Peers may be blocked in a collective with this rank: exiting now (non-zero) lets the
         # launcher tear the job down instead of hanging in process-group destructors.

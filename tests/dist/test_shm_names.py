@@ -1,25 +1,38 @@
 """Shared-memory names are unique per run without `torchrun --standalone`, and a segment a killed run
-left behind does not block a later one (issue 15, item 6).
+left behind does not block a later one, nor does a later run remove it.
 
 Before: torchrun without --standalone/--rdzv-id sets TORCHELASTIC_RUN_ID=none for every job, the
-trainer named its segments /mdpp-none-..., and segments are created O_EXCL: a second job on the host
-(or the leftovers of a SIGKILLed one) made set-up fail with "File exists".
+trainer named its segments after the launcher's id alone (/mdpp-none-...), and segments are created
+O_EXCL: a second job on the host (or the leftovers of a SIGKILLed one) made set-up fail with "File
+exists". The leftovers planted here are exactly those names, spelled from this test run's own prefix
+(tests/shm_tag.py) so that no other run on the host can see or trip over them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from tests.dist.launch import check_ok, free_port, launch
+from trainer.names import doorbell_name, ring_name
+from trainer.run_token import token_prefix
 from trainer.transport.factory import _agreed_job_id
 
 SHM = Path("/dev/shm")
-# What a PP=2 run named "none" creates: the receivers' rings and doorbells (trainer/transport/shm_links.py).
-OLD_NAMES = ("mdpp-none-0-1-next", "mdpp-none-1-0-prev", "mdpp-none-0-bell", "mdpp-none-1-bell")
+NONE_ENV = {"TORCHELASTIC_RUN_ID": "none"}  # what torchrun sets without --standalone or --rdzv-id
+
+
+def _old_names() -> list[str]:
+    """What a PP=2 run named by its launcher's id alone creates: the receivers' rings and doorbells
+    (trainer/transport/shm_links.py) -- here with this test run's tag in front, as every run of it has."""
+    job = token_prefix({**os.environ, **NONE_ENV})
+    assert job, "tests/conftest.py sets the run tag: the prefix is never empty here"
+    return [name.lstrip("/") for name in (ring_name(job, 0, 1, "next"), ring_name(job, 1, 0, "prev"),
+                                          doorbell_name(job, 0), doorbell_name(job, 1))]
 
 
 def _train(profile_dir: Path) -> None:
@@ -27,8 +40,7 @@ def _train(profile_dir: Path) -> None:
             "--num-attention-heads", "4", "--seq-length", "32", "--pipeline-model-parallel-size", "2",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--use-dpp",
             "--transport", "shm", "--dpp-timeout", "60", "--profile-dir", str(profile_dir)]
-    env = {"TORCHELASTIC_RUN_ID": "none"}  # what torchrun sets without --standalone or --rdzv-id
-    check_ok(launch(args, 2, timeout_s=200, extra_env=env))
+    check_ok(launch(args, 2, timeout_s=200, extra_env=NONE_ENV))
 
 
 @pytest.mark.timeout(300)
@@ -36,13 +48,15 @@ def _train(profile_dir: Path) -> None:
 def test_runs_named_none_by_torchrun_do_not_collide_or_trip_over_leftovers(tmp_path, monkeypatch):
     for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
-    leftovers = [SHM / name for name in OLD_NAMES]
+    leftovers = [SHM / name for name in _old_names()]
     try:
         for path in leftovers:  # segments of a killed earlier run, under the names "none" gave
             path.write_bytes(b"\0" * 4096)
             path.chmod(0o600)
         _train(tmp_path / "a")
         _train(tmp_path / "b")
+        # Each run's last act removed its own segments only: another run's are not its to remove.
+        assert all(path.exists() for path in leftovers), [p.name for p in leftovers if not p.exists()]
     finally:
         for path in leftovers:
             path.unlink(missing_ok=True)

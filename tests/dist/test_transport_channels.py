@@ -12,10 +12,12 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.shm_tag import tagged
 from trainer.local_ranks import check_all_ok, run_processes
 from trainer.topology import Topology
 from trainer.transport import TransportError, TransportTimeout
@@ -316,7 +318,7 @@ def _auto_scenario(rank: int, world: int, job: str) -> tuple[str, list]:
 
 @pytest.mark.timeout(90)
 def test_auto_uses_shm_within_a_node_and_gloo_across():
-    job = f"t{os.getpid()}"
+    job = tagged("auto")
     for rank, (description, (visible, got)) in enumerate(check_all_ok(run_processes(_auto_scenario, 4, job))):
         prev, nxt = (rank - 1) % 4, (rank + 1) % 4
         assert visible == [], f"rank {rank} sees shared-memory names: {visible}"
@@ -337,13 +339,18 @@ def _stale_name_scenario(rank: int, world: int, job: str) -> str:
 
 @pytest.mark.timeout(60)
 def test_setup_failure_on_one_rank_fails_every_rank_cleanly():
-    job = f"stale{os.getpid()}"
-    stale = f"/dev/shm/mdpp-{job}-1-0-next"  # what rank 0 would create for its incoming ring
-    with open(stale, "w"):
-        pass
+    job = tagged("stale")
+    stale = Path(f"/dev/shm/mdpp-{job}-1-0-next")  # what rank 0 would create for its incoming ring
+    other = Path(f"/dev/shm/mdpp-{job}-1-1-0-next")  # ring 1->0 of the run "<job>-1": not ours
+    for path in (stale, other):
+        path.touch()
     try:
         messages = check_all_ok(run_processes(_stale_name_scenario, 2, job))
+        # The failed set-up removed every segment of its run, the one in its way included, and
+        # nothing of the other run.
+        assert not stale.exists() and other.exists()
     finally:
-        os.unlink(stale)
+        for path in (stale, other):
+            path.unlink(missing_ok=True)
     for message in messages:
         assert "set-up (create) failed" in message and "rank 0" in message and "File exists" in message, message
