@@ -57,11 +57,14 @@ def test_a_rank_lost_mid_setup_leaves_nothing_of_the_run(mode):
     expected_victim_code = {"kill": -signal.SIGKILL, "raise": 1, "stall": -signal.SIGKILL}[mode]
     assert results[1].returncode == expected_victim_code, victim[-3000:]
     assert results[0].returncode == 1, survivor[-3000:]
-    # The survivor says what went wrong where. A dead or silent victim's ring is removed by the
-    # survivor, which says so; a raising victim removes its own on the way out.
+    # The survivor says what went wrong where. A dead victim's ring is removed by the survivor, which
+    # says so; a raising victim removes its own on the way out. (A stalled victim's ring waits
+    # --dpp-timeout seconds in /dev/shm: on a shared host something else may remove it meanwhile --
+    # a leak check that looked at the whole of /dev/shm did -- so there only the outcome is checked.)
     assert "shared-memory set-up (create)" in survivor and "rank 0" in survivor, survivor[-3000:]
-    remover = victim if mode == "raise" else survivor
-    assert f"mdpp-{job}-0-1-next" in remover and "shared-memory segment(s) run" in remover, remover[-3000:]
+    if mode != "stall":
+        remover = victim if mode == "raise" else survivor
+        assert f"mdpp-{job}-0-1-next" in remover and "shared-memory segment(s) run" in remover, remover[-3000:]
     if mode == "raise":
         assert "InjectedSetupError" in victim, victim[-3000:]
     assert run_segments(job) == []

@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.dist.launch import check_ok, free_port, launch
+from tests.shm_tag import TAG
 from trainer.names import doorbell_name, ring_name
 from trainer.run_token import token_prefix
 from trainer.transport.factory import _agreed_job_id
@@ -35,12 +36,14 @@ def _old_names() -> list[str]:
                                           doorbell_name(job, 0), doorbell_name(job, 1))]
 
 
-def _train(profile_dir: Path) -> None:
+def _train(profile_dir: Path) -> str:
     args = ["trainer.train", "--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "32", "--pipeline-model-parallel-size", "2",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--use-dpp",
             "--transport", "shm", "--dpp-timeout", "60", "--profile-dir", str(profile_dir)]
-    check_ok(launch(args, 2, timeout_s=200, extra_env=NONE_ENV))
+    results = launch(args, 2, timeout_s=200, extra_env=NONE_ENV)
+    check_ok(results)
+    return "".join(r.output for r in results)
 
 
 @pytest.mark.timeout(300)
@@ -53,16 +56,18 @@ def test_runs_named_none_by_torchrun_do_not_collide_or_trip_over_leftovers(tmp_p
         for path in leftovers:  # segments of a killed earlier run, under the names "none" gave
             path.write_bytes(b"\0" * 4096)
             path.chmod(0o600)
-        _train(tmp_path / "a")
-        _train(tmp_path / "b")
-        # Each run's last act removed its own segments only: another run's are not its to remove.
-        assert all(path.exists() for path in leftovers), [p.name for p in leftovers if not p.exists()]
+        outputs = _train(tmp_path / "a") + _train(tmp_path / "b")
+        # Each run's last act removes its own segments only (and names each one it removes): another
+        # run's are not its to remove. (Read from the logs, not from /dev/shm: on a shared host
+        # something else may remove the planted files meanwhile.)
+        assert not [p.name for p in leftovers if p.name in outputs], outputs[-3000:]
     finally:
         for path in leftovers:
             path.unlink(missing_ok=True)
     run_ids = [json.loads((tmp_path / run / "trace_rank00000.json").read_text())["metadata"]["run_id"]
                for run in ("a", "b")]
     assert run_ids[0] != run_ids[1] and not any(r.startswith("none") for r in run_ids), run_ids
+    assert all(r.startswith(TAG) for r in run_ids), run_ids  # what lets the leak check find this run's segments
 
 
 def test_the_transport_default_token_is_a_run_token(tmp_path, monkeypatch):
