@@ -54,14 +54,17 @@ done
 (( ${#PYTEST_ARGS[@]} )) || PYTEST_ARGS=("${DEFAULT_TESTS[@]}")
 
 LOAD_PIDS=()
+ROUND_PID=
 stop_load() {
     local pid
     for pid in "${LOAD_PIDS[@]}"; do kill "$pid" 2>/dev/null; done
     for pid in "${LOAD_PIDS[@]}"; do wait "$pid" 2>/dev/null; done
     LOAD_PIDS=()
 }
+# The round runs in the background and is waited for, so that a signal to this script is handled at
+# once: the round's `timeout` passes it on to pytest, and the load stops.
 trap 'stop_load' EXIT
-trap 'stop_load; exit 130' INT TERM
+trap '[[ -n $ROUND_PID ]] && kill "$ROUND_PID" 2>/dev/null; stop_load; exit 130' INT TERM
 
 start_load() {  # $1: seconds at most
     (( LOAD_PROCS > 0 )) || return 0
@@ -94,8 +97,11 @@ for (( round = 1; round <= ROUNDS; round++ )); do
     log=$(mktemp "/tmp/stress_tests.${tag}.XXXX.log")
     start_load "$ROUND_TIMEOUT"
     started=$SECONDS
-    MDPP_RUN_TAG=$tag timeout "$ROUND_TIMEOUT" "$PYTHON" -m pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}" >"$log" 2>&1
+    MDPP_RUN_TAG=$tag timeout "$ROUND_TIMEOUT" "$PYTHON" -m pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}" >"$log" 2>&1 &
+    ROUND_PID=$!
+    wait "$ROUND_PID"
     rc=$?
+    ROUND_PID=
     seconds=$(( SECONDS - started ))
     stop_load
     # The round's processes are gone (pytest waited for its ranks): anything of its tag left is a leak.
