@@ -1,6 +1,6 @@
 """trainer/pipeline/runtime.py on real processes: what PipelineRuntime opens (stage links, TP decision
 channel, tracer) is closed again on exit and when opening fails halfway -- no shared memory left
-mapped or named (conftest.py fails any test that leaves /dev/shm/mdpp*), no receiver thread left
+mapped or named (conftest.py fails any test that leaves a segment of its own), no receiver thread left
 running, and the set-up's own error is the one raised."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """TP decisions on real processes (trainer/pipeline/tp_decision.py): rank 0 is the TP leader of one
 stage, rank 1 its follower. The follower sleeps on the word log's futex word, so it wakes when the
 leader publishes, costs no CPU while it waits, and reports a killed leader within a fraction of a
-second instead of waiting for --dpp-timeout. conftest.py fails any test that leaves /dev/shm/mdpp*.
+second instead of waiting for --dpp-timeout. conftest.py fails any test that leaves a segment of its own (/dev/shm/mdpp-<tag>*).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each test spawns its ranks through ``trainer.local_ranks.run_processes`` (a forkserver with torch preloaded,
 gloo rendezvous on a free port) and is parametrised over the transports: "gloo" (a process group per
 directed edge) and "shm" (the C++ shared-memory ring). conftest.py fails any test that leaves
-/dev/shm/mdpp* behind, which covers the "no leaked segments" bullet for every scenario here.
+a segment of its own (/dev/shm/mdpp-<tag>*) behind, which covers the "no leaked segments" bullet for every scenario here.
 """
 
 from __future__ import annotations
