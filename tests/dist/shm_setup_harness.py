@@ -10,8 +10,10 @@ window in which a run's segments are visible.
   that would tell its peers);
 - ``stall``: stop answering for STALL_S, so that its peers' set-up collective times out (a peer that
   never arrived), then exit 3;
-- ``leftover``: go on normally but create one more segment under the run's token that nothing unlinks
-  (what a bug would leave): the run ends normally, and its last act must remove it.
+- ``leftover``: go on normally, but after the first step create one more segment under the run's
+  token that nothing unlinks (what a bug would leave): the run ends normally, and its last act must
+  remove it. (Made late rather than at set-up: on a shared host a file left long in /dev/shm may be
+  removed by something else.)
 
 Before acting, the victim prints ``SEGMENTS {"job": ..., "names": [...]}``: the run's job id and the
 names of it in /dev/shm, so a test can check that the window was really hit. The mocks stop here: the injection point is a patch,
@@ -27,6 +29,7 @@ import sys
 import time
 
 from trainer.names import is_segment_of, ring_name
+from trainer.train import TrainHooks, main
 from trainer.transport import shm_links
 
 STALL_S = 120.0  # longer than any test waits: the test kills it, as a launcher would
@@ -41,21 +44,23 @@ def run_segments(job: str) -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if is_segment_of(job, name))
 
 
-def inject(mode: str, victim: int) -> None:
-    """Patch this process's shared-memory set-up so that rank ``victim`` does ``mode`` (see above)."""
+def inject(mode: str, victim: int) -> TrainHooks:
+    """Patch this process's shared-memory set-up so that rank ``victim`` does ``mode`` (see above);
+    the hooks to run ``trainer.train.main`` with in this process."""
     assert mode in MODES, mode
     original_open, original_phases = shm_links.open_rings, shm_links._set_up_in_phases
     seen: dict[str, str] = {}
 
     def open_rings(specs, rank, job, group, num_slots, slot_bytes):  # noqa: ANN001, ANN202
         seen["job"] = job
-        rings = original_open(specs, rank, job, group, num_slots, slot_bytes)
-        if mode == "leftover" and rank == victim:
-            name = ring_name(job, 98, 99, "next")  # no rank of this run has that number
-            with open(f"/dev/shm{name}", "wb") as segment:
+        return original_open(specs, rank, job, group, num_slots, slot_bytes)
+
+    def leave_a_segment(iteration: int, losses: dict[str, float]) -> None:
+        if "left" not in seen:
+            seen["left"] = ring_name(seen["job"], 98, 99, "next").lstrip("/")  # no rank has that number
+            with open(f"/dev/shm/{seen['left']}", "wb") as segment:
                 segment.write(b"\0" * 4096)
-            print("LEFTOVER", json.dumps(name.lstrip("/")), flush=True)
-        return rings
+            print("LEFTOVER", json.dumps(seen["left"]), flush=True)
 
     def set_up_in_phases(phases, rank, group, clean_up):  # noqa: ANN001, ANN202
         if rank == victim and mode != "leftover" and phases[0][0] == "create":
@@ -70,13 +75,11 @@ def inject(mode: str, victim: int) -> None:
         return original_phases(phases, rank, group, clean_up)
 
     shm_links.open_rings, shm_links._set_up_in_phases = open_rings, set_up_in_phases
+    return TrainHooks(after_step=leave_a_segment) if mode == "leftover" else TrainHooks()
 
 
 if __name__ == "__main__":
     mode, victim, separator, *train_args = sys.argv[1:]
     assert separator == "--", "usage: shm_setup_harness MODE VICTIM -- <trainer.train flags>"
-    if int(os.environ["RANK"]) == int(victim):
-        inject(mode, int(victim))
-    from trainer.train import main
-
-    sys.exit(main(train_args))
+    hooks = inject(mode, int(victim)) if int(os.environ["RANK"]) == int(victim) else TrainHooks()
+    sys.exit(main(train_args, hooks))

@@ -11,6 +11,7 @@ each one's last act; a SIGKILLed rank cannot, its peer does.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -18,14 +19,18 @@ import time
 import pytest
 
 from tests.dist.launch import start
-from tests.dist.shm_setup_harness import run_segments
 from tests.shm_tag import TAG
+from trainer.names import is_segment_of
 
 TIMEOUT_S = 20  # --dpp-timeout: how long the survivor waits for a peer that never arrives
 ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "32", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--train-iters", "1", "--use-dpp", "--transport", "shm",
         "--dpp-timeout", str(TIMEOUT_S)]
+
+
+def run_segments(job: str) -> list[str]:
+    return sorted(name for name in os.listdir("/dev/shm") if is_segment_of(job, name))
 
 
 def _run(mode: str) -> tuple[list, list[str]]:
