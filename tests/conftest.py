@@ -1,4 +1,4 @@
-"""Shared test fixtures: no leaked /dev/shm entries, GPU tests skipped without CUDA."""
+"""Shared fixtures: no leaked shared-memory segments of this test run, GPU tests skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -8,29 +8,36 @@ from pathlib import Path
 
 import pytest
 
+from tests.shm_tag import TAG, our_segments
+from trainer.run_token import RUN_TAG_ENV
+
 REPO = Path(__file__).resolve().parents[1]
-SHM_PREFIX = "mdpp"  # every shared-memory name the project creates starts with this
 LEAK_GRACE_S = 3.0
 
-
-def _our_shm() -> set[str]:
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.iterdir() if p.name.startswith(SHM_PREFIX)} if shm.is_dir() else set()
+# Before any test, forked rank or launched rank exists: every run token drawn from here on (this
+# process and everything it starts inherits the environment) begins with this run's tag.
+os.environ[RUN_TAG_ENV] = TAG
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_shared_memory():
-    """Every test must leave /dev/shm as it found it (issue 3: no leaked segments after any test)."""
-    before = _our_shm()
+    """Every test must leave /dev/shm as it found it -- as far as this test run's own segments go.
+
+    Only names carrying this run's tag are looked at (tests/shm_tag.py): the whole of /dev/shm is
+    anyone's, and another run on the host (a second clone's tests, a training job) must never fail
+    a test here, nor could a test here tell that run's segments from a leak of its own. Tests run
+    one at a time in this process, so a tagged name that appeared during the test is the test's.
+    """
+    before = our_segments()
     yield
     # Rings are unlinked as soon as both ends have mapped them, so a segment that appeared during
     # the test may still be in flight for a moment in a peer process; only one that outlives a short
     # grace period is a leak.
     deadline = time.monotonic() + LEAK_GRACE_S
-    leaked = _our_shm() - before
+    leaked = our_segments() - before
     while leaked and time.monotonic() < deadline:
         time.sleep(0.1)
-        leaked = _our_shm() - before
+        leaked = our_segments() - before
     for name in leaked:  # clean up so one leak does not fail every later test
         try:
             os.unlink(f"/dev/shm/{name}")

@@ -85,3 +85,20 @@ def tp_decision_name(job: str, pp_rank: int, dp_rank: int) -> str:
     """Name of one stage's TP decision segment (trainer.pipeline.tp_decision), without the leading
     ``/`` that trainer.pipeline.tp_decision.TpDecisionChannel adds."""
     return f"mdpp-{job}-pp{pp_rank}-dp{dp_rank}-tpdecide"
+
+
+def is_segment_of(job: str, name: str) -> bool:
+    """Whether ``name`` (an entry of /dev/shm, no leading ``/``) is one of the names above made from
+    ``job``: a ring, a doorbell or a TP decision segment. The shape is checked part by part, so a job
+    id that merely starts with ``job`` (``job-1``) never matches: a run removes its own segments only."""
+    head = f"mdpp-{job}-"
+    if not name.startswith(head):
+        return False
+    parts = name[len(head):].split("-")
+    if len(parts) == 3 and parts[2] in ("next", "prev"):
+        return parts[0].isdigit() and parts[1].isdigit()
+    if len(parts) == 2 and parts[1] == "bell":
+        return parts[0].isdigit()
+    if len(parts) == 3 and parts[2] == "tpdecide":
+        return parts[0][:2] == "pp" and parts[0][2:].isdigit() and parts[1][:2] == "dp" and parts[1][2:].isdigit()
+    return False

@@ -8,17 +8,35 @@ The launcher's ids alone are not unique: torchrun without ``--standalone`` or ``
 TORCHELASTIC_RUN_ID to ``"none"`` for every job, and a requeued Slurm job keeps its SLURM_JOB_ID
 and step id. So rank 0 draws a random suffix and broadcasts it; the launcher's id stays in front
 for a human reading ``/dev/shm`` or a trace.
+
+A caller that runs many jobs on one host may put a tag of its own in front (RUN_TAG_ENV): the test
+suite does, so that it can tell its own runs' segments from those of any other run on the host.
+
+Removing what is left: segments exist only while links are being set up (each is unlinked once both
+ends mapped it), but a rank killed in that window cannot unlink its own. Every rank of the run knows
+the token, so :func:`remove_run_segments` is how a survivor (the transport when set-up fails, the
+trainer as its last act) removes whatever ``/dev/shm/mdpp-<token>-*`` remains on its host: this
+run's names only, never another run's (docs/transport.md, "Shared-memory hygiene").
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from trainer.names import launcher_prefix, make_token
+from trainer.names import is_segment_of, job_name_part, launcher_prefix, make_token
+
+log = logging.getLogger(__name__)
+
+RUN_TAG_ENV = "MDPP_RUN_TAG"
+"""Environment: a tag put in front of every run token drawn under it ([A-Za-z0-9_.] kept, the rest
+becomes ``_``), so a harness running many jobs on one host can find its own runs' segments."""
+SHM_DIR = Path("/dev/shm")
 
 
 def agreed_run_token(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> str:
@@ -36,4 +54,31 @@ def agreed_run_token(group: dist.ProcessGroup | None = None, device: torch.devic
         source = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast(value, src=source, group=group)
         suffix = int(value.item())
-    return make_token(launcher_prefix(dict(os.environ)), suffix)
+    return make_token(token_prefix(dict(os.environ)), suffix)
+
+
+def token_prefix(env: dict[str, str]) -> str:
+    """What goes in front of the random suffix: the caller's tag (RUN_TAG_ENV), then the launcher's id."""
+    return "_".join(part for part in (env.get(RUN_TAG_ENV, ""), launcher_prefix(env)) if part)
+
+
+def remove_run_segments(token: str | None, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink every segment of the run ``token`` still in ``shm_dir``; the names removed.
+
+    Safe to call from any rank, any number of times, at any point after set-up began: names are
+    unlinked, not unmapped, so a rank that still has a segment mapped keeps using it. A name another
+    process removes first is skipped. None (no token drawn yet): nothing to do."""
+    if not token or not shm_dir.is_dir():
+        return []
+    job, removed = job_name_part(token), []
+    for entry in os.scandir(shm_dir):
+        if is_segment_of(job, entry.name):
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:  # a peer of the same run got there first
+                continue
+            removed.append(entry.name)
+    if removed:
+        log.warning("removed %d shared-memory segment(s) run %s left in %s: %s",
+                    len(removed), token, shm_dir, ", ".join(sorted(removed)))
+    return removed

@@ -37,6 +37,7 @@ from trainer.config import ConfigError, RunPlan, TrainConfig, parse_config, reso
 from trainer.distributed import LaunchError, LaunchInfo, ranks_per_node_from_env, read_launch_env, shutdown
 from trainer.manual_gc import GcPauses, ManualGC
 from trainer.pipeline.runtime import link_options as link_options  # re-exported: callers import it from here
+from trainer.run_token import remove_run_segments
 from trainer.session.build import BuiltRun, build_run
 from trainer.topology import Topology
 
@@ -279,6 +280,11 @@ class TrainingSession:
             out.write(f"{outcome} {self.state.iteration}\n")
         os.replace(tmp, path)
 
+    @property
+    def run_token(self) -> str | None:
+        """The run's token (shared-memory names, trace files), once set-up has agreed it."""
+        return self.built.run_token if self.built is not None else None
+
     def record_failure(self, err: BaseException) -> None:
         """Rank 0 records why it failed (its node, the error's first line) in $MDPP_EXIT_RECORD: the
         sbatch script prints the record, so the job's last line names the rank that failed and, when
@@ -398,12 +404,14 @@ def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> 
         faulthandler.dump_traceback_later(cfg.parallel.dpp_timeout_s + 60, exit=True)
         session.close()
         faulthandler.cancel_dump_traceback_later()
+        remove_run_segments(session.run_token)  # the run's last act (trainer.run_token)
         session.record_exit(code)
         return code
     except Exception as err:
         log.exception("rank %d failed", launch.rank)
         session.record_failure(err)  # the job's last line names the failure (trainer/train.py: record_failure)
         session.flush_traces()
+        remove_run_segments(session.run_token)  # the run's last act (trainer.run_token)
         sys.stdout.flush()
         # Peers may be blocked in a collective with this rank: exiting now (non-zero) lets the
         # launcher tear the job down instead of hanging in process-group destructors.

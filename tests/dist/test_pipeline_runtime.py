@@ -1,6 +1,6 @@
 """trainer/pipeline/runtime.py on real processes: what PipelineRuntime opens (stage links, TP decision
 channel, tracer) is closed again on exit and when opening fails halfway -- no shared memory left
-mapped or named (conftest.py fails any test that leaves /dev/shm/mdpp*), no receiver thread left
+mapped or named (conftest.py fails any test that leaves a segment of its own), no receiver thread left
 running, and the set-up's own error is the one raised."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.shm_tag import tagged
 from trainer.config import parse_config
 from trainer.local_ranks import check_all_ok, run_processes
 from trainer.pipeline.runtime import PipelineRuntime
@@ -89,7 +90,7 @@ def _open_with_one_failing_rank(rank: int, world: int, layout: str, failing: int
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("layout", "failing"), [("pp2", 1), ("tp2", 0)])
 def test_a_failure_halfway_through_opening_closes_what_was_opened(layout: str, failing: int):
-    token = f"t{uuid.uuid4().hex[:8]}"
+    token = tagged(uuid.uuid4().hex[:8])
     results = check_all_ok(run_processes(_open_with_one_failing_rank, 2, layout, failing, token, timeout_s=150))
     failed, opened = results[failing], results[1 - failing]
     assert failed["error"] == f"rank {failing}: no tracer for dpp"
@@ -119,7 +120,7 @@ def _open_and_close_traced(rank: int, world: int, profile_dir: str, token: str) 
 @pytest.mark.timeout(180)
 def test_leaving_the_block_writes_the_traces_and_closes_the_links(tmp_path: Path):
     """Tracing on: the clock offset collective runs while opening; each rank's trace is written on exit."""
-    results = check_all_ok(run_processes(_open_and_close_traced, 2, str(tmp_path), f"t{uuid.uuid4().hex[:8]}",
+    results = check_all_ok(run_processes(_open_and_close_traced, 2, str(tmp_path), tagged(uuid.uuid4().hex[:8]),
                                          timeout_s=150))
     for result in results:
         assert result == {"mapped_after": [], "owned_after": []}

@@ -1,7 +1,7 @@
 """TP decisions on real processes (trainer/pipeline/tp_decision.py): rank 0 is the TP leader of one
 stage, rank 1 its follower. The follower sleeps on the word log's futex word, so it wakes when the
 leader publishes, costs no CPU while it waits, and reports a killed leader within a fraction of a
-second instead of waiting for --dpp-timeout. conftest.py fails any test that leaves /dev/shm/mdpp*.
+second instead of waiting for --dpp-timeout. conftest.py fails any test that leaves a segment of its own (/dev/shm/mdpp-<tag>*).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import uuid
 import pytest
 import torch.distributed as dist
 
+from tests.shm_tag import tagged
 from trainer.local_ranks import check_all_ok, run_processes
 from trainer.names import tp_decision_name
 from trainer.pipeline.tp_decision import TpDecisionChannel, TpDecisionTimeout, TpLeaderDied
@@ -53,7 +54,7 @@ def _wake_up_scenario(rank: int, world: int, job: str) -> list:
 
 @pytest.mark.timeout(90)
 def test_follower_wakes_when_the_leader_publishes_and_sleeps_meanwhile():
-    published, received = check_all_ok(run_processes(_wake_up_scenario, 2, f"t{uuid.uuid4().hex[:8]}"))
+    published, received = check_all_ok(run_processes(_wake_up_scenario, 2, tagged(uuid.uuid4().hex[:8])))
     assert [r[0] for r in received] == [a for actions in STEPS for a in actions]
     for index, (at, (_, woke, waited, cpu)) in enumerate(zip(published, received, strict=True)):
         assert woke - at < 0.05, f"decision {index}: woke {woke - at:.4f}s after the publish"
@@ -86,7 +87,7 @@ def _killed_leader_scenario(rank: int, world: int, job: str) -> tuple[int, str, 
 
 @pytest.mark.timeout(90)
 def test_a_killed_leader_is_reported_within_a_second_naming_it():
-    leader, follower = run_processes(_killed_leader_scenario, 2, f"t{uuid.uuid4().hex[:8]}")
+    leader, follower = run_processes(_killed_leader_scenario, 2, tagged(uuid.uuid4().hex[:8]))
     assert leader.exitcode == -signal.SIGKILL, leader
     pid, kind, message, elapsed = check_all_ok([follower])[0]
     assert kind == "TpLeaderDied" and elapsed < 2.0, (kind, message, elapsed)
@@ -110,7 +111,7 @@ def _silent_leader_scenario(rank: int, world: int, job: str) -> tuple[str, float
 
 @pytest.mark.timeout(60)
 def test_a_silent_leader_times_out_naming_the_wait():
-    _, (message, elapsed) = check_all_ok(run_processes(_silent_leader_scenario, 2, f"t{uuid.uuid4().hex[:8]}"))
+    _, (message, elapsed) = check_all_ok(run_processes(_silent_leader_scenario, 2, tagged(uuid.uuid4().hex[:8])))
     assert 1.0 <= elapsed < 2.0, elapsed
     assert message.startswith("stage 0 rank 1 (TP rank 1): waited 1s for TP rank 0 (rank 0, pid "), message
     assert message.endswith("'s decision #0 of step generation 1"), message

@@ -3,7 +3,7 @@
 Each test spawns its ranks through ``trainer.local_ranks.run_processes`` (a forkserver with torch preloaded,
 gloo rendezvous on a free port) and is parametrised over the transports: "gloo" (a process group per
 directed edge) and "shm" (the C++ shared-memory ring). conftest.py fails any test that leaves
-/dev/shm/mdpp* behind, which covers the "no leaked segments" bullet for every scenario here.
+a segment of its own (/dev/shm/mdpp-<tag>*) behind, which covers the "no leaked segments" bullet for every scenario here.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.shm_tag import tagged
 from trainer.local_ranks import check_all_ok, run_processes
 from trainer.topology import Topology
 from trainer.transport import TransportError, TransportTimeout
@@ -316,7 +318,7 @@ def _auto_scenario(rank: int, world: int, job: str) -> tuple[str, list]:
 
 @pytest.mark.timeout(90)
 def test_auto_uses_shm_within_a_node_and_gloo_across():
-    job = f"t{os.getpid()}"
+    job = tagged("auto")
     for rank, (description, (visible, got)) in enumerate(check_all_ok(run_processes(_auto_scenario, 4, job))):
         prev, nxt = (rank - 1) % 4, (rank + 1) % 4
         assert visible == [], f"rank {rank} sees shared-memory names: {visible}"
@@ -328,22 +330,32 @@ def test_auto_uses_shm_within_a_node_and_gloo_across():
 
 
 # ---- set-up failure on one rank: every rank raises, nothing is left behind ------------------------------
-def _stale_name_scenario(rank: int, world: int, job: str) -> str:
+def _stale_paths(job: str) -> tuple[Path, Path]:
+    return (Path(f"/dev/shm/mdpp-{job}-1-0-next"),  # what rank 0 would create for its incoming ring
+            Path(f"/dev/shm/mdpp-{job}-1-1-0-next"))  # ring 1->0 of the run "<job>-1": not ours
+
+
+def _stale_name_scenario(rank: int, world: int, job: str) -> tuple[str, list[bool]]:
     topo = Topology(world_size=world, rank=rank, pipeline_parallel=world)
+    stale, other = _stale_paths(job)
+    if rank == 0:  # planted just before the set-up: on a shared host a file left long in /dev/shm may
+        stale.touch()  # be removed by something else (a leak check that looks at the whole of it)
+        other.touch()
     with pytest.raises(TransportError) as info:
         make_stage_links(topo, "shm", "cpu", timeout_s=20.0, job_id=job, options=LinkOptions(shm_slot_bytes=4096))
-    return str(info.value)
+    return str(info.value), [stale.exists(), other.exists()]
 
 
 @pytest.mark.timeout(60)
 def test_setup_failure_on_one_rank_fails_every_rank_cleanly():
-    job = f"stale{os.getpid()}"
-    stale = f"/dev/shm/mdpp-{job}-1-0-next"  # what rank 0 would create for its incoming ring
-    with open(stale, "w"):
-        pass
+    job = tagged("stale")
     try:
-        messages = check_all_ok(run_processes(_stale_name_scenario, 2, job))
+        outcomes = check_all_ok(run_processes(_stale_name_scenario, 2, job))
     finally:
-        os.unlink(stale)
-    for message in messages:
+        for path in _stale_paths(job):
+            path.unlink(missing_ok=True)
+    # The failed set-up removed every segment of its run, the one in its way included, and nothing
+    # of the other run.
+    assert outcomes[0][1] == [False, True], outcomes[0]
+    for message, _ in outcomes:
         assert "set-up (create) failed" in message and "rank 0" in message and "File exists" in message, message

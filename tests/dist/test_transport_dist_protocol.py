@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from tests.shm_tag import tagged
 from trainer.local_ranks import check_all_ok, run_processes
 from trainer.topology import Topology
 from trainer.transport import TransportError, TransportTimeout
@@ -215,7 +216,7 @@ def _random_order_scenario(rank: int, world: int, transport: str, nodes: tuple, 
 @pytest.mark.parametrize(("transport", "nodes"), [("gloo", ()), ("auto", (0, 0, 1, 1))], ids=["gloo", "auto-2+2"])
 def test_randomized_send_orders_across_edges_complete(transport, nodes):
     seeds, rounds = list(range(25)), 4
-    job = f"r{os.getpid()}{transport[0]}"
+    job = tagged(f"r{transport[0]}")
     counts = check_all_ok(run_processes(_random_order_scenario, 4, transport, nodes, seeds, rounds, job, timeout_s=200))
     expected = [0] * 4
     for seed in seeds:
@@ -246,7 +247,7 @@ def _killed_in_split_scenario(rank: int, world: int, job: str) -> str:
 
 @pytest.mark.timeout(90)
 def test_killed_peer_in_a_2_plus_2_split_leaves_no_shared_memory():
-    job = f"k{os.getpid()}"
+    job = tagged("k")
     outcomes = run_processes(_killed_in_split_scenario, 4, job, timeout_s=60)
     assert outcomes[3].exitcode == -signal.SIGKILL, outcomes[3]
     survivors = check_all_ok(outcomes[:3])
@@ -277,11 +278,11 @@ def test_all_header_line_ranks_read_their_lines_themselves_mixed_ranks_use_a_hea
     """A rank that receives only on header lines polls them from its consumer (no thread hand-off);
     a rank that also receives on a shared-memory ring sleeps on the ring's doorbell, so its header
     lines keep a thread that puts arrivals into the inbox and rings it."""
-    pure = check_all_ok(run_processes(_readers_scenario, 4, "gloo", (), f"p{os.getpid()}", timeout_s=60))
+    pure = check_all_ok(run_processes(_readers_scenario, 4, "gloo", (), tagged("p"), timeout_s=60))
     for rank, (kinds, threads, value) in enumerate(pure):
         assert kinds == ["PolledGroupReceiver"] * 2 and threads == [], (rank, kinds, threads)
         assert value == [float((rank - 1) % 4)] * 5
-    mixed = check_all_ok(run_processes(_readers_scenario, 4, "auto", (0, 0, 1, 1), f"m{os.getpid()}", timeout_s=60))
+    mixed = check_all_ok(run_processes(_readers_scenario, 4, "auto", (0, 0, 1, 1), tagged("m"), timeout_s=60))
     for rank, (kinds, threads, value) in enumerate(mixed):
         # each rank has one ring and one header line incoming (edges 1<->2 and 3<->0 cross "nodes")
         assert "ProcessGroupReceiver" in kinds and len(threads) == 1, (rank, kinds, threads)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.shm_tag import TAG
 from tests.slurm.conftest import REPO
 
 # Each step draws its token with the trainer's own function, leaves it in TOKENS, and waits (bounded)
@@ -43,6 +44,8 @@ def test_concurrent_steps_of_one_allocation_get_their_own_token(slurm, tmp_path)
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
     assert {job.steps[f"{job.job_id}.{step}"][0] for step in (0, 1)} == {"COMPLETED"}, job.describe()
     made = sorted(p.name for p in tokens.iterdir())
-    assert len(made) == 2 and all(re.fullmatch(rf"{job.job_id}\.[01]-[0-9a-f]{{8}}", t) for t in made), made
-    assert sorted(t.split("-")[0] for t in made) == [f"{job.job_id}.0", f"{job.job_id}.1"], made
+    # --export=ALL passes this test run's tag (tests/shm_tag.py), which goes in front of the step's id.
+    tag = re.escape(f"{TAG}_")
+    assert len(made) == 2 and all(re.fullmatch(rf"{tag}{job.job_id}\.[01]-[0-9a-f]{{8}}", t) for t in made), made
+    assert sorted(t.split("-")[0] for t in made) == [f"{TAG}_{job.job_id}.0", f"{TAG}_{job.job_id}.1"], made
     assert sorted(job.output.split()) == made, job.describe()

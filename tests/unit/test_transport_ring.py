@@ -9,12 +9,13 @@ import uuid
 import pytest
 import torch
 
+from tests.shm_tag import tagged
 from trainer.transport import _shm_ring
 
 
 @pytest.fixture
 def name():
-    return f"/mdpp-unit-{uuid.uuid4().hex[:8]}"
+    return f"/mdpp-{tagged(uuid.uuid4().hex[:8])}"
 
 
 def _commit(ring: _shm_ring.Ring, value: int, nbytes: int = 64) -> int:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trainer.names import TRANSPORTS, job_name_part
 from trainer.problems import raise_if_any
-from trainer.run_token import agreed_run_token
+from trainer.run_token import agreed_run_token, remove_run_segments
 from trainer.topology import Topology
 from trainer.transport.base import Direction, StageLinks
 from trainer.transport.channels import ChannelStageLinks, Inbox, RecvChannel, SendChannel
@@ -175,21 +175,34 @@ def make_stage_links(
         # Set-up needs a few collectives whatever the default backend is (NCCL needs devices set).
         setup_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         job = _agreed_job_id(job_id, setup_group)
-        if device.type == "cuda":  # GPU payloads in peer GPU memory; the C++ ring carries headers
-            from trainer.transport.cuda_peer import build_cuda_peer_channels
-
-            shm_senders, shm_receivers = build_cuda_peer_channels(
+        try:
+            shm_senders, shm_receivers = _build_same_node_channels(
                 shm_specs, rank, device, job, timeout_s, options, inbox, setup_group)
-        else:  # the C++ extension, imported only when used
-            from trainer.transport.shm_links import build_shm_channels
-
-            shm_senders, shm_receivers = build_shm_channels(
-                shm_specs, rank, job, timeout_s, options, inbox, setup_group)
+        except BaseException:
+            # A peer died or never came (the set-up collective failed or timed out), or this rank
+            # failed: segments the dead or failing ranks created would stay in /dev/shm forever,
+            # and every rank of the run knows their names. The survivors on each host remove them.
+            remove_run_segments(job)
+            raise
         senders.update(shm_senders)
         receivers.extend(shm_receivers)
     description = " ".join(f"{s.direction}:{s.src}->{s.dst}:{s.transport}" for s in plan if rank in (s.src, s.dst))
     log.info("rank %d: stage links %s", rank, description or "(none: pipeline_parallel == 1)")
     return ChannelStageLinks(rank, senders, receivers, inbox, timeout_s, description, options.poll_interval_s)
+
+
+def _build_same_node_channels(
+    specs: list[ChannelSpec], rank: int, device: torch.device, job: str, timeout_s: float,
+    options: LinkOptions, inbox: Inbox, group: dist.ProcessGroup,
+) -> tuple[dict, list]:  # fmt: skip
+    """This rank's shared-memory channels. COLLECTIVE over ``group``."""
+    if device.type == "cuda":  # GPU payloads in peer GPU memory; the C++ ring carries headers
+        from trainer.transport.cuda_peer import build_cuda_peer_channels
+
+        return build_cuda_peer_channels(specs, rank, device, job, timeout_s, options, inbox, group)
+    from trainer.transport.shm_links import build_shm_channels  # the C++ extension, imported only when used
+
+    return build_shm_channels(specs, rank, job, timeout_s, options, inbox, group)
 
 
 def _agreed_job_id(job_id: str | None, group: dist.ProcessGroup) -> str:

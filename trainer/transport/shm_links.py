@@ -304,7 +304,9 @@ def _set_up_in_phases(phases: tuple[tuple[str, Callable[[], None]], ...], rank: 
     An all-gather after each phase keeps every rank from starting the next one (attaching to a name)
     before every rank finished this one (created it); and when a phase failed anywhere, every rank
     runs ``clean_up`` and raises one TransportError naming each rank's error, instead of waiting for
-    peers that will never attach.
+    peers that will never attach. When the all-gather itself fails (a rank died, or never came within the
+    group's timeout), this rank cleans up what it made and raises TransportError naming the phase;
+    the segments the missing rank made are its caller's to remove (trainer.run_token.remove_run_segments).
     """
     for phase, work in phases:
         error = None
@@ -314,7 +316,12 @@ def _set_up_in_phases(phases: tuple[tuple[str, Callable[[], None]], ...], rank: 
             error = f"rank {rank}: {exc}"
             if "No space" in error:
                 error += " (/dev/shm too small? lower LinkOptions.shm_slot_bytes or credits)"
-        errors = all_gather(error, group)
+        try:
+            errors = all_gather(error, group)
+        except RuntimeError as exc:  # a peer died (its sockets closed) or never came (the group's timeout)
+            clean_up()
+            raise TransportError(f"rank {rank}: shared-memory set-up ({phase}): not every rank finished "
+                                 f"this phase (one died, failed outside it, or never came): {exc}") from exc
         if any(errors):
             clean_up()
             raise TransportError(problems_text(errors, f"shared-memory set-up ({phase}) failed"))
