@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint_watchdog import TimeoutSettingError, Watchdog, checkpoint_timeout_s
+from trainer.config import llama_identity
 from trainer.early_signals import kept_from_child_processes
 
 log = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ def run_identity(cfg) -> dict[str, object]:
         # --lr-warmup-fraction included); checkpoints older than these keys skip them.
         "lr_warmup_samples": o.lr_schedule_samples[0], "lr_decay_samples": o.lr_schedule_samples[1],
         "optimizer": o.optimizer, "micro_batch_size": o.micro_batch_size, "global_batch_size": o.global_batch_size,
+        **llama_identity(m),  # the Llama-family architecture flags (RMSNorm, SwiGLU, RoPE, groups, biases)
     }
 
 
@@ -379,6 +381,15 @@ SAVE_COMMIT = "finalising: rename and tracker"
 SAVE_END = "waiting for rank 0 to rename the folder and write the tracker"
 
 
+def sync_overlapped_params(model: list) -> None:
+    """COLLECTIVE under --overlap-param-gather: finish every parameter all-gather now (the last step's
+    would otherwise wait for the next forward), so the weights saved are the updated ones on every
+    rank -- what Megatron-LM's disable_forward_pre_hook does before it saves."""
+    for chunk in model:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def save_checkpoint(root: str, state: TrainState, model: list, optimizer, scheduler, facts: RunFacts,
                     timeout_s: float | None = None) -> Path:
     """COLLECTIVE: write ``root/iter_N`` through megatron-core, then the tracker; returns the folder.
@@ -389,6 +400,7 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
     """
     final = iteration_dir(root, state.iteration)
     tmp = final.with_name(final.name + ".tmp")
+    sync_overlapped_params(model)
     with Watchdog("save", dist.get_rank(), tmp, state.iteration, timeout_s) as watchdog:
         _save(root, state, model, optimizer, scheduler, facts, watchdog)
     return final

@@ -26,7 +26,7 @@ from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
 from trainer.layer_split import split_problems
 from trainer.megatron_lm_flags import MEGATRON_LM_FLAGS
-from trainer.names import TOKENIZERS, TRANSPORTS, TokenizerType, Transport
+from trainer.names import MODEL_FILE_TOKENIZERS, TOKENIZERS, TRANSPORTS, TokenizerType, Transport
 from trainer.node_addresses import read_node_ips
 from trainer.stall_injection import stall_problems
 
@@ -108,6 +108,44 @@ class ModelConfig:
     """Megatron-LM's ``--use-flash-attn`` (FlashAttention): here the same as ``--attention-backend
     flash`` (megatron-core models take the backend from that setting)."""
 
+    # ---- Llama-family architecture (Megatron-LM's flags and defaults; checked by _llama_problems) ----
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """``--normalization`` (TransformerConfig.normalization): LayerNorm, or RMSNorm as Llama uses (the
+    local spec builds torch.nn.RMSNorm through megatron-core's WrappedTorchNorm)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm (``--norm-epsilon``, TransformerConfig.layernorm_epsilon)."""
+    swiglu: bool = False
+    """``--swiglu``: gated linear unit with SiLU in the MLP (Llama's SwiGLU). Without
+    --ffn-hidden-size the MLP width is then int(4 h x 2/3 / 64) x 64, as Megatron-LM sets it."""
+    disable_bias_linear: bool = False
+    """``--disable-bias-linear``: no biases in the attention and MLP linears (Llama has none)."""
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """``--position-embedding-type``: a learned position table (GPT's), rotary embeddings applied to
+    queries and keys (``rope``, Llama's; no table), or none."""
+    no_position_embedding: bool = False
+    """``--no-position-embedding``: Megatron-LM's deprecated way to drop the learned table; as there,
+    only accepted together with --position-embedding-type rope (where it changes nothing)."""
+    rotary_base: int = 10000
+    """RoPE base period (``--rotary-base``)."""
+    rotary_percent: float = 1.0
+    """Share of each head's dimensions that RoPE rotates (``--rotary-percent``, in (0, 1])."""
+    group_query_attention: bool = False
+    """``--group-query-attention``: keys and values have --num-query-groups heads, shared by
+    --num-attention-heads / --num-query-groups query heads each (Llama-2 70B: 64 heads, 8 groups)."""
+    num_query_groups: int = 1
+    """Key/value head groups with --group-query-attention (``--num-query-groups``); ignored without it,
+    as in Megatron-LM."""
+    masked_softmax_fusion: bool = True
+    """Megatron's fused scale-mask-softmax kernel where it is built (``--no-masked-softmax-fusion``
+    turns it off; on CPU, or without the kernel, the unfused softmax runs either way)."""
+    rope_fusion: bool = True
+    """Transformer Engine's fused RoPE where it is used (``--no-rope-fusion`` turns it off; the local
+    spec applies RoPE unfused either way)."""
+    use_mcore_models: bool = False
+    """``--use-mcore-models``: accepted for Megatron-LM command lines; megatron-core's models are the
+    only ones this trainer builds."""
+    # ---- end of the Llama-family block ----
+
     def __post_init__(self) -> None:
         p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
              for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -128,6 +166,7 @@ class ModelConfig:
         if not self.init_method_std > 0:
             p.append(f"--init-method-std={self.init_method_std} must be > 0")
         p.extend(self._recompute_problems())
+        p.extend(_llama_problems(self))
         if self.attention_backend not in ATTENTION_BACKENDS:
             p.append(f"--attention-backend={self.attention_backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
         elif self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
@@ -175,7 +214,10 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """--ffn-hidden-size, else Megatron-LM's default: 4 h, or int(4 h x 2/3 / 64) x 64 with --swiglu."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
 
     @property
     def max_positions(self) -> int:
@@ -185,6 +227,64 @@ class ModelConfig:
         """Megatron's padding: next multiple of make_vocab_size_divisible_by x TP."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
         return -(-vocab_size // multiple) * multiple
+
+
+# ---- Llama-family architecture: the checks of ModelConfig's Llama block ----------------------------
+LLAMA_DEFAULTS = {"normalization": "LayerNorm", "swiglu": False, "disable_bias_linear": False,
+                  "position_embedding_type": "learned_absolute", "group_query_attention": False}
+
+
+def _llama_problems(m: ModelConfig) -> list[str]:
+    """Megatron-LM's rules for the Llama-family flags (validate_args), refused up front."""
+    p = []
+    if m.normalization not in ("LayerNorm", "RMSNorm"):
+        p.append(f"--normalization={m.normalization!r} must be LayerNorm or RMSNorm")
+    if not m.norm_epsilon > 0:
+        p.append(f"--norm-epsilon={m.norm_epsilon} must be > 0")
+    if m.position_embedding_type not in ("learned_absolute", "rope", "none"):
+        p.append(f"--position-embedding-type={m.position_embedding_type!r} must be learned_absolute, rope or none")
+    if m.no_position_embedding and m.position_embedding_type != "rope":
+        # Megatron-LM raises the same: the flag is deprecated except beside rope.
+        p.append("--no-position-embedding is deprecated, use --position-embedding-type (it is accepted only "
+                 f"with --position-embedding-type rope; got {m.position_embedding_type})")
+    if m.rotary_base < 1:
+        p.append(f"--rotary-base={m.rotary_base} must be >= 1")
+    if not 0.0 < m.rotary_percent <= 1.0:
+        p.append(f"--rotary-percent={m.rotary_percent} must be in (0, 1]")
+    if m.group_query_attention:
+        if m.num_query_groups < 1:
+            p.append(f"--num-query-groups={m.num_query_groups} must be >= 1")
+        elif m.num_attention_heads % m.num_query_groups:
+            p.append(f"--num-attention-heads={m.num_attention_heads} is not divisible by "
+                     f"--num-query-groups={m.num_query_groups}")
+    if m.swiglu and m.ffn_hidden_size is None and m.ffn_size < 1:
+        p.append(f"--swiglu without --ffn-hidden-size gives int(4 x {m.hidden_size} x 2/3 / 64) x 64 = 0: "
+                 "give --ffn-hidden-size")
+    llama = [f"--{name.replace('_', '-')}" for name, default in LLAMA_DEFAULTS.items() if getattr(m, name) != default]
+    if llama and m.model != "gpt":
+        p.append(f"{' '.join(llama)} are implemented for --model gpt only (Llama-family GPT models)")
+    return p
+
+
+def llama_layout_problems(cfg: TrainConfig) -> list[str]:
+    """The Llama-family flags against the parallel layout and the layer spec."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    p = []
+    if m.group_query_attention and m.num_query_groups >= 1 and m.num_query_groups % tp:
+        p.append(f"--num-query-groups={m.num_query_groups} is not divisible by --tensor-model-parallel-size={tp} "
+                 "(each TP rank holds whole key/value groups)")
+    if m.position_embedding_type == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
+        p.append(f"--position-embedding-type rope needs an even head size (--hidden-size / --num-attention-heads "
+                 f"= {m.hidden_size // m.num_attention_heads})")
+    return p
+
+
+def llama_identity(m: ModelConfig) -> dict[str, object]:
+    """The architecture a checkpoint of this model must share (trainer.checkpoint.run_identity)."""
+    return {"normalization": m.normalization, "swiglu": m.swiglu, "add_bias_linear": not m.disable_bias_linear,
+            "position_embedding_type": m.position_embedding_type,
+            "num_query_groups": m.num_query_groups if m.group_query_attention else m.num_attention_heads}
+# ---- end of the Llama-family checks ----
 
 
 @dataclass(frozen=True)
@@ -282,6 +382,12 @@ class ParallelConfig:
     chunk's data-parallel gradient reduction is launched asynchronously, bucket by bucket, while its
     last backward still runs (instead of all at once in finalize_model_grads), and awaited in
     finalize_model_grads. Buckets of max(40M, 1M x DP) parameters, as Megatron-LM."""
+    overlap_param_gather: bool = False
+    """Megatron-LM's ``--overlap-param-gather`` (megatron-core DDP's overlap_param_gather): with the
+    distributed optimizer, the all-gather of the updated parameters is not done inside the optimizer
+    step but bucket by bucket, asynchronously, from forward pre-hooks when the next forward first
+    uses them (each bucket's wait dispatches the next); a checkpoint save gathers them all first.
+    Needs --use-distributed-optimizer and --overlap-grad-reduce, as in Megatron-LM."""
     batch_p2p_sync: bool = True
     """megatron-core syncs the device after each batched P2P (batch_isend_irecv), a workaround for old
     PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its
@@ -337,6 +443,10 @@ class ParallelConfig:
                      "tensor-parallel ranks)")
         if self.dpp_timeout_s <= 0:
             p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
+        if self.overlap_param_gather:  # Megatron-LM's two assertions
+            p.extend(f"--overlap-param-gather needs {flag}" for flag, on in
+                     (("--use-distributed-optimizer", self.use_distributed_optimizer),
+                      ("--overlap-grad-reduce", self.overlap_grad_reduce)) if not on)
         if self.cuda_graph_impl not in ("none", "local"):
             p.append(f"--cuda-graph-impl={self.cuda_graph_impl!r} must be none or local (megatron-core's own "
                      "graphs; transformer_engine needs Transformer Engine, full_iteration is not offered)")
@@ -509,6 +619,9 @@ class DataConfig:
     """GPT-2 BPE merges (``--merge-file``)."""
     tokenizer_type: TokenizerType = "GPT2BPETokenizer"
     """``--tokenizer-type`` (Megatron's names)."""
+    tokenizer_model: str | None = None
+    """``--tokenizer-model``: the SentencePiece model of Llama2Tokenizer (tokenizer.model), or the local
+    folder (or tokenizer.json) of HuggingFaceTokenizer; read offline, nothing is downloaded."""
     variable_seq_lengths: bool = False
     """Megatron-LM's ``--variable-seq-lengths``: each microbatch is as long as its documents (GPT: one
     document or piece of one per sample; BERT: one sentence group), rounded up to
@@ -560,11 +673,23 @@ class DataConfig:
             p.extend(parse_split(self.split)[1])
         if self.tokenizer_type not in TOKENIZERS:
             p.append(f"--tokenizer-type={self.tokenizer_type!r} must be one of {', '.join(TOKENIZERS)}")
-        if self.data_path and self.tokenizer_type != "NullTokenizer" and not self.vocab_file:
-            p.append(f"--vocab-file is required with --tokenizer-type={self.tokenizer_type}")
-        if self.data_path and self.tokenizer_type == "GPT2BPETokenizer" and not self.merge_file:
-            p.append("--merge-file is required with --tokenizer-type=GPT2BPETokenizer")
+        if self.tokenizer_model is not None and self.tokenizer_type not in MODEL_FILE_TOKENIZERS:
+            p.append(f"--tokenizer-model={self.tokenizer_model} is read by --tokenizer-type "
+                     f"{' or '.join(MODEL_FILE_TOKENIZERS)}, not {self.tokenizer_type}")
         _check(p)
+
+    def tokenizer_file_problems(self) -> list[str]:
+        """The tokenizer files --data-path needs and lacks (a layout check: BERT's need of WordPiece
+        is named first, by _bert_data_problems)."""
+        if not self.data_path or self.tokenizer_type == "NullTokenizer":
+            return []
+        if self.tokenizer_type in MODEL_FILE_TOKENIZERS:
+            return [] if self.tokenizer_model else [f"--tokenizer-model is required with --tokenizer-type="
+                                                    f"{self.tokenizer_type}"]
+        p = [] if self.vocab_file else [f"--vocab-file is required with --tokenizer-type={self.tokenizer_type}"]
+        if self.tokenizer_type == "GPT2BPETokenizer" and not self.merge_file:
+            p.append("--merge-file is required with --tokenizer-type=GPT2BPETokenizer")
+        return p
 
 
 @dataclass(frozen=True)
@@ -824,6 +949,7 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
                  + resolve_dpp_policy(cfg)[1])
     p.extend(_variable_length_problems(cfg))
     p.extend(_bert_data_problems(cfg))
+    p.extend(llama_layout_problems(cfg))
     p.extend(_cuda_graph_problems(cfg))
     p.extend(_recompute_slot_problems(cfg))
     p.extend(_megatron_graph_problems(cfg))
@@ -958,12 +1084,17 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
 
 def _bert_data_problems(cfg: TrainConfig) -> list[str]:
     """BERT on --data-path masks WordPiece tokens ([CLS]/[SEP]/[MASK], whole words): it needs a WordPiece
-    --tokenizer-type (megatron-core's BERT dataset and the project's alike)."""
+    --tokenizer-type (megatron-core's BERT dataset and the project's alike). That named, the tokenizer
+    files --data-path needs (DataConfig.tokenizer_file_problems), so a BERT line without
+    --tokenizer-type hears what it lacks rather than GPT-2's --merge-file."""
     d = cfg.data
-    if cfg.model.model != "bert" or not d.data_path or d.tokenizer_type.startswith("BertWordPiece"):
-        return []
-    return [f"--model bert with --data-path needs --tokenizer-type BertWordPieceLowerCase or BertWordPieceCase "
-            f"(got {d.tokenizer_type})"]
+    if cfg.model.model != "bert" or not d.data_path:
+        return d.tokenizer_file_problems()
+    if d.tokenizer_type.startswith("BertWordPiece"):
+        return d.tokenizer_file_problems()
+    default = " (the default)" if d.tokenizer_type == DataConfig.tokenizer_type else ""
+    return [f"BERT needs a WordPiece tokenizer: --model bert with --data-path needs --tokenizer-type "
+            f"BertWordPieceLowerCase or BertWordPieceCase and its --vocab-file (got {d.tokenizer_type}{default})"]
 
 
 def _variable_length_problems(cfg: TrainConfig) -> list[str]:

@@ -30,7 +30,14 @@ TINY = ["--device", "cpu", "--mock-data", "--hidden-size", "32", "--num-attentio
         "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--dpp-timeout", "120"]
-MODELS = {"gpt": ["--model", "gpt", "--num-layers", "8"], "bert": ["--model", "bert", "--num-layers", "4"]}
+# A Llama-family GPT (the AWS Llama-2 line's architecture flags): RMSNorm, SwiGLU (gated fc1, whose TP
+# shards the harness slices as megatron-core lays them out), RoPE without a position table,
+# grouped-query attention (2 key/value groups for 4 heads), untied output layer, no linear biases.
+LLAMA = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
+         "--normalization", "RMSNorm", "--swiglu", "--no-masked-softmax-fusion", "--no-rope-fusion",
+         "--use-mcore-models", "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear"]
+MODELS = {"gpt": ["--model", "gpt", "--num-layers", "8"], "bert": ["--model", "bert", "--num-layers", "4"],
+          "llama": ["--model", "gpt", "--num-layers", "4", *LLAMA]}
 
 
 def _run(out: Path, world: int, args: list[str], harness: list[str]) -> None:
@@ -83,16 +90,30 @@ LAYOUTS["gpt-pp2-vp2-dp2-overlap"] = ("gpt", 4, ["--pipeline-model-parallel-size
                                                   "--num-layers-per-virtual-pipeline-stage", "2", *OVERLAP])
 LAYOUTS["gpt-pp2-dp2-overlap-distopt"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP,
                                                       "--use-distributed-optimizer", *GLOO])
+# --overlap-param-gather: the distributed optimizer's step leaves its parameter all-gather to megatron
+# DDP's forward pre-hooks, which the DPP runtime's first forward of each chunk triggers; losses at
+# iterations 2 and 3 would differ were any rank to run on stale parameter shards.
+LAYOUTS["gpt-pp2-dp2-param-gather"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP,
+                                                   "--use-distributed-optimizer", "--overlap-param-gather", *GLOO])
 # --sequence-parallel (issue 17): activations between stages are each TP rank's [seq/TP, mbs, h]
 # (every TP rank has its own links); layer-norm gradients are all-reduced over TP by finalize_model_grads.
 LAYOUTS["gpt-pp2-tp2-sp"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                          "--sequence-parallel"])
+# Llama-family layouts: every pipeline shape the GPT ones cover that changes how its parts are cut
+# (stages, chunks, TP shards of the gated fc1 and of the key/value groups, sequence-parallel RMSNorm).
+LAYOUTS["llama-pp2"] = ("llama", 2, ["--pipeline-model-parallel-size", "2"])
+LAYOUTS["llama-pp2-vp2"] = ("llama", 2, ["--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1", *GLOO])
+LAYOUTS["llama-pp2-tp2"] = ("llama", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"])
+LAYOUTS["llama-pp2-tp2-sp"] = ("llama", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
+                                            "2", "--sequence-parallel", *GLOO])
+LAYOUTS["llama-pp2-no-dpp"] = ("llama", 2, ["--pipeline-model-parallel-size", "2"])
 NO_SPLIT_BACKWARD = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-overlap-distopt",
-                     "gpt-pp2-tp2-sp"}  # split backward refuses --overlap-grad-reduce and --sequence-parallel
-LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt"}
+                     "gpt-pp2-dp2-param-gather", "gpt-pp2-tp2-sp", "llama-pp2-tp2-sp"}  # split backward refuses --overlap-grad-reduce and --sequence-parallel
+LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt", "gpt-pp2-dp2-param-gather"}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
-NO_DPP = {"gpt-pp2-no-dpp"}
+NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp"}
 
 
 # Split backward (I then W, trainer.pipeline.split_backward) must not change the maths either: every
@@ -101,7 +122,7 @@ NO_DPP = {"gpt-pp2-no-dpp"}
 CASES = ([pytest.param(layout, "dpp", id=layout) for layout in LAYOUTS]
          + [pytest.param(layout, "dpp-zb", id=f"{layout}-dpp-zb") for layout in LAYOUTS
             if layout not in NO_DPP | NO_SPLIT_BACKWARD]
-         + [pytest.param("gpt-pp2-no-dpp", "zb-h1", id="gpt-pp2-no-dpp-zb-h1")])
+         + [pytest.param(layout, "zb-h1", id=f"{layout}-zb-h1") for layout in ("gpt-pp2-no-dpp", "llama-pp2-no-dpp")])
 
 
 # --variable-seq-lengths (issue 13): mock documents of log-normal length, microbatches cut to their
