@@ -705,10 +705,58 @@ class CheckpointConfig:
     override_checkpoint_config: bool = False
     """Resume even when the checkpoint was saved with another seed, LR schedule, batch or model
     shape (by default that is refused, naming each difference)."""
+    # ---- Megatron-LM's load and format flags (checked by _megatron_checkpoint_problems) ----
+    ckpt_format: Literal["torch_dist"] = "torch_dist"
+    """``--ckpt-format``: checkpoints are megatron-core's torch_dist format, Megatron-LM's default; the
+    others (torch, zarr, fsdp_dtensor, torch_dcp) are refused."""
+    exit_signal_handler: bool = False
+    """``--exit-signal-handler``: accepted; saving a checkpoint and exiting on SIGTERM/SIGUSR1 is always on
+    here (with --save)."""
+    finetune: bool = False
+    """``--finetune``: load only the model's weights from --load, start at iteration 0 with this run's
+    optimizer, LR schedule and RNG (Megatron-LM's meaning); the model shape must still match."""
+    no_load_optim: bool = False
+    """``--no-load-optim``: do not load the optimizer and LR-scheduler state (the iteration still resumes)."""
+    no_load_rng: bool = False
+    """``--no-load-rng``: do not restore the random number generators' states."""
+    override_opt_param_scheduler: bool = False
+    """``--override-opt_param-scheduler``: the LR schedule (learning rates, warm-up, decay length and
+    style, weight decay) comes from this command line, not the checkpoint; the step count is still
+    loaded. So a run resumes with a longer --train-iters."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """``--use-checkpoint-opt_param-scheduler``: the LR schedule comes from the checkpoint, whatever this
+    command line says."""
+    exit_duration_in_mins: int | None = None
+    """``--exit-duration-in-mins``: once the run has lasted this long (checked after every iteration,
+    the longest-running rank deciding), save a checkpoint (with --save) and exit 0, as Megatron-LM."""
 
     def __post_init__(self) -> None:
+        p = _megatron_checkpoint_problems(self)
         if self.save_interval is not None and self.save_interval < 1:
-            raise ConfigError([f"--save-interval={self.save_interval} must be >= 1"])
+            p.append(f"--save-interval={self.save_interval} must be >= 1")
+        _check(p)
+
+    @property
+    def loads_optimizer(self) -> bool:
+        """Whether --load restores the optimizer and LR scheduler (not with --finetune / --no-load-optim)."""
+        return not (self.finetune or self.no_load_optim)
+
+    @property
+    def loads_rng(self) -> bool:
+        return not (self.finetune or self.no_load_rng)
+
+
+def _megatron_checkpoint_problems(c: CheckpointConfig) -> list[str]:
+    p = []
+    if c.ckpt_format != "torch_dist":
+        p.append(f"--ckpt-format={c.ckpt_format!r}: checkpoints here are megatron-core's torch_dist only "
+                 "(Megatron-LM's default); torch (legacy), zarr, fsdp_dtensor and torch_dcp are not written or read")
+    if c.exit_duration_in_mins is not None and c.exit_duration_in_mins < 1:
+        p.append(f"--exit-duration-in-mins={c.exit_duration_in_mins} must be >= 1")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        p.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one (the LR "
+                 "schedule from this command line, or from the checkpoint)")
+    return p
 
 
 @dataclass(frozen=True)
@@ -1247,6 +1295,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     renames = {"dpp_timeout_s": "--dpp-timeout", "overlap_p2p_comm": "--no-overlap-p2p-communication"}
+    # Megatron-LM spells these two with an underscore (and, in newer releases, also with a hyphen).
+    aliases = {"override_opt_param_scheduler": ("--override-opt_param-scheduler",),
+               "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",)}
     for section in (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig):
         group = parser.add_argument_group(section.__name__, (section.__doc__ or "").strip())
         docs = field_docs(section)
@@ -1258,7 +1309,7 @@ def build_parser() -> argparse.ArgumentParser:
             if f.type in ("bool",) and default is True:  # Megatron-LM's --no-<name> for default-on switches
                 group.add_argument(renames.get(f.name, "--no-" + flag[2:]), action="store_false", **kwargs)
             elif f.type in ("bool",):
-                group.add_argument(flag, action="store_true", **kwargs)
+                group.add_argument(flag, *aliases.get(f.name, ()), action="store_true", **kwargs)
             elif f.name == "data_path":  # Megatron-LM's nargs='*': a prefix or WEIGHT PREFIX pairs
                 group.add_argument(flag, nargs="+", type=str, metavar="[WEIGHT] PREFIX", **kwargs)
             elif f.name == "dpp_recompute_slots":

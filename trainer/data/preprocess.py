@@ -75,6 +75,18 @@ class PreprocessConfig:
     tokenizer_model: Path | None = None
     """tokenizer.model (Llama2Tokenizer) or a Hugging Face tokenizer folder / tokenizer.json
     (HuggingFaceTokenizer), Megatron-LM's ``--tokenizer-model``."""
+    keep_newlines: bool = False
+    """With split_sentences: keep the newlines that end sentences (Megatron-LM's ``--keep-newlines``)."""
+    lang: str = "english"
+    """Punkt's language (Megatron-LM's ``--lang``): the shipped model is English; another language
+    needs its own --punkt-model."""
+    partitions: int = 1
+    """Megatron-LM's ``--partitions``: it splits the input into N files, tokenizes them in parallel and
+    merges them in order. With --keep-sequential-samples the output is the same as one partition's
+    (documents in input order), which --workers already parallelises; without, Megatron-LM would
+    deal the lines round-robin, which is refused rather than reordered silently."""
+    keep_sequential_samples: bool = False
+    """Megatron-LM's ``--keep-sequential-samples``: partitions hold consecutive lines (input order kept)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -93,6 +105,17 @@ class PreprocessConfig:
             problems.append(f"json_keys={list(self.json_keys)} has duplicates")
         if self.workers < 1:
             problems.append(f"workers={self.workers} must be >= 1")
+        if self.keep_newlines and not self.split_sentences:
+            problems.append("keep_newlines (--keep-newlines) applies to --split-sentences only")
+        if self.lang != "english" and Path(self.punkt_model) == DEFAULT_PUNKT_PARAMS:
+            problems.append(f"lang={self.lang!r} (--lang): the shipped Punkt model is English; give that language's "
+                            "parameters with --punkt-model")
+        if self.partitions < 1:
+            problems.append(f"partitions={self.partitions} must be >= 1")
+        elif self.partitions > 1 and not self.keep_sequential_samples:
+            problems.append(f"partitions={self.partitions} (--partitions) without --keep-sequential-samples would deal "
+                            "the documents round-robin over the partitions (Megatron-LM's order); pass "
+                            "--keep-sequential-samples for input order (--workers spreads the work)")
         if self.log_interval < 1:
             problems.append(f"log_interval={self.log_interval} must be >= 1")
         if not self.output_prefix:
@@ -142,7 +165,8 @@ class DocumentEncoder:
         self.config = config
         self.tokenizer = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file,
                                          config.tokenizer_model)
-        self.splitter = load_sentence_splitter(config.punkt_model) if config.split_sentences else None
+        self.splitter = (load_sentence_splitter(config.punkt_model, config.keep_newlines)
+                         if config.split_sentences else None)
 
     def encode(self, numbered_line: tuple[int, bytes]) -> EncodedDocument:
         line_number, raw = numbered_line
@@ -357,6 +381,13 @@ def build_arg_parser() -> OneLineParser:
     parser.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (Punkt)")
     parser.add_argument("--punkt-model", type=Path, default=DEFAULT_PUNKT_PARAMS,
                         help="Punkt parameters JSON (default: the shipped datasets/punkt/english.json)")
+    parser.add_argument("--keep-newlines", action="store_true",
+                        help="with --split-sentences: keep the newlines between sentences (Megatron-LM's)")
+    parser.add_argument("--lang", default="english", help="Punkt language (the shipped model is English)")
+    parser.add_argument("--partitions", type=int, default=1,
+                        help="Megatron-LM's input partitions: with --keep-sequential-samples the same output")
+    parser.add_argument("--keep-sequential-samples", action="store_true",
+                        help="partitions keep the input order (Megatron-LM's)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--log-interval", type=int, default=10000)
     return parser
@@ -368,6 +399,8 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         vocab_file=args.vocab_file, merge_file=args.merge_file, json_keys=tuple(args.json_keys),
         append_eod=args.append_eod, split_sentences=args.split_sentences, punkt_model=args.punkt_model,
         workers=args.workers, log_interval=args.log_interval, tokenizer_model=args.tokenizer_model,
+        keep_newlines=args.keep_newlines, lang=args.lang, partitions=args.partitions,
+        keep_sequential_samples=args.keep_sequential_samples,
     )
 
 
