@@ -1260,6 +1260,15 @@ def attention_backend_problems(cfg: TrainConfig, environ: dict[str, str] | None 
                 _installed(m) for m in ("flash_attn", "flash_attn_interface", "flash_attn_3")):
             p.append(f"{flag} needs the flash-attn package (Transformer Engine's flash backend calls it), which "
                      "is not installed; install flash-attn, or use --attention-backend fused/unfused/auto")
+    if impl == "transformer_engine" and backend not in (*TE_ATTENTION_BACKENDS, "local"):
+        # The TE backends and --attention-backend local name their own problem above; otherwise the
+        # model build would fail after start-up with an import traceback.
+        if cfg.run.device != "cuda":
+            p.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine's layers are "
+                     "CUDA only); on CPU use --transformer-impl local or auto")
+        elif not _installed("transformer_engine"):
+            p.append("--transformer-impl transformer_engine needs Transformer Engine, which is not installed "
+                     "(transformer_engine does not import here); install it, or use --transformer-impl local or auto")
     env = os.environ if environ is None else environ
     for name, want in zip(NVTE_ATTENTION_ENV, NVTE_ATTENTION_VALUES[backend], strict=True):
         if env.get(name) not in (None, str(want)):

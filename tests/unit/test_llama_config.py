@@ -119,3 +119,16 @@ def test_log_throughput_counts_gqa_and_swiglu_as_megatron_lm() -> None:
     # num_floating_point_operations: 12 x B s L h^2 x ((1 + g/n + s/h/2) + f/h x 3/2 + V / (2 L h))
     expected = 12 * 4 * s * L * h * h * ((1 + g / n + s / h / 2) + f / h * 1.5 + V / (2 * L * h))
     assert flops_per_iteration(cfg, V) == pytest.approx(expected, rel=1e-12)
+
+
+def test_transformer_engine_without_it_is_refused_before_start_up() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    assert _problems(["--transformer-impl", "transformer_engine"]) == [
+        "--transformer-impl transformer_engine needs --device cuda (Transformer Engine's layers are CUDA only); on "
+        "CPU use --transformer-impl local or auto"]
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--mock-data", "--device", "cuda", "--transformer-impl", "transformer_engine"], world_size=1)
+    assert "--transformer-impl transformer_engine needs Transformer Engine, which is not installed" in str(err.value)
