@@ -169,8 +169,8 @@ def test_aws_test_case_llama2_line(llama_corpus: tuple[str, str], tmp_path: Path
     Left out: ``--use-flash-attn --transformer-impl transformer_engine`` (the line's "to test with as
     few nodes as possible" extras: Transformer Engine's CUDA kernels, which a CPU run cannot have -- on
     CUDA with Transformer Engine they are accepted). Changed so the run validates and saves:
-    ``--split 100,0,0 --eval-iters 0`` -> ``--split 98,2,0 --eval-iters 1 --eval-interval 3``, plus
-    ``--save``."""
+    ``--split 100,0,0 --eval-iters 0 --train-iters 5`` -> ``--split 98,2,0 --eval-iters 1 --eval-interval 3
+    --train-iters 6``, plus ``--save``."""
     data, tokenizer_model = llama_corpus
     checkpoints = tmp_path / "ckpt"
     line = [
