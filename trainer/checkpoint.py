@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint_watchdog import TimeoutSettingError, Watchdog, checkpoint_timeout_s
+from trainer.config import llama_identity
 from trainer.early_signals import kept_from_child_processes
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ def run_identity(cfg) -> dict[str, object]:
         # --lr-warmup-fraction included); checkpoints older than these keys skip them.
         "lr_warmup_samples": o.lr_schedule_samples[0], "lr_decay_samples": o.lr_schedule_samples[1],
         "optimizer": o.optimizer, "micro_batch_size": o.micro_batch_size, "global_batch_size": o.global_batch_size,
+        **llama_identity(m),  # the Llama-family architecture flags (RMSNorm, SwiGLU, RoPE, groups, biases)
     }
 
 
@@ -389,6 +391,15 @@ SAVE_COMMIT = "finalising: rename and tracker"
 SAVE_END = "waiting for rank 0 to rename the folder and write the tracker"
 
 
+def sync_overlapped_params(model: list) -> None:
+    """COLLECTIVE under --overlap-param-gather: finish every parameter all-gather now (the last step's
+    would otherwise wait for the next forward), so the weights saved are the updated ones on every
+    rank -- what Megatron-LM's disable_forward_pre_hook does before it saves."""
+    for chunk in model:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def save_checkpoint(root: str, state: TrainState, model: list, optimizer, scheduler, facts: RunFacts,
                     timeout_s: float | None = None) -> Path:
     """COLLECTIVE: write ``root/iter_N`` through megatron-core, then the tracker; returns the folder.
@@ -399,6 +410,7 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
     """
     final = iteration_dir(root, state.iteration)
     tmp = final.with_name(final.name + ".tmp")
+    sync_overlapped_params(model)
     with Watchdog("save", dist.get_rank(), tmp, state.iteration, timeout_s) as watchdog:
         _save(root, state, model, optimizer, scheduler, facts, watchdog)
     return final
@@ -509,20 +521,47 @@ LOAD_READ = "reading shards"
 LOAD_RESTORE = "restoring the state"
 
 
+# run_identity's keys that belong to the LR scheduler's state: not compared when it is not loaded
+# (--finetune, --no-load-optim) or its values are chosen by flag (--override-opt_param-scheduler,
+# --use-checkpoint-opt_param-scheduler); with --finetune only the model's shape must match.
+SCHEDULE_KEYS = frozenset({"lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "weight_decay",
+                           "lr_warmup_samples", "lr_decay_samples"})
+TRAINING_KEYS = SCHEDULE_KEYS | {"seed", "optimizer", "micro_batch_size", "global_batch_size"}
+
+
+def _compared_identity(identity: dict[str, object], options) -> dict[str, object]:
+    if options is None:
+        return identity
+    skip: frozenset[str] = frozenset()
+    if options.finetune:
+        skip = TRAINING_KEYS
+    elif options.no_load_optim or options.override_opt_param_scheduler or options.use_checkpoint_opt_param_scheduler:
+        skip = SCHEDULE_KEYS
+    return {k: v for k, v in identity.items() if k not in skip}
+
+
 def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFacts,
-                    override: bool = False, timeout_s: float | None = None) -> TrainState | None:
+                    options=None, timeout_s: float | None = None) -> TrainState | None:
     """Restore the state ``root``'s tracker names; None when there is nothing to resume (fresh start).
 
-    ValueError when the checkpoint's :func:`run_identity` differs from ``facts.identity`` (unless
-    ``override``); :class:`CheckpointError` for a checkpoint this run cannot read. Bounded like
-    :func:`save_checkpoint` (``timeout_s``): a rank still loading past it reports and exits 1.
+    ``options``: the run's CheckpointConfig (Megatron-LM's --finetune, --no-load-optim, --no-load-rng,
+    --override-opt_param-scheduler, --use-checkpoint-opt_param-scheduler; --override-checkpoint-config),
+    or a bool standing for --override-checkpoint-config alone.
+    ValueError when the checkpoint's :func:`run_identity` differs from ``facts.identity`` in what this
+    load restores (unless --override-checkpoint-config); :class:`CheckpointError` for a checkpoint this
+    run cannot read. Bounded like :func:`save_checkpoint` (``timeout_s``): a rank still loading past it
+    reports and exits 1.
     """
+    if isinstance(options, bool) or options is None:
+        override, options = bool(options), None
+    else:
+        override = options.override_checkpoint_config
     with Watchdog("load", dist.get_rank(), Path(root), None, timeout_s) as watchdog:
-        return _load(root, model, optimizer, scheduler, facts, override, watchdog)
+        return _load(root, model, optimizer, scheduler, facts, override, watchdog, options)
 
 
 def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, override: bool,
-          watchdog: Watchdog) -> TrainState | None:
+          watchdog: Watchdog, options=None) -> TrainState | None:
     from megatron.core import dist_checkpointing
 
     watchdog.enter(LOAD_FIND, f"files under {root}")
@@ -533,10 +572,12 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
     watchdog.folder, watchdog.iteration = path, iteration
     common = read_common_state(path)
     saved = common["mdpp"]
-    differences = identity_differences(saved.get("identity", {}), facts.identity)
+    differences = identity_differences(saved.get("identity", {}), _compared_identity(facts.identity, options))
     if differences and not override:
         raise ValueError(f"checkpoint {path} belongs to a run with other settings ({'; '.join(differences)}): "
-                         "resume with the same settings, save to a new folder, or pass --override-checkpoint-config")
+                         "resume with the same settings, save to a new folder, take the LR schedule from this command "
+                         "line (--override-opt_param-scheduler) or the checkpoint (--use-checkpoint-opt_param-scheduler), "
+                         "load only the weights (--finetune), or pass --override-checkpoint-config")
     if differences:
         log.warning("resuming %s despite other settings (--override-checkpoint-config): %s",
                     path, "; ".join(differences))
@@ -550,9 +591,13 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
         raise CheckpointError(f"{path} was saved {with_or_without} --use-distributed-optimizer: resume {with_or_without} "
                               "it (the optimizer state is stored in that optimizer's form)")
     same_layout = saved["layout"] == facts.layout
+    loads_optimizer = options is None or options.loads_optimizer
+    loads_rng = same_layout and (options is None or options.loads_rng)
     watchdog.enter(LOAD_COLLECT, "model and optimizer sharded state, RNG states all-gathered over DP")
     sharded = _sharded_state_dict(model, optimizer, facts.use_distributed_optimizer, is_loading=True)
-    if same_layout:
+    if not loads_optimizer:
+        del sharded["optimizer"]  # not read at all (Megatron-LM: --finetune / --no-load-optim)
+    if loads_rng:
         sharded["rng_state"] = _rng_sharded_object()
     # raise_unexpected: a tensor this run needs that the checkpoint lacks is an error naming the key
     # before anything is read (not a half-loaded model).
@@ -567,16 +612,31 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
     from trainer.megatron_compat import torch_adam_distributed_optimizer_load
 
-    _zero_steps_where_unsaved(optimizer, loaded["optimizer"])
-    with torch_adam_distributed_optimizer_load(optimizer):
-        optimizer.load_state_dict(loaded["optimizer"])
-    scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if same_layout:
+    if loads_optimizer:
+        _zero_steps_where_unsaved(optimizer, loaded["optimizer"])
+        with torch_adam_distributed_optimizer_load(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
+        if options is not None and (options.override_opt_param_scheduler or options.use_checkpoint_opt_param_scheduler):
+            # megatron-core's own switches, read by its load_state_dict: this run's values, or the
+            # checkpoint's, for every schedule setting (the step count is loaded either way).
+            scheduler.override_opt_param_scheduler = options.override_opt_param_scheduler
+            scheduler.use_checkpoint_opt_param_scheduler = options.use_checkpoint_opt_param_scheduler
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    elif hasattr(optimizer, "reload_model_params"):
+        # The fp32 main weights were copied from the freshly initialised model when the optimizer was
+        # built: copy the loaded weights in instead (Megatron-LM's reload_model_params).
+        optimizer.reload_model_params()
+    if loads_rng:
         from megatron.core import parallel_state as ps
 
         _set_rng_state(loaded["rng_state"][ps.get_data_parallel_rank()])
-    elif dist.get_rank() == 0:
+    elif not same_layout and dist.get_rank() == 0:
         log.info("checkpoint %s was saved with layout %s, this run has %s: weights, optimizer and scheduler "
                  "resharded; RNG states not restored (as in Megatron-LM)", path, saved["layout"], facts.layout)
-    log.info("resumed from %s (iteration %d)", path, iteration)
+    if options is not None and options.finetune:
+        log.info("loaded the model weights of %s (iteration %d) for --finetune: training starts at iteration 0",
+                 path, iteration)
+        return TrainState(0, 0)
+    log.info("resumed from %s (iteration %d)%s", path, iteration,
+             "" if loads_optimizer else " without its optimizer and LR scheduler state (--no-load-optim)")
     return TrainState(int(loaded["iteration"]), int(saved["consumed_samples"]))

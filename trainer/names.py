@@ -19,9 +19,13 @@ FileTokenizer = Literal["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordP
 """Tokenizers read from local vocabulary files (Megatron-LM's ``--tokenizer-type`` names): what
 preprocessing and the recipes accept (trainer/data/tokenizer.py builds each)."""
 FILE_TOKENIZERS: tuple[str, ...] = get_args(FileTokenizer)
-TokenizerType = Literal[FileTokenizer, "NullTokenizer"]
-"""What training's ``--tokenizer-type`` accepts: a file tokenizer, or NullTokenizer (token ids as
-they are in the dataset, with ``--vocab-size``)."""
+ModelFileTokenizer = Literal["Llama2Tokenizer", "HuggingFaceTokenizer"]
+"""Tokenizers read from one ``--tokenizer-model`` (Megatron-LM's names): a SentencePiece model file
+(Llama2Tokenizer), or a local Hugging Face tokenizer folder or ``tokenizer.json`` (HuggingFaceTokenizer)."""
+MODEL_FILE_TOKENIZERS: tuple[str, ...] = get_args(ModelFileTokenizer)
+TokenizerType = Literal[FileTokenizer, ModelFileTokenizer, "NullTokenizer"]
+"""What training's ``--tokenizer-type`` accepts: a file tokenizer, a --tokenizer-model one, or
+NullTokenizer (token ids as they are in the dataset, with ``--vocab-size``)."""
 TOKENIZERS: tuple[str, ...] = get_args(TokenizerType)
 
 # ---- the run token and the shared-memory names made from it ----------------------------------

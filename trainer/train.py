@@ -42,6 +42,7 @@ from trainer.session.build import BuiltRun, build_run
 from trainer.topology import Topology
 
 log = logging.getLogger("trainer.train")
+_PROCESS_START = time.time()  # --exit-duration-in-mins counts from here (Megatron-LM: its _TRAIN_START_TIME)
 
 # Exit status of a rank that stopped on USR1/TERM before its last iteration (EX_TEMPFAIL: "try
 # again"): never 0, so no launcher mistakes an interrupted run for a finished one.
@@ -114,7 +115,7 @@ class TrainingSession:
         self.built = run = build_run(cfg, self.plan, self.launch, self.hooks, lambda: self.state.consumed_samples)
         if cfg.checkpoint.load:
             loaded = load_checkpoint(cfg.checkpoint.load, run.model, run.optimizer, run.scheduler,
-                                     self._checkpoint_facts(), cfg.checkpoint.override_checkpoint_config)
+                                     self._checkpoint_facts(), cfg.checkpoint)
             if loaded is not None:
                 self.state = loaded
         if self.plan.schedule.cuda_graphs and run.runtime is not None:
@@ -148,12 +149,35 @@ class TrainingSession:
                 self.manual_gc.after_eval()
             self.manual_gc.after_iteration(self.state.iteration)  # after evaluation, before saving
             interval = cfg.checkpoint.save_interval
-            if cfg.checkpoint.save and interval and self.state.iteration % interval == 0:
+            saved = bool(cfg.checkpoint.save and interval and self.state.iteration % interval == 0)
+            if saved:
                 self._save()
+            if self._exit_duration_reached():
+                # --exit-duration-in-mins: save (unless just saved) and stop. Megatron-LM exits 0 here;
+                # this trainer exits EXIT_STOPPED like a signalled stop, so no launcher or chain takes
+                # an unfinished run for a finished one (the exit record says "checkpointed").
+                if cfg.checkpoint.save and not saved:
+                    self._save()
+                self.stopped_with_checkpoint = bool(cfg.checkpoint.save)
+                return EXIT_STOPPED
         if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
                                     or self.state.iteration % cfg.checkpoint.save_interval):
             self._save()
         return 0
+
+    def _exit_duration_reached(self) -> bool:
+        """COLLECTIVE with --exit-duration-in-mins: Megatron-LM's check, the time since the process
+        started against the limit, the longest-running rank deciding (one all-reduce per iteration)."""
+        limit = self.cfg.checkpoint.exit_duration_in_mins
+        if limit is None:
+            return False
+        minutes = (time.time() - _PROCESS_START) / 60.0
+        done = torch.tensor([1.0 if minutes > limit else 0.0], device=self.built.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item() and self.launch.rank == 0:
+            log.info("exiting program after %.2f minutes (--exit-duration-in-mins %d) at iteration %d",
+                     minutes, limit, self.state.iteration)
+        return bool(done.item())
 
     def _train_step(self) -> None:
         cfg, state, run = self.cfg, self.state, self.built

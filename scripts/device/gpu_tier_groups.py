@@ -26,8 +26,9 @@ GROUPS: dict[str, list[str]] = {
     "Z2": [f"{_GRAPHS}[zb-v1-varlen]", f"{_GRAPHS}[zb-v1-recompute-slot]"],
     "E": [f"{_TRAIN}::test_dpp_on_cuda_ipc_equals_1f1b_with_two_ranks_sharing_one_gpu",
           "tests/dist/test_clock_offset.py::test_offsets_undo_injected_skew_over_nccl"],
-    # part 6: the static orders (1F1B, interleaved, ZB-H1) from CUDA graphs against their eager runs (2 ranks)
-    "S": [f"{_G}/test_static_graphs.py"],
+    # part 6: the static orders (1F1B, interleaved, ZB-H1) from CUDA graphs against their eager runs (2 ranks);
+    # a Llama model under DPP against megatron-core's 1F1B (2 GPUs)
+    "S": [f"{_G}/test_static_graphs.py", f"{_G}/test_llama_gpu.py"],
     # part 3: first 10 losses of every DPP policy against megatron-core's 1F1B, issue-12 model, 4 GPUs
     "D": [f"{_TRAIN}::test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus"],
     # part 5: graphed dpp-zb with the runtime-launched overlapped DP reduction, PP=2 x DP=2 on 4 GPUs

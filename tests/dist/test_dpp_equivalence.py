@@ -30,7 +30,14 @@ TINY = ["--device", "cpu", "--mock-data", "--hidden-size", "32", "--num-attentio
         "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--dpp-timeout", "120"]
-MODELS = {"gpt": ["--model", "gpt", "--num-layers", "8"], "bert": ["--model", "bert", "--num-layers", "4"]}
+# A Llama-family GPT (the AWS Llama-2 line's architecture flags): RMSNorm, SwiGLU (gated fc1, whose TP
+# shards the harness slices as megatron-core lays them out), RoPE without a position table,
+# grouped-query attention (2 key/value groups for 4 heads), untied output layer, no linear biases.
+LLAMA = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
+         "--normalization", "RMSNorm", "--swiglu", "--no-masked-softmax-fusion", "--no-rope-fusion",
+         "--use-mcore-models", "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear"]
+MODELS = {"gpt": ["--model", "gpt", "--num-layers", "8"], "bert": ["--model", "bert", "--num-layers", "4"],
+          "llama": ["--model", "gpt", "--num-layers", "4", *LLAMA]}
 
 
 def _run(out: Path, world: int, args: list[str], harness: list[str]) -> None:
@@ -89,15 +96,29 @@ OVERLAPPED = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-ove
 # (every TP rank has its own links); layer-norm gradients are all-reduced over TP by finalize_model_grads.
 # Under dpp-zb the column-parallel linears' deferred weight GEMMs keep the TP-gathered input until W
 # (default), or keep the local shard and gather it again in W (--dpp-sp-wgrad-input regather).
+# --overlap-param-gather: the distributed optimizer's step leaves its parameter all-gather to megatron
+# DDP's forward pre-hooks, which the DPP runtime's first forward of each chunk triggers; losses at
+# iterations 2 and 3 would differ were any rank to run on stale parameter shards.
+LAYOUTS["gpt-pp2-dp2-param-gather"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP,
+                                                   "--use-distributed-optimizer", "--overlap-param-gather", *GLOO])
+# Llama-family layouts: every pipeline shape the GPT ones cover that changes how its parts are cut
+# (stages, chunks, TP shards of the gated fc1 and of the key/value groups, sequence-parallel RMSNorm).
+LAYOUTS["llama-pp2"] = ("llama", 2, ["--pipeline-model-parallel-size", "2"])
+LAYOUTS["llama-pp2-vp2"] = ("llama", 2, ["--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1", *GLOO])
+LAYOUTS["llama-pp2-tp2"] = ("llama", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"])
+LAYOUTS["llama-pp2-tp2-sp"] = ("llama", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
+                                            "2", "--sequence-parallel", *GLOO])
+LAYOUTS["llama-pp2-no-dpp"] = ("llama", 2, ["--pipeline-model-parallel-size", "2"])
 SP = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 LAYOUTS["gpt-pp2-tp2-sp"] = ("gpt", 4, SP)
 LAYOUTS["gpt-pp2-tp2-sp-regather"] = ("gpt", 4, [*SP, "--dpp-sp-wgrad-input", "regather"])
-NO_SPLIT_BACKWARD: set[str] = set()
+NO_SPLIT_BACKWARD = {"gpt-pp2-dp2-param-gather"}  # dpp-zb with --overlap-param-gather: not tried
 SPLIT_ONLY = {"gpt-pp2-tp2-sp-regather"}  # the flag applies to a split backward only
-LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt"}
+LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt", "gpt-pp2-dp2-param-gather"}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
-NO_DPP = {"gpt-pp2-no-dpp"}
+NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp"}
 
 
 # Split backward (I then W, trainer.pipeline.split_backward) must not change the maths either: every
@@ -114,7 +135,7 @@ def _case(layout: str, policy: str, case_id: str):
 CASES = ([_case(layout, "dpp", layout) for layout in LAYOUTS if layout not in SPLIT_ONLY]
          + [_case(layout, "dpp-zb", f"{layout}-dpp-zb") for layout in LAYOUTS
             if layout not in NO_DPP | NO_SPLIT_BACKWARD]
-         + [pytest.param("gpt-pp2-no-dpp", "zb-h1", id="gpt-pp2-no-dpp-zb-h1")]
+         + [pytest.param(layout, "zb-h1", id=f"{layout}-zb-h1") for layout in ("gpt-pp2-no-dpp", "llama-pp2-no-dpp")]
          # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the bars the
          # benchmark's graphed static lines run (graphs are CUDA only; their maths is the eager one).
          + [pytest.param(layout, policy, id=f"{layout}-{policy}")

@@ -4,6 +4,9 @@ sizes and the shipped corpus:
 - the AWS test case's ``pretrain_gpt.py`` line (aws-samples/awsome-distributed-training,
   3.test_cases/megatron/megatron-lm/slurm/gpt3/2.distributed-training.sbatch): every flag it passes,
   sizes shrunk, TP 4 -> 1, plus ``--device cpu``;
+- the AWS test case's Llama-2 line (same repository, megatron-lm/slurm/llama2/pretrain-llama2.sbatch,
+  its llama2-70b preset): every flag it passes with a tokenizer the project trains
+  (trainer/data/train_tokenizer.py, a SentencePiece model like Llama-2's), sizes shrunk;
 - the prototype's example (MegatronDPP's examples/gpt3/train_gpt3_175b_distributed.sh) as its multi-node
   form runs it: two torchrun "nodes" of 2 ranks on this host, ``--node-ips`` one address per rank,
   ``--num-gpus`` per node, ``--multi-node``, ``--workload`` the prototype's integer; sizes shrunk.
@@ -138,3 +141,58 @@ def test_prototype_example_line_on_two_nodes(corpus: str, tmp_path: Path) -> Non
     events.Reload()
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]
     assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4]
+
+
+@pytest.fixture(scope="module")
+def llama_corpus(tmp_path_factory) -> tuple[str, str]:
+    """(data prefix, tokenizer.model): a SentencePiece model trained on the shipped corpus, and 150
+    documents preprocessed with it as the AWS case's Llama-2 preprocessing does (Llama2Tokenizer,
+    --append-eod)."""
+    from trainer.data.train_tokenizer import corpus_texts, train_sentencepiece
+
+    folder = tmp_path_factory.mktemp("llama-corpus")
+    model = train_sentencepiece(list(corpus_texts(REPO / "datasets" / "python-docs.jsonl.xz", 400)),
+                                folder / "llama2", vocab_size=1000)
+    jsonl = folder / "llama2.jsonl"
+    with lzma.open(REPO / "datasets" / "python-docs.jsonl.xz", "rt") as src:
+        jsonl.write_text("".join(line for _, line in zip(range(150), src, strict=False)))
+    subprocess.run([sys.executable, "-m", "trainer.preprocess", "--input", str(jsonl), "--output-prefix",
+                    str(folder / "my-llama2"), "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(model),
+                    "--append-eod", "--workers", "2"], check=True, cwd=REPO, capture_output=True, timeout=300)
+    return str(folder / "my-llama2_text_document"), str(model)
+
+
+@pytest.mark.timeout(900)
+def test_aws_test_case_llama2_line(llama_corpus: tuple[str, str], tmp_path: Path) -> None:
+    """The AWS Llama-2 line, llama2-70b preset: TP 4 -> 2 and PP 4 -> 2 (4 CPU ranks), 80 -> 4 layers,
+    hidden 8192 -> 64, 64 -> 8 heads in 8 -> 2 key/value groups, seq 4096 -> 32, global batch 2048 -> 4.
+    Left out: ``--use-flash-attn --transformer-impl transformer_engine`` (the line's "to test with as
+    few nodes as possible" extras: Transformer Engine's CUDA kernels, which a CPU run cannot have -- on
+    CUDA with Transformer Engine they are accepted). Changed so the run validates and saves:
+    ``--split 100,0,0 --eval-iters 0 --train-iters 5`` -> ``--split 98,2,0 --eval-iters 1 --eval-interval 3
+    --train-iters 6``, plus ``--save``."""
+    data, tokenizer_model = llama_corpus
+    checkpoints = tmp_path / "ckpt"
+    line = [
+        # llama2-70b preset
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+        "--num-query-groups", "2", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        # "Required for Llama2-style architecture"
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
+        "--normalization", "RMSNorm", "--swiglu", "--no-masked-softmax-fusion",
+        "--no-rope-fusion",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+        "--global-batch-size", "4", "--train-iters", "6", "--split", "98,2,0",
+        "--use-mcore-models", "--log-throughput", "--lr", "6.0e-5", "--min-lr", "6.0e-6", "--lr-decay-style", "cosine",
+        "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3", "--data-path", data,
+        "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", tokenizer_model, "--clip-grad", "1.0",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006", "--fp16",
+        "--save", str(checkpoints),
+    ]
+    text = _finish([_torchrun(4, ["--device", "cpu", *line])], timeout_s=800)
+    _check_run(text, iterations=6, samples_per_iteration=4, validated_at=[3, 6])
+    assert "world=4 nodes=1 TP=2 PP=2 VP=1 DP=1" in text
+    assert "vocab 1000 (padded 1024)" in text  # the SentencePiece model's vocabulary, padded by 128 x TP
+    assert "throughput per GPU (TFLOP/s/GPU)" in text
+    assert_megatron_checkpoint(checkpoints, 6)

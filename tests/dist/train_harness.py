@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from tests.dist.grads import tp_slice
 from trainer.train import TrainHooks, main
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")
@@ -53,9 +54,10 @@ def full_name(chunk: torch.nn.Module, local: str, pp: int) -> str:
     return local
 
 
-def shard_of(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: int) -> torch.Tensor:
-    if tp > 1 and getattr(param, "tensor_model_parallel", False):
-        return full.chunk(tp, dim=param.partition_dim)[tp_rank]
+def shard_of(full: torch.Tensor, name: str, param: torch.nn.Parameter, tp_rank: int, tp: int,
+             gated: bool) -> torch.Tensor:
+    if getattr(param, "tensor_model_parallel", False):
+        return tp_slice(full, name, param.partition_dim, tp_rank, tp, gated)
     return full
 
 
@@ -162,9 +164,11 @@ def build_hooks(args: argparse.Namespace) -> TrainHooks:
             full = torch.load(args.load_init)
             with torch.no_grad():
                 for chunk in chunks:
+                    gated = bool(getattr(chunk.config, "gated_linear_unit", False))
                     for name, param in chunk.named_parameters():
-                        source = full[full_name(chunk, name, topology.pipeline_parallel)]
-                        param.copy_(shard_of(source, param, topology.tp_rank, topology.tensor_parallel))
+                        key = full_name(chunk, name, topology.pipeline_parallel)
+                        param.copy_(shard_of(full[key], key, param, topology.tp_rank, topology.tensor_parallel,
+                                             gated))
 
     def after_backward(iteration, model) -> None:
         if iteration >= args.dump_grads:
@@ -178,7 +182,8 @@ def build_hooks(args: argparse.Namespace) -> TrainHooks:
                 grad = param.grad if grad is None else grad
                 key = full_name(chunk, name, t.pipeline_parallel)
                 dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else -1
-                grads[key] = (grad.detach().float().clone(), dim, t.tp_rank, t.tensor_parallel)
+                grads[key] = (grad.detach().float().clone(), dim, t.tp_rank, t.tensor_parallel,
+                              bool(getattr(chunk.config, "gated_linear_unit", False)))
         torch.save(grads, out / f"grads_rank{rank}_it{iteration}.pt")
 
     def after_step(iteration, reduced) -> None:

@@ -72,7 +72,7 @@ def test_megatron_interleaved_needs_divisible_microbatches_but_dpp_does_not() ->
 
 
 # Megatron-LM flags this trainer does not implement (the AWS line's --split/--eval-*, once here, now are).
-UNIMPLEMENTED_MEGATRON = ["--num-experts", "4", "--swiglu", "--wandb-project", "p", "--qk-layernorm"]
+UNIMPLEMENTED_MEGATRON = ["--num-experts", "4", "--squared-relu", "--wandb-project", "p", "--qk-layernorm"]
 
 
 def test_unimplemented_megatron_flags_are_refused_in_one_message_with_every_other_problem() -> None:
@@ -82,7 +82,7 @@ def test_unimplemented_megatron_flags_are_refused_in_one_message_with_every_othe
         parse_config(BASE + UNIMPLEMENTED_MEGATRON + ["--frobnicate=2", "--lr", "-1", "stray"], world_size=1)
     problems = err.value.problems
     assert problems[0] == ("Megatron-LM flags not implemented by this trainer (refused rather than ignored): "
-                           "--num-experts --swiglu --wandb-project --qk-layernorm")
+                           "--num-experts --squared-relu --wandb-project --qk-layernorm")
     assert problems[1].startswith("unknown flags") and problems[1].endswith(": --frobnicate")
     assert problems[2] == "unexpected arguments (no flag takes them): stray"
     assert "--lr=-1.0" in problems[3] and len(problems) == 4
@@ -97,9 +97,9 @@ def test_flags_are_never_abbreviated() -> None:
 def test_train_main_exits_2_on_unimplemented_flags_before_any_process_group(capsys) -> None:
     from trainer.train import main
 
-    assert main(BASE + ["--device", "cpu", "--num-experts", "4", "--swiglu"]) == 2
+    assert main(BASE + ["--device", "cpu", "--num-experts", "4", "--squared-relu"]) == 2
     err = capsys.readouterr().err
-    assert "not implemented by this trainer (refused rather than ignored): --num-experts --swiglu" in err
+    assert "not implemented by this trainer (refused rather than ignored): --num-experts --squared-relu" in err
     assert "Traceback" not in err and "usage:" not in err
 
 

@@ -41,9 +41,10 @@ def test_install_without_sources_says_what_to_give_and_installs_nothing():
     done = run(INSTALL)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "install-enroot-pyxis: error: both sources must be given: --enroot-src DIR (a clone of "
-        "github.com/NVIDIA/enroot) and --pyxis-src DIR (a clone of github.com/NVIDIA/pyxis), or "
-        "ENROOT_SRC/PYXIS_SRC; nothing is downloaded by this script"]
+        "install-enroot-pyxis: error: both sources must be given: --enroot-src DIR (NVIDIA/enroot's sources: "
+        "a clone, a release tarball unpacked, or a git archive of a mirror) and --pyxis-src DIR (NVIDIA/pyxis's, "
+        "likewise), or ENROOT_SRC/PYXIS_SRC; nothing is downloaded by this script, and no package registry has "
+        "them"]
 
 
 def test_install_names_every_folder_that_is_not_a_source(tmp_path):

@@ -240,5 +240,6 @@ def test_config_reads_blends_and_refuses_what_the_builder_cannot_serve() -> None
         "do not build"}
     with pytest.raises(ConfigError) as err:  # a layout-level check: after the field checks pass
         parse_config(["--data-path", "A", "--model", "bert", *gpt2], world_size=1)
-    assert err.value.problems == ["--model bert with --data-path needs --tokenizer-type BertWordPieceLowerCase or "
-                                  "BertWordPieceCase (got GPT2BPETokenizer)"]
+    assert err.value.problems == ["BERT needs a WordPiece tokenizer: --model bert with --data-path needs "
+                                  "--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase and its --vocab-file "
+                                  "(got GPT2BPETokenizer (the default))"]

@@ -216,3 +216,30 @@ def test_a_write_error_leaves_no_temporary_files_and_reports_the_write_error(tmp
     assert result.stderr.strip().startswith("error: [Errno 27] File too large"), result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert sorted(p.name for p in out.iterdir()) == []  # no gpt_text_document.bin.tmp-<pid>
+
+
+def test_megatron_lm_keep_newlines_keeps_the_newlines_that_end_sentences(tmp_path):
+    src = _write_jsonl(tmp_path / "docs.jsonl", ["First sentence here.\nSecond one follows.  Third."])
+    for flag, expected in (([], ["First sentence here.", "Second one follows.", "Third."]),
+                           (["--keep-newlines"], ["First sentence here.\n", "Second one follows.  ", "Third."])):
+        prefix = tmp_path / ("kept" if flag else "plain")
+        assert main(_gpt_args(src, prefix, "--split-sentences", *flag)) == 0
+        tokenizer = build_tokenizer("GPT2BPETokenizer", GPT2_VOCAB, GPT2_MERGES)
+        dataset = _indexed_dataset(f"{prefix}_text_sentence")
+        assert [tokenizer.detokenize(dataset[i]) for i in range(len(dataset))] == expected
+
+
+def test_megatron_lm_partition_and_language_flags(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    assert main(_gpt_args(src, tmp_path / "one")) == 0
+    assert main(_gpt_args(src, tmp_path / "parts", "--partitions", "2", "--keep-sequential-samples",
+                          "--lang", "english")) == 0
+    for suffix in (".bin", ".idx"):  # the same output as one partition
+        assert (tmp_path / f"parts_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"one_text_document{suffix}").read_bytes()
+    capsys.readouterr()
+    assert main(_gpt_args(src, tmp_path / "x", "--partitions", "2", "--lang", "german", "--keep-newlines")) == 1
+    err = capsys.readouterr().err
+    assert "--keep-newlines) applies to --split-sentences only" in err
+    assert "lang='german' (--lang): the shipped Punkt model is English" in err
+    assert "partitions=2 (--partitions) without --keep-sequential-samples" in err

@@ -10,6 +10,7 @@
 """
 
 from trainer.config.layout import layout_problems
+from trainer.config.llama import llama_identity, llama_layout_problems
 from trainer.config.parser import build_parser, field_docs, parse_config, unsupported_flag_problems
 from trainer.config.plan import (
     LayerPlan,
@@ -41,6 +42,7 @@ from trainer.config.transformer_engine import (
 )
 
 __all__ = [
+    "llama_identity", "llama_layout_problems",
     "ATTENTION_BACKENDS", "CheckpointConfig", "ConfigError", "DECAY_STYLES", "DEFAULT_TRAIN_ITERS", "DPP_POLICIES",
     "DataConfig", "LayerPlan", "LinkPlan", "ModelConfig", "NVTE_ATTENTION_ENV", "NVTE_ATTENTION_VALUES",
     "OptimConfig", "ParallelConfig", "PolicyOptions", "RunConfig", "RunPlan", "SchedulePlan", "TE_ATTENTION_BACKENDS",

@@ -5,6 +5,7 @@ refusals (:func:`trainer.config.plan.schedule_problems`) included, and lists eve
 
 from __future__ import annotations
 
+from trainer.config.llama import llama_layout_problems
 from trainer.config.plan import (
     graph_problems,
     megatron_batch_problems,
@@ -12,7 +13,7 @@ from trainer.config.plan import (
     schedule_problems,
     static_order_problems,
 )
-from trainer.config.training import TrainConfig
+from trainer.config.training import DataConfig, TrainConfig
 from trainer.config.transformer_engine import attention_backend_problems
 from trainer.data.split import parse_split
 from trainer.layer_split import stage_split_problems
@@ -70,6 +71,7 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
                  f"{cfg.data.split} gives the valid share 0")
     p.extend(_variable_length_problems(cfg))
     p.extend(_bert_data_problems(cfg))
+    p.extend(llama_layout_problems(cfg))
     p.extend(schedule_problems(cfg))
     p.extend(graph_problems(cfg))
     p.extend(static_order_problems(cfg, world_size))
@@ -131,12 +133,17 @@ def _sequence_parallel_problems(cfg: TrainConfig) -> list[str]:
 
 def _bert_data_problems(cfg: TrainConfig) -> list[str]:
     """BERT on --data-path masks WordPiece tokens ([CLS]/[SEP]/[MASK], whole words): it needs a WordPiece
-    --tokenizer-type (megatron-core's BERT dataset and the project's alike)."""
+    --tokenizer-type (megatron-core's BERT dataset and the project's alike). That named, the tokenizer
+    files --data-path needs (DataConfig.tokenizer_file_problems), so a BERT line without
+    --tokenizer-type hears what it lacks rather than GPT-2's --merge-file."""
     d = cfg.data
-    if cfg.model.model != "bert" or not d.data_path or d.tokenizer_type.startswith("BertWordPiece"):
-        return []
-    return [f"--model bert with --data-path needs --tokenizer-type BertWordPieceLowerCase or BertWordPieceCase "
-            f"(got {d.tokenizer_type})"]
+    if cfg.model.model != "bert" or not d.data_path:
+        return d.tokenizer_file_problems()
+    if d.tokenizer_type.startswith("BertWordPiece"):
+        return d.tokenizer_file_problems()
+    default = " (the default)" if d.tokenizer_type == DataConfig.tokenizer_type else ""
+    return [f"BERT needs a WordPiece tokenizer: --model bert with --data-path needs --tokenizer-type "
+            f"BertWordPieceLowerCase or BertWordPieceCase and its --vocab-file (got {d.tokenizer_type}{default})"]
 
 
 def _variable_length_problems(cfg: TrainConfig) -> list[str]:

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     renames = {"dpp_timeout_s": "--dpp-timeout", "overlap_p2p_comm": "--no-overlap-p2p-communication"}
+    # Megatron-LM spells these two with an underscore (and, in newer releases, also with a hyphen).
+    aliases = {"override_opt_param_scheduler": ("--override-opt_param-scheduler",),
+               "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",)}
     for section in SECTIONS:
         group = parser.add_argument_group(section.__name__, (section.__doc__ or "").strip())
         docs = field_docs(section)
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
             if f.type in ("bool",) and default is True:  # Megatron-LM's --no-<name> for default-on switches
                 group.add_argument(renames.get(f.name, "--no-" + flag[2:]), action="store_false", **kwargs)
             elif f.type in ("bool",):
-                group.add_argument(flag, action="store_true", **kwargs)
+                group.add_argument(flag, *aliases.get(f.name, ()), action="store_true", **kwargs)
             elif f.name == "data_path":  # Megatron-LM's nargs='*': a prefix or WEIGHT PREFIX pairs
                 group.add_argument(flag, nargs="+", type=str, metavar="[WEIGHT] PREFIX", **kwargs)
             elif f.name == "dpp_recompute_slots":

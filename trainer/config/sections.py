@@ -92,6 +92,44 @@ class ModelConfig:
     """Megatron-LM's ``--use-flash-attn`` (FlashAttention): here the same as ``--attention-backend
     flash`` (megatron-core models take the backend from that setting)."""
 
+    # ---- Llama-family architecture (Megatron-LM's flags and defaults; checked by _llama_problems) ----
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """``--normalization`` (TransformerConfig.normalization): LayerNorm, or RMSNorm as Llama uses (the
+    local spec builds torch.nn.RMSNorm through megatron-core's WrappedTorchNorm)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm (``--norm-epsilon``, TransformerConfig.layernorm_epsilon)."""
+    swiglu: bool = False
+    """``--swiglu``: gated linear unit with SiLU in the MLP (Llama's SwiGLU). Without
+    --ffn-hidden-size the MLP width is then int(4 h x 2/3 / 64) x 64, as Megatron-LM sets it."""
+    disable_bias_linear: bool = False
+    """``--disable-bias-linear``: no biases in the attention and MLP linears (Llama has none)."""
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """``--position-embedding-type``: a learned position table (GPT's), rotary embeddings applied to
+    queries and keys (``rope``, Llama's; no table), or none."""
+    no_position_embedding: bool = False
+    """``--no-position-embedding``: Megatron-LM's deprecated way to drop the learned table; as there,
+    only accepted together with --position-embedding-type rope (where it changes nothing)."""
+    rotary_base: int = 10000
+    """RoPE base period (``--rotary-base``)."""
+    rotary_percent: float = 1.0
+    """Share of each head's dimensions that RoPE rotates (``--rotary-percent``, in (0, 1])."""
+    group_query_attention: bool = False
+    """``--group-query-attention``: keys and values have --num-query-groups heads, shared by
+    --num-attention-heads / --num-query-groups query heads each (Llama-2 70B: 64 heads, 8 groups)."""
+    num_query_groups: int = 1
+    """Key/value head groups with --group-query-attention (``--num-query-groups``); ignored without it,
+    as in Megatron-LM."""
+    masked_softmax_fusion: bool = True
+    """Megatron's fused scale-mask-softmax kernel where it is built (``--no-masked-softmax-fusion``
+    turns it off; on CPU, or without the kernel, the unfused softmax runs either way)."""
+    rope_fusion: bool = True
+    """Transformer Engine's fused RoPE where it is used (``--no-rope-fusion`` turns it off; the local
+    spec applies RoPE unfused either way)."""
+    use_mcore_models: bool = False
+    """``--use-mcore-models``: accepted for Megatron-LM command lines; megatron-core's models are the
+    only ones this trainer builds."""
+    # ---- end of the Llama-family block ----
+
     def __post_init__(self) -> None:
         p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
              for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -112,6 +150,7 @@ class ModelConfig:
         if not self.init_method_std > 0:
             p.append(f"--init-method-std={self.init_method_std} must be > 0")
         p.extend(self._recompute_problems())
+        p.extend(llama_problems(self))
         if self.attention_backend not in ATTENTION_BACKENDS:
             p.append(f"--attention-backend={self.attention_backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
         elif self.use_flash_attn and self.attention_backend not in ("auto", "flash"):
@@ -159,7 +198,10 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """--ffn-hidden-size, else Megatron-LM's default: 4 h, or int(4 h x 2/3 / 64) x 64 with --swiglu."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
 
     @property
     def max_positions(self) -> int:
@@ -169,6 +211,43 @@ class ModelConfig:
         """Megatron's padding: next multiple of make_vocab_size_divisible_by x TP."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
         return -(-vocab_size // multiple) * multiple
+
+
+# ---- Llama-family architecture: the checks of ModelConfig's Llama block ----------------------------
+LLAMA_DEFAULTS = {"normalization": "LayerNorm", "swiglu": False, "disable_bias_linear": False,
+                  "position_embedding_type": "learned_absolute", "group_query_attention": False}
+
+
+def llama_problems(m: ModelConfig) -> list[str]:
+    """Megatron-LM's rules for the Llama-family flags (validate_args), refused up front."""
+    p = []
+    if m.normalization not in ("LayerNorm", "RMSNorm"):
+        p.append(f"--normalization={m.normalization!r} must be LayerNorm or RMSNorm")
+    if not m.norm_epsilon > 0:
+        p.append(f"--norm-epsilon={m.norm_epsilon} must be > 0")
+    if m.position_embedding_type not in ("learned_absolute", "rope", "none"):
+        p.append(f"--position-embedding-type={m.position_embedding_type!r} must be learned_absolute, rope or none")
+    if m.no_position_embedding and m.position_embedding_type != "rope":
+        # Megatron-LM raises the same: the flag is deprecated except beside rope.
+        p.append("--no-position-embedding is deprecated, use --position-embedding-type (it is accepted only "
+                 f"with --position-embedding-type rope; got {m.position_embedding_type})")
+    if m.rotary_base < 1:
+        p.append(f"--rotary-base={m.rotary_base} must be >= 1")
+    if not 0.0 < m.rotary_percent <= 1.0:
+        p.append(f"--rotary-percent={m.rotary_percent} must be in (0, 1]")
+    if m.group_query_attention:
+        if m.num_query_groups < 1:
+            p.append(f"--num-query-groups={m.num_query_groups} must be >= 1")
+        elif m.num_attention_heads % m.num_query_groups:
+            p.append(f"--num-attention-heads={m.num_attention_heads} is not divisible by "
+                     f"--num-query-groups={m.num_query_groups}")
+    if m.swiglu and m.ffn_hidden_size is None and m.ffn_size < 1:
+        p.append(f"--swiglu without --ffn-hidden-size gives int(4 x {m.hidden_size} x 2/3 / 64) x 64 = 0: "
+                 "give --ffn-hidden-size")
+    llama = [f"--{name.replace('_', '-')}" for name, default in LLAMA_DEFAULTS.items() if getattr(m, name) != default]
+    if llama and m.model != "gpt":
+        p.append(f"{' '.join(llama)} are implemented for --model gpt only (Llama-family GPT models)")
+    return p
 
 
 @dataclass(frozen=True)
@@ -276,6 +355,12 @@ class ParallelConfig:
     chunk's data-parallel gradient reduction is launched asynchronously, bucket by bucket, while its
     last backward still runs (instead of all at once in finalize_model_grads), and awaited in
     finalize_model_grads. Buckets of max(40M, 1M x DP) parameters, as Megatron-LM."""
+    overlap_param_gather: bool = False
+    """Megatron-LM's ``--overlap-param-gather`` (megatron-core DDP's overlap_param_gather): with the
+    distributed optimizer, the all-gather of the updated parameters is not done inside the optimizer
+    step but bucket by bucket, asynchronously, from forward pre-hooks when the next forward first
+    uses them (each bucket's wait dispatches the next); a checkpoint save gathers them all first.
+    Needs --use-distributed-optimizer and --overlap-grad-reduce, as in Megatron-LM."""
     batch_p2p_sync: bool = True
     """megatron-core syncs the device after each batched P2P (batch_isend_irecv), a workaround for old
     PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its
@@ -329,6 +414,10 @@ class ParallelConfig:
                      "tensor-parallel ranks)")
         if self.dpp_timeout_s <= 0:
             p.append(f"--dpp-timeout={self.dpp_timeout_s} must be > 0")
+        if self.overlap_param_gather:  # Megatron-LM's two assertions
+            p.extend(f"--overlap-param-gather needs {flag}" for flag, on in
+                     (("--use-distributed-optimizer", self.use_distributed_optimizer),
+                      ("--overlap-grad-reduce", self.overlap_grad_reduce)) if not on)
         if self.cuda_graph_impl not in ("none", "local"):
             p.append(f"--cuda-graph-impl={self.cuda_graph_impl!r} must be none or local (megatron-core's own "
                      "graphs; transformer_engine needs Transformer Engine, full_iteration is not offered)")

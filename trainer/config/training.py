@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainer.config.sections import ConfigError, ModelConfig, OptimConfig, ParallelConfig, _check
+from trainer.config.sections import ModelConfig, OptimConfig, ParallelConfig, _check
 from trainer.data.megatron_datasets import parse_blend
 from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
-from trainer.names import TOKENIZERS, TokenizerType
+from trainer.names import MODEL_FILE_TOKENIZERS, TOKENIZERS, TokenizerType
 from trainer.stall_injection import stall_problems
 
 
@@ -37,6 +37,9 @@ class DataConfig:
     """GPT-2 BPE merges (``--merge-file``)."""
     tokenizer_type: TokenizerType = "GPT2BPETokenizer"
     """``--tokenizer-type`` (Megatron's names)."""
+    tokenizer_model: str | None = None
+    """``--tokenizer-model``: the SentencePiece model of Llama2Tokenizer (tokenizer.model), or the local
+    folder (or tokenizer.json) of HuggingFaceTokenizer; read offline, nothing is downloaded."""
     variable_seq_lengths: bool = False
     """Megatron-LM's ``--variable-seq-lengths``: each microbatch is as long as its documents (GPT: one
     document or piece of one per sample; BERT: one sentence group), rounded up to
@@ -88,11 +91,23 @@ class DataConfig:
             p.extend(parse_split(self.split)[1])
         if self.tokenizer_type not in TOKENIZERS:
             p.append(f"--tokenizer-type={self.tokenizer_type!r} must be one of {', '.join(TOKENIZERS)}")
-        if self.data_path and self.tokenizer_type != "NullTokenizer" and not self.vocab_file:
-            p.append(f"--vocab-file is required with --tokenizer-type={self.tokenizer_type}")
-        if self.data_path and self.tokenizer_type == "GPT2BPETokenizer" and not self.merge_file:
-            p.append("--merge-file is required with --tokenizer-type=GPT2BPETokenizer")
+        if self.tokenizer_model is not None and self.tokenizer_type not in MODEL_FILE_TOKENIZERS:
+            p.append(f"--tokenizer-model={self.tokenizer_model} is read by --tokenizer-type "
+                     f"{' or '.join(MODEL_FILE_TOKENIZERS)}, not {self.tokenizer_type}")
         _check(p)
+
+    def tokenizer_file_problems(self) -> list[str]:
+        """The tokenizer files --data-path needs and lacks (a layout check: BERT's need of WordPiece
+        is named first, by _bert_data_problems)."""
+        if not self.data_path or self.tokenizer_type == "NullTokenizer":
+            return []
+        if self.tokenizer_type in MODEL_FILE_TOKENIZERS:
+            return [] if self.tokenizer_model else [f"--tokenizer-model is required with --tokenizer-type="
+                                                    f"{self.tokenizer_type}"]
+        p = [] if self.vocab_file else [f"--vocab-file is required with --tokenizer-type={self.tokenizer_type}"]
+        if self.tokenizer_type == "GPT2BPETokenizer" and not self.merge_file:
+            p.append("--merge-file is required with --tokenizer-type=GPT2BPETokenizer")
+        return p
 
 
 @dataclass(frozen=True)
@@ -109,9 +124,58 @@ class CheckpointConfig:
     """Resume even when the checkpoint was saved with another seed, LR schedule, batch or model
     shape (by default that is refused, naming each difference)."""
 
+    # ---- Megatron-LM's load and format flags (checked by _megatron_checkpoint_problems) ----
+    ckpt_format: Literal["torch_dist"] = "torch_dist"
+    """``--ckpt-format``: checkpoints are megatron-core's torch_dist format, Megatron-LM's default; the
+    others (torch, zarr, fsdp_dtensor, torch_dcp) are refused."""
+    exit_signal_handler: bool = False
+    """``--exit-signal-handler``: accepted; saving a checkpoint and exiting on SIGTERM/SIGUSR1 is always on
+    here (with --save)."""
+    finetune: bool = False
+    """``--finetune``: load only the model's weights from --load, start at iteration 0 with this run's
+    optimizer, LR schedule and RNG (Megatron-LM's meaning); the model shape must still match."""
+    no_load_optim: bool = False
+    """``--no-load-optim``: do not load the optimizer and LR-scheduler state (the iteration still resumes)."""
+    no_load_rng: bool = False
+    """``--no-load-rng``: do not restore the random number generators' states."""
+    override_opt_param_scheduler: bool = False
+    """``--override-opt_param-scheduler``: the LR schedule (learning rates, warm-up, decay length and
+    style, weight decay) comes from this command line, not the checkpoint; the step count is still
+    loaded. So a run resumes with a longer --train-iters."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """``--use-checkpoint-opt_param-scheduler``: the LR schedule comes from the checkpoint, whatever this
+    command line says."""
+    exit_duration_in_mins: int | None = None
+    """``--exit-duration-in-mins``: once the run has lasted this long (checked after every iteration,
+    the longest-running rank deciding), save a checkpoint (with --save) and exit 0, as Megatron-LM."""
+
     def __post_init__(self) -> None:
+        p = _megatron_checkpoint_problems(self)
         if self.save_interval is not None and self.save_interval < 1:
-            raise ConfigError([f"--save-interval={self.save_interval} must be >= 1"])
+            p.append(f"--save-interval={self.save_interval} must be >= 1")
+        _check(p)
+
+    @property
+    def loads_optimizer(self) -> bool:
+        """Whether --load restores the optimizer and LR scheduler (not with --finetune / --no-load-optim)."""
+        return not (self.finetune or self.no_load_optim)
+
+    @property
+    def loads_rng(self) -> bool:
+        return not (self.finetune or self.no_load_rng)
+
+
+def _megatron_checkpoint_problems(c: CheckpointConfig) -> list[str]:
+    p = []
+    if c.ckpt_format != "torch_dist":
+        p.append(f"--ckpt-format={c.ckpt_format!r}: checkpoints here are megatron-core's torch_dist only "
+                 "(Megatron-LM's default); torch (legacy), zarr, fsdp_dtensor and torch_dcp are not written or read")
+    if c.exit_duration_in_mins is not None and c.exit_duration_in_mins < 1:
+        p.append(f"--exit-duration-in-mins={c.exit_duration_in_mins} must be >= 1")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        p.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one (the LR "
+                 "schedule from this command line, or from the checkpoint)")
+    return p
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ backend asked for (its kernels, the flash-attn package, NVTE_*_ATTN variables), 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -14,6 +15,17 @@ NVTE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 NVTE_ATTENTION_VALUES = {"auto": (1, 1, 1), "flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1),
                          "local": (0, 0, 0)}
 TE_ATTENTION_BACKENDS = ("flash", "fused", "unfused")  # kernels of Transformer Engine's attention
+
+
+@functools.cache
+def import_problem(module: str) -> str | None:
+    """Why ``module`` does not import here (None: it does). A real import, not a look-up: a broken
+    install is found by the spec look-up and then fails in every rank."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a missing shared library / symbol at load time
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def installed(module: str) -> bool:
@@ -58,6 +70,18 @@ def attention_backend_problems(cfg: TrainConfig, environ: dict[str, str] | None 
                 installed(m) for m in ("flash_attn", "flash_attn_interface", "flash_attn_3")):
             p.append(f"{flag} needs the flash-attn package (Transformer Engine's flash backend calls it), which "
                      "is not installed; install flash-attn, or use --attention-backend fused/unfused/auto")
+    if impl == "transformer_engine" and backend not in (*TE_ATTENTION_BACKENDS, "local"):
+        # The TE backends and --attention-backend local name their own problem above; otherwise the
+        # model build would fail after start-up, in every rank, with an import traceback.
+        if cfg.run.device != "cuda":
+            p.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine's layers are "
+                     "CUDA only); on CPU use --transformer-impl local or auto")
+        else:
+            why = import_problem("transformer_engine.pytorch")
+            if why is not None:
+                p.append(f"--transformer-impl transformer_engine needs Transformer Engine, which does not import "
+                         f"here ({why}); build it with scripts/te/build.sh (docs/transformer_engine.md), or use "
+                         "--transformer-impl local or auto")
     env = os.environ if environ is None else environ
     for name, want in zip(NVTE_ATTENTION_ENV, NVTE_ATTENTION_VALUES[backend], strict=True):
         if env.get(name) not in (None, str(want)):

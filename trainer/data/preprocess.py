@@ -37,7 +37,7 @@ import numpy as np
 from trainer.cli import OneLineParser
 from trainer.data.sentence_splitter import DEFAULT_PUNKT_PARAMS, load_sentence_splitter
 from trainer.data.tokenizer import build_tokenizer
-from trainer.names import FILE_TOKENIZERS
+from trainer.names import FILE_TOKENIZERS, MODEL_FILE_TOKENIZERS
 from trainer.problems import raise_if_any
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class PreprocessConfig:
     """Outputs are ``{output_prefix}_{key}_{document|sentence}.{bin,idx}``."""
     tokenizer_type: str
     """A file tokenizer of trainer/names.py (Megatron-LM's ``--tokenizer-type`` names)."""
-    vocab_file: Path
-    """vocab.json (GPT-2 BPE) or vocab.txt (WordPiece)."""
+    vocab_file: Path | None
+    """vocab.json (GPT-2 BPE) or vocab.txt (WordPiece); None for the --tokenizer-model tokenizers."""
     merge_file: Path | None = None
     """merges.txt; required by GPT2BPETokenizer."""
     json_keys: tuple[str, ...] = ("text",)
@@ -73,11 +73,31 @@ class PreprocessConfig:
     """Tokenizer processes; results are written in input order whatever the worker count."""
     log_interval: int = 10000
     """Log progress every this many documents."""
+    tokenizer_model: Path | None = None
+    """tokenizer.model (Llama2Tokenizer) or a Hugging Face tokenizer folder / tokenizer.json
+    (HuggingFaceTokenizer), Megatron-LM's ``--tokenizer-model``."""
+    keep_newlines: bool = False
+    """With split_sentences: keep the newlines that end sentences (Megatron-LM's ``--keep-newlines``)."""
+    lang: str = "english"
+    """Punkt's language (Megatron-LM's ``--lang``): the shipped model is English; another language
+    needs its own --punkt-model."""
+    partitions: int = 1
+    """Megatron-LM's ``--partitions``: it splits the input into N files, tokenizes them in parallel and
+    merges them in order. With --keep-sequential-samples the output is the same as one partition's
+    (documents in input order), which --workers already parallelises; without, Megatron-LM would
+    deal the lines round-robin, which is refused rather than reordered silently."""
+    keep_sequential_samples: bool = False
+    """Megatron-LM's ``--keep-sequential-samples``: partitions hold consecutive lines (input order kept)."""
 
     def __post_init__(self) -> None:
         problems = []
-        if self.tokenizer_type not in FILE_TOKENIZERS:
-            problems.append(f"tokenizer_type={self.tokenizer_type!r} is not one of {list(FILE_TOKENIZERS)}")
+        if self.tokenizer_type not in FILE_TOKENIZERS + MODEL_FILE_TOKENIZERS:
+            problems.append(f"tokenizer_type={self.tokenizer_type!r} is not one of "
+                            f"{list(FILE_TOKENIZERS + MODEL_FILE_TOKENIZERS)}")
+        if self.tokenizer_type in MODEL_FILE_TOKENIZERS and self.tokenizer_model is None:
+            problems.append(f"tokenizer_type={self.tokenizer_type!r} needs tokenizer_model (--tokenizer-model)")
+        if self.tokenizer_type in FILE_TOKENIZERS and self.vocab_file is None:
+            problems.append(f"tokenizer_type={self.tokenizer_type!r} needs vocab_file (--vocab-file)")
         if self.tokenizer_type == "GPT2BPETokenizer" and self.merge_file is None:
             problems.append("tokenizer_type='GPT2BPETokenizer' needs merge_file (--merge-file)")
         if not self.json_keys or any(not k for k in self.json_keys):
@@ -86,6 +106,17 @@ class PreprocessConfig:
             problems.append(f"json_keys={list(self.json_keys)} has duplicates")
         if self.workers < 1:
             problems.append(f"workers={self.workers} must be >= 1")
+        if self.keep_newlines and not self.split_sentences:
+            problems.append("keep_newlines (--keep-newlines) applies to --split-sentences only")
+        if self.lang != "english" and Path(self.punkt_model) == DEFAULT_PUNKT_PARAMS:
+            problems.append(f"lang={self.lang!r} (--lang): the shipped Punkt model is English; give that language's "
+                            "parameters with --punkt-model")
+        if self.partitions < 1:
+            problems.append(f"partitions={self.partitions} must be >= 1")
+        elif self.partitions > 1 and not self.keep_sequential_samples:
+            problems.append(f"partitions={self.partitions} (--partitions) without --keep-sequential-samples would deal "
+                            "the documents round-robin over the partitions (Megatron-LM's order); pass "
+                            "--keep-sequential-samples for input order (--workers spreads the work)")
         if self.log_interval < 1:
             problems.append(f"log_interval={self.log_interval} must be >= 1")
         if not self.output_prefix:
@@ -101,7 +132,13 @@ class PreprocessConfig:
 
     def check_files(self) -> None:
         """FileNotFoundError naming the first missing input file (before any output is created)."""
-        needed = [("input file", self.input), ("vocab file", self.vocab_file)]
+        needed = [("input file", self.input)]
+        if self.vocab_file is not None:
+            needed.append(("vocab file", self.vocab_file))
+        if self.tokenizer_model is not None and self.tokenizer_type == "Llama2Tokenizer":
+            needed.append(("tokenizer model", self.tokenizer_model))
+        elif self.tokenizer_model is not None and not Path(self.tokenizer_model).exists():
+            raise FileNotFoundError(f"tokenizer model not found: {self.tokenizer_model}")
         if self.merge_file is not None:
             needed.append(("merge file", self.merge_file))
         if self.split_sentences:
@@ -127,8 +164,10 @@ class DocumentEncoder:
 
     def __init__(self, config: PreprocessConfig) -> None:
         self.config = config
-        self.tokenizer = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file)
-        self.splitter = load_sentence_splitter(config.punkt_model) if config.split_sentences else None
+        self.tokenizer = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file,
+                                         config.tokenizer_model)
+        self.splitter = (load_sentence_splitter(config.punkt_model, config.keep_newlines)
+                         if config.split_sentences else None)
 
     def encode(self, numbered_line: tuple[int, bytes]) -> EncodedDocument:
         line_number, raw = numbered_line
@@ -277,7 +316,8 @@ def _encoded_documents(config: PreprocessConfig, lines: Iterable[tuple[int, byte
 def preprocess(config: PreprocessConfig) -> PreprocessStats:
     """Tokenize ``config.input`` into indexed datasets; nothing is left behind if it fails."""
     config.check_files()
-    vocab_size = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file).vocab_size
+    vocab_size = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file,
+                                 config.tokenizer_model).vocab_size
     Path(config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     stats = PreprocessStats()
     writers: dict[str, _AtomicIndexedDatasetWriter] = {}
@@ -289,8 +329,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
             for doc in _encoded_documents(config, _numbered_lines(handle, config.input)):
                 _write_document(doc, writers, stats)
                 if stats.documents and stats.documents % config.log_interval == 0:
-                    log.info("processed %d documents (%.1f MB/s)", stats.documents,
-                                stats.input_bytes / 1e6 / (time.perf_counter() - start))
+                    # Megatron-LM's progress line: documents/s and MB/s (MiB, as it divides by 1024^2).
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    log.info("Processed %d documents (%.1f docs/s, %.2f MB/s).", stats.documents,
+                             stats.documents / elapsed, stats.input_bytes / elapsed / 1024 / 1024)
         if stats.documents == 0:
             # A 0-document dataset "succeeds" here and fails only once training has its nodes.
             raise PreprocessError(
@@ -329,15 +371,24 @@ def build_arg_parser() -> OneLineParser:
     )
     parser.add_argument("--input", type=Path, required=True, help="JSONL file (.jsonl, .jsonl.xz, .jsonl.gz)")
     parser.add_argument("--output-prefix", required=True, help="output path prefix")
-    parser.add_argument("--tokenizer-type", required=True, choices=FILE_TOKENIZERS)
-    parser.add_argument("--vocab-file", type=Path, required=True)
+    parser.add_argument("--tokenizer-type", required=True, choices=FILE_TOKENIZERS + MODEL_FILE_TOKENIZERS)
+    parser.add_argument("--vocab-file", type=Path, default=None, help="vocab.json / vocab.txt (file tokenizers)")
     parser.add_argument("--merge-file", type=Path, default=None)
+    parser.add_argument("--tokenizer-model", type=Path, default=None,
+                        help="Llama2Tokenizer: tokenizer.model; HuggingFaceTokenizer: a local folder or tokenizer.json")
     parser.add_argument("--json-keys", "--json-key", nargs="+", default=["text"], dest="json_keys",
                         help="JSON fields to tokenize (default: text)")
     parser.add_argument("--append-eod", action="store_true", help="append end-of-document token")
     parser.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (Punkt)")
     parser.add_argument("--punkt-model", type=Path, default=DEFAULT_PUNKT_PARAMS,
                         help="Punkt parameters JSON (default: the shipped datasets/punkt/english.json)")
+    parser.add_argument("--keep-newlines", action="store_true",
+                        help="with --split-sentences: keep the newlines between sentences (Megatron-LM's)")
+    parser.add_argument("--lang", default="english", help="Punkt language (the shipped model is English)")
+    parser.add_argument("--partitions", type=int, default=1,
+                        help="Megatron-LM's input partitions: with --keep-sequential-samples the same output")
+    parser.add_argument("--keep-sequential-samples", action="store_true",
+                        help="partitions keep the input order (Megatron-LM's)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--log-interval", type=int, default=10000)
     return parser
@@ -348,7 +399,9 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         input=args.input, output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
         vocab_file=args.vocab_file, merge_file=args.merge_file, json_keys=tuple(args.json_keys),
         append_eod=args.append_eod, split_sentences=args.split_sentences, punkt_model=args.punkt_model,
-        workers=args.workers, log_interval=args.log_interval,
+        workers=args.workers, log_interval=args.log_interval, tokenizer_model=args.tokenizer_model,
+        keep_newlines=args.keep_newlines, lang=args.lang, partitions=args.partitions,
+        keep_sequential_samples=args.keep_sequential_samples,
     )
 
 

@@ -46,11 +46,35 @@ def punkt_params_from_json(data: dict) -> PunktParameters:
     return params
 
 
-def load_sentence_splitter(path: str | Path = DEFAULT_PUNKT_PARAMS) -> PunktSentenceTokenizer:
-    """A Punkt sentence tokenizer from a JSON parameter file; FileNotFoundError names a missing path."""
+def _keep_newlines_language_vars():
+    """Megatron-LM's CustomLanguageVars (tools/preprocess_data.py, ``--keep-newlines``): Punkt's sentence
+    end followed by any whitespace, so the newlines after a sentence stay in it instead of being eaten."""
+    from nltk.tokenize.punkt import PunktLanguageVars
+
+    class KeepNewlines(PunktLanguageVars):
+        _period_context_fmt = r"""
+            \S*                          # some word material
+            %(SentEndChars)s             # a potential sentence ending
+            \s*                          # any whitespace, newlines included
+            (?=(?P<after_tok>
+                %(NonWord)s              # either other punctuation
+                |
+                (?P<next_tok>\S+)        # or some other token
+            ))"""
+
+    return KeepNewlines()
+
+
+def load_sentence_splitter(path: str | Path = DEFAULT_PUNKT_PARAMS,
+                           keep_newlines: bool = False) -> PunktSentenceTokenizer:
+    """A Punkt sentence tokenizer from a JSON parameter file; FileNotFoundError names a missing path.
+    ``keep_newlines``: Megatron-LM's --keep-newlines language variables."""
     from nltk.tokenize.punkt import PunktSentenceTokenizer
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Punkt sentence model not found: {path}")
-    return PunktSentenceTokenizer(punkt_params_from_json(json.loads(path.read_text(encoding="utf-8"))))
+    params = punkt_params_from_json(json.loads(path.read_text(encoding="utf-8")))
+    if keep_newlines:
+        return PunktSentenceTokenizer(params, lang_vars=_keep_newlines_language_vars())
+    return PunktSentenceTokenizer(params)

@@ -96,12 +96,17 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         deallocate_pipeline_outputs=cfg.parallel.cuda_graph_impl == "none",
         # Megatron's own softmax kernels ship with Megatron-LM builds, not the pip wheel: only use
         # them when they import (TE's attention does not need them).
-        masked_softmax_fusion=not on_cpu and _importable("scaled_upper_triang_masked_softmax_cuda"),
+        # --no-masked-softmax-fusion switches them off as in Megatron-LM.
+        masked_softmax_fusion=m.masked_softmax_fusion and not on_cpu
+        and _importable("scaled_upper_triang_masked_softmax_cuda"),
         bias_activation_fusion=not on_cpu,
         bias_dropout_fusion=not on_cpu,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,  # Apex-only; torch's LayerNorm (local spec without Apex) refuses it
-        apply_rope_fusion=False,
+        # Fused RoPE is Transformer Engine's kernel: only with its spec, and not after --no-rope-fusion.
+        apply_rope_fusion=m.rope_fusion and m.position_embedding_type == "rope" and not on_cpu
+        and use_transformer_engine(cfg),
+        **llama_transformer_fields(m),
         # --variable-seq-lengths: megatron-core's P2P exchanges shapes before each transfer (our
         # runtime's headers carry them anyway), and GPT averages its loss over the batch's tokens.
         variable_seq_lengths=cfg.data.variable_seq_lengths,
@@ -116,6 +121,26 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
     )
 
 
+def llama_transformer_fields(m) -> dict:
+    """TransformerConfig fields of the Llama-family flags, set as Megatron-LM's
+    core_transformer_config_from_args sets them (a plain GPT gets megatron-core's defaults)."""
+    import torch.nn.functional as F
+
+    fields: dict = {"normalization": m.normalization, "layernorm_epsilon": m.norm_epsilon,
+                    "add_bias_linear": not m.disable_bias_linear}
+    if m.swiglu:
+        fields.update(gated_linear_unit=True, activation_func=F.silu)
+    if m.group_query_attention:
+        fields["num_query_groups"] = m.num_query_groups
+    return fields
+
+
+def gpt_position_kwargs(m) -> dict:
+    """GPTModel's position-embedding keywords (--position-embedding-type, --rotary-base/-percent)."""
+    return {"position_embedding_type": m.position_embedding_type, "rotary_base": m.rotary_base,
+            "rotary_percent": m.rotary_percent}
+
+
 def _layer_spec(cfg: TrainConfig):
     te = use_transformer_engine(cfg)
     if cfg.model.model == "bert":
@@ -128,8 +153,10 @@ def _layer_spec(cfg: TrainConfig):
         return local if local is not None else bert_layer_specs.get_bert_layer_local_spec()
     from megatron.core.models.gpt import gpt_layer_specs
 
+    # The local spec picks its norm by --normalization (WrappedTorchNorm: torch.nn.RMSNorm without Apex);
+    # Transformer Engine's norm reads the config's normalization itself.
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if te \
-        else gpt_layer_specs.get_gpt_layer_local_spec()
+        else gpt_layer_specs.get_gpt_layer_local_spec(normalization=cfg.model.normalization)
 
 
 class SequenceParallelLayerNorm(torch.nn.LayerNorm):
@@ -152,6 +179,20 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
             param.sequence_parallel = config.sequence_parallel
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """:class:`SequenceParallelLayerNorm`'s counterpart for ``--normalization RMSNorm`` (torch's RMSNorm,
+    what WrappedTorchNorm builds, with the ``sequence_parallel`` mark on its weight)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm") -> None:
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"SequenceParallelRMSNorm is a plain RMSNorm, not {config.normalization} "
+                             f"(zero-centred gamma {config.layernorm_zero_centered_gamma})")
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
 def _block_spec(cfg: TrainConfig, config, spec, vp_stage: int | None):
     """The spec GPTModel gets for one chunk: ``spec`` itself, except under --sequence-parallel with the
     local spec's torch norms, where every norm (both of each layer and the block's final one) becomes
@@ -165,11 +206,12 @@ def _block_spec(cfg: TrainConfig, config, spec, vp_stage: int | None):
     layer = spec.submodules
     if not (cfg.parallel.sequence_parallel and WrappedTorchNorm in (layer.input_layernorm, layer.pre_mlp_layernorm)):
         return spec
-    norms = {name: SequenceParallelLayerNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+    norm = SequenceParallelRMSNorm if config.normalization == "RMSNorm" else SequenceParallelLayerNorm
+    norms = {name: norm for name in ("input_layernorm", "pre_mlp_layernorm")
              if getattr(layer, name) is WrappedTorchNorm}
     layer_spec = dataclasses.replace(spec, submodules=dataclasses.replace(layer, **norms))
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=SequenceParallelLayerNorm)
+                                      layer_norm=norm)
 
 
 def _construct(model_cls, **kwargs):
@@ -202,7 +244,7 @@ def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int) ->
         else:
             from megatron.core.models.gpt import GPTModel
 
-            chunk = _construct(GPTModel, **common)
+            chunk = _construct(GPTModel, **common, **gpt_position_kwargs(cfg.model))
         chunks.append(chunk.to(device))
     return chunks
 
@@ -233,6 +275,11 @@ def wrap_ddp(cfg: TrainConfig, chunks: list[torch.nn.Module], runtime_launches_r
         # waits. Without it every bucket is reduced at once in finalize_model_grads.
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        # --overlap-param-gather: the optimizer step leaves the parameter all-gather to forward
+        # pre-hooks, each bucket's dispatched lazily by the first forward that uses it (and the next
+        # bucket's then), which any schedule's forwards trigger -- the DPP runtime's included; so
+        # align_param_gather (megatron's schedules dispatching every stage's at once) stays off.
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
     )
     wrapper = DistributedDataParallel
     if runtime_launches_reduction:

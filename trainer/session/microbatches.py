@@ -63,7 +63,8 @@ class MicrobatchFeed:
         else:
             from trainer.data.tokenizer import build_tokenizer
 
-            tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file)
+            tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file,
+                                        cfg.data.tokenizer_model)
             vocab = tokenizer.vocab_size
         if not cfg.data.variable_seq_lengths:
             from trainer.data.megatron_datasets import SplitSizes, bert_samples, gpt_samples, parse_blend

@@ -1,0 +1,33 @@
+"""--exit-duration-in-mins (Megatron-LM's): once the run has lasted the limit, every rank stops after
+the same iteration, a checkpoint is saved there and the run exits EXIT_STOPPED (75), as a signalled
+stop does: an unfinished run never looks finished to a launcher (Megatron-LM itself exits 0 here)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.dist.checkpoints import TRACKER, assert_megatron_checkpoint
+from tests.dist.launch import launch
+from trainer.train import EXIT_STOPPED
+
+ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--pipeline-model-parallel-size", "2", "--train-iters", "1000000", "--log-interval", "1000"]
+
+
+@pytest.mark.timeout(600)
+def test_exit_duration_saves_and_stops_unfinished(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    results = launch(["trainer.train", *ARGS, "--save", str(ckpt), "--exit-duration-in-mins", "1"], 2,
+                     timeout_s=400)
+    output = "\n".join(r.output for r in results)
+    assert [r.returncode for r in results] == [EXIT_STOPPED, EXIT_STOPPED], output[-3000:]
+    found = re.search(r"exiting program after (\S+) minutes \(--exit-duration-in-mins 1\) at iteration (\d+)", output)
+    assert found and float(found.group(1)) > 1.0, output[-3000:]
+    iteration = int(found.group(2))
+    assert 0 < iteration < 1000000
+    assert (ckpt / TRACKER).read_text().strip() == str(iteration)
+    assert_megatron_checkpoint(ckpt, iteration)
