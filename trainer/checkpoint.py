@@ -218,7 +218,7 @@ def run_identity(cfg) -> dict[str, object]:
     """What a resumed run must share with its checkpoint: model shape, seed, LR schedule, batch.
 
     A run resumed with another seed or learning rate would quietly carry on with the checkpoint's
-    optimizer and scheduler state (the issue-15 case trained at learning rate 0); train_iters counts
+    optimizer and scheduler state (a resumed run was seen training at learning rate 0); train_iters counts
     only through the decay length it sets, so extending a run with --lr-decay-iters fixed is allowed.
     The parallel layout is not part of it: checkpoints load under any TP x PP layout.
     """

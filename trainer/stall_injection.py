@@ -1,7 +1,7 @@
 """Transient stalls injected into one rank's forward steps, the same ones under every schedule.
 
 ``--inject-stalls RANK:FRACTION:MILLISECONDS[:SEED]`` delays about FRACTION of the forward steps of
-global rank RANK by MILLISECONDS each (issue 12, scenario (c): a straggling GPU, a noisy neighbour).
+global rank RANK by MILLISECONDS each (the benchmark's scenario (c): a straggling GPU, a noisy neighbour).
 
 Why the forward step function: it is the one callable both megatron-core's schedules and our DPP
 runtime call for every microbatch and chunk, with the same ``(data_iterator, model)`` arguments, so

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Eleventh session, issue 14: why dpp-zb's iterations are bimodal on the GPU (call s, 4xH200: its
-# fastest equal dpp's median, its slowest are 60-100 ms longer). Traced runs (--profile-dir: each op's
+# Why some of dpp-zb's iterations are slow on the GPU (on 4xH200 its fastest equalled dpp's median, its
+# slowest were 60-100 ms longer; docs/schedules.md, "Split backward on the GPU"). Traced runs (--profile-dir: each op's
 # GPU time from CUDA events) of graphed dpp-zb and dpp, then the critical path of every iteration
 # (trainer/profiling/critical_path.py): which ops and gaps made each step long, and how many backwards
 # were queued behind a W that started after their gradient was there.
-# 4 GPUs: the issue-12 model (GPT 16L h2048 seq 1024 mbs 2, PP=4, M=32, split 5/4/4/3).
-# 2 GPUs: call t's model (GPT 8L, PP=2, M=16, split 5/3).
+# 4 GPUs: the benchmark model gpt16-h2048 (GPT 16L h2048 seq 1024 mbs 2, PP=4, M=32, split 5/4/4/3).
+# 2 GPUs: GPT 8L, PP=2, M=16, split 5/3 (the same layers per stage as one PP=4 stage pair).
 #   scripts/device/call_4gpu_u.sh [EXTRA_FLAGS_FOR_A_THIRD_ZB_RUN]
 set -u
 source scripts/device/env.sh >/dev/null || exit 1

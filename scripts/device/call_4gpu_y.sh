@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Twelfth session (written without a GPU; run it first in the next session with one): the GPU checks
-# of this session's changes, then traces that say why dpp-zb's slow iterations are slow.
+# Not run on a GPU yet: the GPU spans test and the landed test, then traces that say why dpp-zb's slow
+# iterations are slow.
 # 1. on GPUs 0,1: tests/gpu/test_gpu_spans.py (an op's GPU span opens after its input was produced:
 #    the runtime now queues the payload wait before the span's start event) and the landed test;
-# 2. scripts/device/call_4gpu_u.sh: traced graphed dpp-zb and dpp on the issue-12 model (4 GPUs) or
-#    call t's model (2 GPUs), each iteration's critical path with what each host did in the path's
+# 2. scripts/device/call_4gpu_u.sh: traced graphed dpp-zb and dpp on the benchmark model (4 GPUs) or
+#    its 8-layer PP=2 cut (2 GPUs), each iteration's critical path with what each host did in the path's
 #    one-stage gaps (launch / send / wait / run-ahead / landed / decide / untraced) and the runs'
 #    end-of-run "looked ... whether gradients had landed" lines; the same dpp-zb run again with
 #    --manual-gc (the traces now hold every garbage collection as a "gc" span). Each aggregation also
-#    prints the run's stage balance (thirteenth session): the first GPU check of that fit.
+#    prints the run's stage balance: the first GPU check of that fit.
 set -u
 source scripts/device/env.sh >/dev/null || exit 1
 CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rA \

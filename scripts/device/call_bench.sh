@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One 4-GPU device call: the side-by-side pipeline benchmark (issue 12) for the scenarios given
+# One 4-GPU device call: the side-by-side pipeline benchmark for the scenarios given
 # (default "a"), its report and PNGs packed into $OUT/bench-<scenarios>.tar.gz (the device tool
 # returns at most 8 files). Usage: bash scripts/device/call_bench.sh [SCENARIOS] [extra bench flags...]
 set -u

@@ -1,4 +1,4 @@
-# Sourced: the GPT model of the 4-GPU figures (issue 11/12): GPT 16L h2048 16 heads seq 1024 mbs 2,
+# Sourced: the benchmark model gpt16-h2048 (trainer/bench/experiments.py) as trainer flags: GPT 16L h2048 16 heads seq 1024 mbs 2,
 # bf16, PP=4, 32 microbatches, vocab 50257, mock data, dropout 0. Usage: gpt16 NAME ITERS [flags...]
 GPT16="--device cuda --mock-data --num-layers 16 --hidden-size 2048 --num-attention-heads 16 \
   --seq-length 1024 --max-position-embeddings 1024 --vocab-size 50257 --micro-batch-size 2 \

@@ -1,4 +1,4 @@
-"""GPU-side cost of one same-node hop, with no host in the loop (issue 11): one process, two GPUs,
+"""GPU-side cost of one same-node hop, with no host in the loop (docs/transport.md): one process, two GPUs,
 every operation of N hops queued up front, then one synchronize. Per hop (us):
 
   copies        back-to-back 8 MiB copies cuda:0 -> cuda:1 on one stream (the copy engine alone)

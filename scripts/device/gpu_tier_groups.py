@@ -21,7 +21,7 @@ GROUPS: dict[str, list[str]] = {
     "B": [f"{_G}/test_transport_nccl_gpu.py", f"{_GRAPHS}[v1-recompute]", f"{_GRAPHS}[v1-queued1]",
           f"{_GRAPHS}[v1-recompute-slot]", f"{_G}/test_checkpoint_gpu.py", f"{_G}/test_gpu_spans.py"],
     "C": [f"{_G}/test_dpp_nccl_split.py"],
-    # part 2: the split-backward graphs (tenth session), side by side, then the 2-rank loss test and the NCCL clock sync
+    # part 2: the split-backward graphs, side by side, then the 2-rank loss test and the NCCL clock sync
     "Z1": [f"{_GRAPHS}[zb-v1]", f"{_GRAPHS}[zb-v2]"],
     "Z2": [f"{_GRAPHS}[zb-v1-varlen]", f"{_GRAPHS}[zb-v1-recompute-slot]"],
     "E": [f"{_TRAIN}::test_dpp_on_cuda_ipc_equals_1f1b_with_two_ranks_sharing_one_gpu",
@@ -29,7 +29,7 @@ GROUPS: dict[str, list[str]] = {
     # part 6: the static orders (1F1B, interleaved, ZB-H1) from CUDA graphs against their eager runs (2 ranks);
     # a Llama model under DPP against megatron-core's 1F1B (2 GPUs)
     "S": [f"{_G}/test_static_graphs.py", f"{_G}/test_llama_gpu.py"],
-    # part 3: first 10 losses of every DPP policy against megatron-core's 1F1B, issue-12 model, 4 GPUs
+    # part 3: first 10 losses of every DPP policy against megatron-core's 1F1B, the benchmark model gpt16-h2048, 4 GPUs
     "D": [f"{_TRAIN}::test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus"],
     # part 5: graphed dpp-zb with the runtime-launched overlapped DP reduction, PP=2 x DP=2 on 4 GPUs
     "L": [f"{_G}/test_dpp_cuda_graphs.py::test_graphed_dpp_zb_with_overlapped_dp_reduction_equals_eager"],

@@ -1,4 +1,4 @@
-"""Where a same-node GPU hop spends its host time (issue 11): a ping-pong over the shm (CUDA IPC)
+"""Where a same-node GPU hop spends its host time (docs/transport.md): a ping-pong over the shm (CUDA IPC)
 links with every phase timestamped on the shared monotonic clock of both processes, then a loop of
 each piece of the send/receive path alone on rank 0.
 

@@ -7,8 +7,8 @@ stands in for them (on 2xH100, PP=2, the two reserved 8.62 vs 8.55 GiB).
     python3 scripts/device/mem_1gpu.py [--pp4] LINE [LINE ...]   (bench line names, e.g. dpp dpp-graphs-rc)
 
 The lines and their flags are the benchmark's own (trainer.bench.lines.plan, scenario a) with
---distributed-backend gloo added: PP=2, GPT 8 layers (the configuration of call_pp2_mem.sh), or with
---pp4 the issue-12 model (16 layers, PP=4, M=32). Short runs: 4 iterations.
+--distributed-backend gloo added: PP=2, GPT 8 layers, or with --pp4 the benchmark model gpt16-h2048
+(16 layers, PP=4, M=32). Short runs: 4 iterations.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 # ruff: noqa: E702
-"""Where the NCCL path's ~200 us of host time per send goes (issue 11, ninth session).
+"""Where the NCCL path's ~200 us of host time per send goes (docs/transport.md, "Known limits").
 
     python scripts/device/nccl_send_cost.py [--size 8M] [--iters 200]
 

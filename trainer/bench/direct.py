@@ -1,5 +1,5 @@
 """``python -m trainer.bench.direct <trainer.train flags>``: megatron-core's own pipeline schedule driven
-by a minimal loop, so the benchmark shows what the trainer adds on top (issue 12's 1.03x goal).
+by a minimal loop, so the benchmark shows what the trainer adds on top of megatron-core's own loop.
 
 Same model as the trainer (built by trainer.model.build from the same flags: megatron GPTModel,
 Float16Module, megatron DDP), same megatron optimizer (``--optimizer``, fp32 main weights, grad

@@ -3,7 +3,7 @@
 Microseconds of host time per eager launch of a tiny kernel on GPU 0 (one process). It decides
 whether megatron-core's eager pipeline stages are launch-bound: on 4×H100 hosts of the same kind the
 eager 1F1B ran 571 ms on one host and 840–877 ms on others (10 µs per launch measured there), while
-DPP's CUDA-graph lines took the same time on both (docs/benchmarks.md, sixth session). The pipeline
+DPP's CUDA-graph lines took the same time on both (docs/benchmarks.md). The pipeline
 benchmark runs this once per call and prints the figure in its report, so calls on different hosts
 are not compared blindly.
 """

@@ -34,7 +34,7 @@ CATALOGUE = {
                     "line says which and why)", 1, ["--use-dpp"], True),
     "dpp-v2": ("--use-dpp --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp"], True),
     # Every graphed line decides with at most one op queued ahead (--dpp-max-queued-ops' default with
-    # graphs since the seventh session); "-q0" appended gives the earlier unbounded behaviour.
+    # graphs, trainer/pipeline/run_ahead.py); "-q0" appended gives the unbounded behaviour.
     "dpp-graphs": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs (transformer blocks replayed from CUDA graphs, "
                    "one per activation slot; hosts at most 1 op ahead, the default with graphs)", 1, ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-graphs-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25 (1F1B caps x 1.25: 5/3/2/1 at PP=4)", 1,
@@ -72,7 +72,7 @@ CATALOGUE = {
     "dpp-graphs-v2-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25, v=2", 2,
                              ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.25"], True),
     "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
-    # Split backward with graphs (tenth session): each slot holds F, I and W graphs; dpp-zb's held cap is
+    # Split backward with graphs: each slot holds F, I and W graphs; dpp-zb's held cap is
     # stage 0's 1F1B bound on every stage (4/4/4/4 at PP=4), its live cap the stage's own (4/3/2/1).
     "dpp-zb-graphs": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs (F, I and W graphs per slot)", 1,
                       ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs"], True),
@@ -208,11 +208,11 @@ class BenchConfig:
     skip_iters: int = 2
     """Iterations left out of the timings at the start (warm-up): statistics use iterations 3+."""
     optimizer: str = "sgd"
-    """Optimizer of every line (sgd, as the direct megatron-core measurement of issue 12)."""
+    """Optimizer of every line (sgd, as the reference megatron-core measurement, docs/benchmarks.md)."""
     bf16: bool = True
     """bfloat16 (fp32 main weights)."""
     head_weight: float = 2.0
-    """Cost of the output head in layers, for :func:`balanced_split` (issue 12: about two at 50k vocab)."""
+    """Cost of the output head in layers, for :func:`balanced_split` (about two at 50k vocab, measured on 4xH200)."""
     split: tuple[int, int] | None = None
     """First/last stage layers for v=1 lines; None = :func:`balanced_split`."""
     split_vp: tuple[int, int] | None = None

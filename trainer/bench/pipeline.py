@@ -9,9 +9,10 @@ split; each rank writes ``--metrics-dir`` JSON that this command reads -- no log
 for every line). Writes ``--report`` (markdown) and one timeline
 PNG per line beside it; ``--out`` keeps each line's metrics, logs and traces.
 
-GPU, the issue 12 configuration (4 GPUs): ``python -m trainer.bench.pipeline --out $OUT/bench --report
+GPU, the benchmark model gpt16-h2048 (4 GPUs): ``python -m trainer.bench.pipeline --out $OUT/bench --report
 $OUT/benchmarks.md``. CPU dry run: ``--device cpu --num-layers 4 --hidden-size 32 ...`` (megatron-core's
 schedules need CUDA, so there the "megatron" lines run our runtime's static policies, labelled so).
+Named experiments with dated result files: ``python -m trainer.bench.run NAME`` (trainer/bench/experiments.py).
 Exit status: 0 when every planned line ran, 1 when some failed (the report says which), 2 bad flags.
 """
 

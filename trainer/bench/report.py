@@ -85,9 +85,9 @@ def _rounds(results: list[LineResult], scenario: str) -> list[str]:
 
 
 MEMORY_BOUND = 1.10
-"""Issue 12: a DPP line counts against megatron's best only at <= 1.10x its peak reserved memory."""
+"""A DPP line counts against megatron's best only at <= 1.10x its peak reserved memory (the benchmark's bound)."""
 GOALS = {"a": 1.05, "c": 1.10}
-"""Issue 12's speed goals per scenario (best DPP line / best megatron 1F1B line); other scenarios: none."""
+"""The benchmark's speed goals per scenario (best DPP line / best megatron 1F1B line); other scenarios: none."""
 
 
 def _vp(name: str) -> int:

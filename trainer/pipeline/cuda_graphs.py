@@ -1,6 +1,6 @@
 """``--dpp-cuda-graphs``: replay each chunk's transformer block, forward and backward, from CUDA graphs.
 
-Why: on the issue-12 model (GPT h2048, mbs 2, megatron-core's local layer spec, no Transformer
+Why: on the benchmark model gpt16-h2048 (GPT h2048, mbs 2, megatron-core's local layer spec, no Transformer
 Engine) a stage's forward is launch-bound -- its host span (~7 ms on 4x H100) is longer than the
 kernels it launches, so the GPU idles inside every forward; the trace showed stage 0's ops taking
 618 ms of GPU window per iteration for 454 ms of kernels. A graph replay launches a whole chunk with
@@ -75,7 +75,7 @@ is captured as a constant.
 
 Selective recompute (--recompute-activations / --recompute-granularity selective) works inside the
 graphs: the forward graph keeps only the core attention's inputs, and the backward graph recomputes
-the attention into the stage's shared backward pool. That is how a slot gets cheaper: on the issue-12
+the attention into the stage's shared backward pool. That is how a slot gets cheaper: on the benchmark
 model the attention probabilities (fp32 softmax output and its bf16 copy, [b, heads, s, s] per layer)
 are most of a layer's saved activations, so more slots fit in the memory megatron's 1F1B uses.
 """

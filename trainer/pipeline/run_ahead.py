@@ -6,10 +6,10 @@ graphs a host queues ops far faster than its GPU runs them, so the policy decide
 inputs that will exist only later on the GPU, and one stream runs the ops in decision order: a
 forward whose activation is still being computed upstream holds back a backward whose gradient is
 already there (head-of-line blocking). On a 4×H100 host where megatron-core's eager stage 0 is not
-launch-bound, DPP's stages idled between ops in the second half of every step (docs/benchmarks.md,
-sixth session). The simulator, which decides at GPU time, does not see this.
+launch-bound, DPP's stages idled between ops in the second half of every step (measured on
+4xH100). The simulator, which decides at GPU time, does not see this.
 
-Measured (4xH100, issue-12 model, seventh session, docs/benchmarks.md): with CUDA graphs at 1F1B's
+Measured (4xH100, the benchmark model gpt16-h2048, one call; docs/schedules.md, "Per-hop latency"): with CUDA graphs at 1F1B's
 caps 559 ms per iteration unbounded, 526 at K = 2, 482 at K = 1; so K = 1 is the default with
 ``--dpp-cuda-graphs`` (eager DPP stays unbounded until measured). The host-time simulator
 (trainer/schedule/host_ahead.py) had predicted no gain: the real cost of deciding early is not in

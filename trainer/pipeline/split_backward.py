@@ -100,7 +100,7 @@ class StaticOperandStore(WeightGradStore):
     length; a shorter length uses the leading rows), and the entry keeps that buffer. The linears'
     inputs need no copy: they are forward activations, in the slot's own forward pool, untouched
     until the slot's next forward -- which comes after its W. One copy of each output gradient per
-    I (on the issue-12 model ~75 MB per layer: tens of microseconds against a layer's backward)."""
+    I (on the benchmark model gpt16-h2048 ~75 MB per layer: tens of microseconds against a layer's backward)."""
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         super().__init__()

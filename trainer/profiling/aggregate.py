@@ -72,7 +72,7 @@ def stage_balance_of(summary: TraceSummary) -> tuple[StageBalance | None, str]:
     """The run's stage balance (trainer/schedule/stage_balance.py), or None and why not."""
     layers, stages = summary.layers_per_stage, len(summary.stages)
     if len(layers) < 2:
-        return None, ("the trace does not record the layer split (traces before the thirteenth session, "
+        return None, ("the trace does not record the layer split (traces of older runs, "
                       "simulated ones)" if not layers else "one stage: nothing to balance")
     if stages != len(layers):
         return None, f"{stages} of {len(layers)} stages traced"

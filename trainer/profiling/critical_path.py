@@ -73,7 +73,7 @@ class PathReport:
     inside_wait_ms: float = 0.0
     """Time path ops' spans ran before the op that held them back had ended: a wait for the input
     queued *inside* the op's span, counted here and not as op time (traces taken before the runtime
-    queued that wait ahead of the span's start event, twelfth session)."""
+    queued that wait ahead of the span's start event)."""
     gap_host_ms: dict[str, float] = field(default_factory=dict)
     """What the stage's host did during the path's gaps on one stage (``stream_gap_ms``), by
     activity (:data:`HOST_ACTIVITIES`); empty where the trace has no host spans to read."""

@@ -88,7 +88,7 @@ class DynamicOptions:
     weight_order: str | None = None
     """dpp-zb: which deferred weight gradient fills an idle slot first (in the microbatch order).
     None: "youngest" for v = 1, "oldest" for v > 1: measured, not derived (docs/schedules.md,
-    issue 14). At v = 1 youngest first, paired over seeds 0-199, is faster with lengths (sigma
+    "The default dynamic policy"). At v = 1 youngest first, paired over seeds 0-199, is faster with lengths (sigma
     0.4: -0.43 units) and transient stalls (1% x 8: -0.26) and within noise under jitter; at
     v = 2 it is not (lengths sigma 0.6 +0.14, stalls 1% x 8 +0.26). Which W runs changes no
     dependency and no cap (any W frees one slot); it changes which microbatch's W meets an idle
@@ -101,9 +101,9 @@ class DynamicOptions:
     nothing -- while forwards remain, an I runs only with the held cap full, so the first-stage
     rule runs that microbatch's W right after it; once they are done, any non-idling order of the
     remaining work ends at the same time. The simulator agrees on every draw tried (p = 2/4/8, all
-    issue-14 scenarios, 20 seeds each: identical steps). On a GPU the split is not free: each
+    scenarios of docs/schedules.md's table, 20 seeds each: identical steps). On a GPU the split is not free: each
     deferred GEMM's operands are held until W and, with --dpp-cuda-graphs, copied into buffers a
-    slot owns (+1.42 GiB on the issue-12 model's stage 0, the stage that sets peak memory and the
+    slot owns (+1.42 GiB on the benchmark model's stage 0, the stage that sets peak memory and the
     busiest one). True: split there as well (for measurements). No effect at v > 1 (stage 0 also
     runs a middle chunk, whose input gradients do feed a stage) or with explicit unequal caps."""
 

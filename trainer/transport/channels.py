@@ -37,7 +37,7 @@ _CLOSE_AFTER_FAILURE_S = 1.0
 # same value (kSpinS in csrc/shm_ring.cpp, the shared-memory rings and their doorbell); it does not
 # read this override. Each inbox look releases the GIL (sleep(0)) so the receiver thread can put.
 # Measured in one 4xH100 call, spin 0 / 100 / 0 us: NCCL path 8 MiB one-way 391 / 308 / 397 us
-# (docs/transport.md, ninth session). MDPP_INBOX_SPIN_US overrides it (0 = sleep at once), for measuring.
+# (docs/transport.md). MDPP_INBOX_SPIN_US overrides it (0 = sleep at once), for measuring.
 SPIN_S = float(os.environ.get("MDPP_INBOX_SPIN_US", "100")) / 1e6
 
 

@@ -3,7 +3,7 @@
 Every directed edge ``src -> dst`` that does not use shared memory gets:
 
 - a **header line** (:mod:`trainer.transport.header_lines`): one TCP connection that carries the
-  edge's 128-byte headers (until the ninth session a gloo group did, at ~4x the latency);
+  edge's 128-byte headers (a gloo group would cost ~4x the latency: header_lines.py says why);
 - a two-rank payload group: **gloo** for CPU payloads, **NCCL** for CUDA payloads.
 
 Why headers travel on the host: an NCCL receive is a GPU kernel that spins until its sender sends.
@@ -14,7 +14,7 @@ NCCL receive only for a payload whose sender has already posted the matching sen
 
 Why eagerly and in one order: torch creates an NCCL communicator lazily on a group's first operation.
 Created from receiver threads in whatever order messages happened to arrive, two ranks could each
-block inside a different communicator's set-up, waiting for the other (the 4-GPU hang of issue 11).
+block inside a different communicator's set-up, waiting for the other (a hang seen on 4 GPUs).
 Here every rank calls ``new_group`` for every edge in the plan's order (passing ``device_id`` where
 torch accepts it, which makes torch connect the communicator inside ``new_group``), then the two
 members of each NCCL edge exchange one byte, again in the plan's order, on the same thread. A

@@ -1,6 +1,6 @@
 """One TCP connection per directed gloo/NCCL edge, carrying that edge's 128-byte message headers.
 
-Why not gloo (which carried them until the ninth session): on the CPU machine a gloo ``isend`` call
+Why not gloo (which carried them before): on the CPU machine a gloo ``isend`` call
 alone took 44 us and a 128-byte gloo ping-pong 237 us per round trip, and completion needed a
 watcher thread per channel end (gloo's ``is_completed`` stays False until someone waits); the whole
 gloo/NCCL hop was ~0.9 ms per round trip on both the CPU machine and the 4xH100 host. A header is a

@@ -1,0 +1,59 @@
+"""trainer.bench.experiments / trainer.bench.run: every experiment names lines, scenarios, layouts and a model
+the benchmark knows, and the runner's dated file carries the header fields a reader needs (pure parts;
+the runs themselves: tests/dist/test_bench_run.py)."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+from trainer.bench.experiments import EXPERIMENTS, MODELS
+from trainer.bench.layouts import parse_layouts
+from trainer.bench.lines import SCENARIOS, line_entry
+from trainer.bench.run import REQUIRED_FIELDS, header, result_path, tool_command
+
+
+def test_the_named_experiments_exist_and_name_known_parts() -> None:
+    assert {"schedule-vs-static", "layouts", "transport"} <= set(EXPERIMENTS)
+    for exp in EXPERIMENTS.values():
+        assert exp.tool in ("pipeline", "transport")
+        assert exp.model in MODELS and exp.question.endswith(("?", "."))
+        assert [n for n in exp.lines if line_entry(n) is None] == []
+        assert set(exp.scenarios) <= set(SCENARIOS)
+        assert parse_layouts(",".join(exp.layouts))[1] == []
+        assert exp.gpus >= 2
+
+
+def test_scenario_d_is_left_out_without_a_corpus_and_said_so(tmp_path: Path) -> None:
+    exp = EXPERIMENTS["schedule-vs-static"]
+    argv, notes = tool_command(exp, "cuda", 4, "gpt16-h2048", "", tmp_path, tmp_path / "r.md", [])
+    assert argv[argv.index("--scenarios") + 1] == "a,c" and notes == ["scenario d not run: no --corpus given"]
+    assert argv[argv.index("--pipeline-parallel") + 1] == "4"
+    argv, notes = tool_command(exp, "cuda", 2, "gpt16-h2048", "corp", tmp_path, tmp_path / "r.md", [])
+    assert argv[argv.index("--scenarios") + 1] == "a,c,d" and not notes and "--corpus" in argv
+    layouts, _ = tool_command(EXPERIMENTS["layouts"], "cuda", 4, "gpt16-h2048", "", tmp_path, tmp_path / "r.md", [])
+    assert "--pipeline-parallel" not in layouts and "4x1x1,2x2x1+sp,2x1x2+overlap+distopt" in layouts
+
+
+def test_result_files_are_dated_and_never_overwritten(tmp_path: Path) -> None:
+    first = result_path(tmp_path, "2026-11-28", "transport", "2xH200")
+    assert first.name == "2026-11-28-transport-2xH200.md"
+    first.write_text("x")
+    assert result_path(tmp_path, "2026-11-28", "transport", "2xH200").name == "2026-11-28-transport-2xH200-2.md"
+
+
+def test_header_has_every_required_field() -> None:
+    when = datetime.datetime(2026, 11, 28, 3, 50, tzinfo=datetime.UTC)
+    text = "\n".join(header(EXPERIMENTS["schedule-vs-static"], when, "4 x NVIDIA H200", {"torch": "2.11"}, "abc123",
+                            "gpt16-h2048", 4, "python -m trainer.bench.run schedule-vs-static", "python -m x", []))
+    for field in REQUIRED_FIELDS:
+        assert f"| {field} |" in text
+    assert "2026-11-28 03:50 UTC" in text and "gpt16-h2048" in text and "1f1b-graphs" in text
+
+
+def test_flags_after_a_double_dash_go_to_the_tool(capsys) -> None:
+    from trainer.bench.run import main
+
+    assert main(["transport", "--device", "cpu", "--dry-plan", "--", "--repeats", "3"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed.endswith("--repeats 3") and "--sizes 64K,1M" in printed

@@ -1,0 +1,95 @@
+"""The measurements worth repeating, as data: each experiment names its question, GPUs, model, lines,
+scenarios and rounds; ``python -m trainer.bench.run NAME`` runs one and writes a dated result file
+under docs/bench/ (trainer/bench/run.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Model:
+    """A benchmark model: the pipeline benchmark's model flags (trainer.bench.pipeline)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    micro_batch_size: int
+    num_microbatches: int
+    train_iters: int
+    bf16: bool = True
+    vocab_size: int = 50257
+
+    def describe(self) -> str:
+        return (f"GPT {self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, "
+                f"seq {self.seq_length}, vocab {self.vocab_size}, mbs {self.micro_batch_size}, "
+                f"M={self.num_microbatches}, {'bf16' if self.bf16 else 'fp32'}, {self.train_iters} iterations")
+
+    def bench_args(self) -> list[str]:
+        args = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+                "--num-attention-heads", str(self.num_attention_heads), "--seq-length", str(self.seq_length),
+                "--vocab-size", str(self.vocab_size), "--micro-batch-size", str(self.micro_batch_size),
+                "--num-microbatches", str(self.num_microbatches), "--train-iters", str(self.train_iters)]
+        return args + ([] if self.bf16 else ["--no-bf16"])
+
+
+MODELS = {
+    # The model of every published GPU figure: large enough that a stage's kernels dominate its step on
+    # an H100/H200, small enough that 4 stages fit 32 microbatches in memory.
+    "gpt16-h2048": Model("gpt16-h2048", 16, 2048, 16, 1024, 2, 32, 10),
+    # CPU dry runs: the same command path in seconds.
+    "tiny": Model("tiny", 4, 32, 4, 16, 2, 4, 4, bf16=False, vocab_size=128),
+}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One repeatable measurement."""
+
+    name: str
+    question: str
+    """What the result answers (the dated file's first paragraph)."""
+    tool: str
+    """``pipeline`` (trainer.bench.pipeline) or ``transport`` (trainer.transport.bench)."""
+    gpus: int
+    """GPUs of one host; the pipeline's PP where no layouts are given."""
+    model: str = "gpt16-h2048"
+    lines: tuple[str, ...] = ()
+    scenarios: tuple[str, ...] = ("a",)
+    """Scenario d runs only where ``--corpus`` is given (the runner says so otherwise)."""
+    layouts: tuple[str, ...] = ()
+    rounds: int = 1
+    args: tuple[str, ...] = ()
+    """Further flags of the tool, as given."""
+
+
+EXPERIMENTS = {e.name: e for e in (
+    Experiment(
+        "schedule-vs-static",
+        "How much of DPP's speed-up over megatron-core is the dynamic schedule, and how much the CUDA "
+        "graphs? Megatron-core's best eager 1F1B, the static orders (1F1B, interleaved, ZB-H1) replayed by the "
+        "DPP runtime through the same graph slots, and graphed dpp / dpp-zb / v=2 dpp at the interleaved "
+        "order's memory: three ratios per scenario (vs megatron, vs the best graphed static order, step vs "
+        "the balanced limit).",
+        "pipeline", 4,
+        lines=("megatron-1f1b-best", "1f1b-graphs", "interleaved-graphs", "zb-h1-graphs", "dpp-graphs",
+               "dpp-zb-graphs", "dpp-graphs-v2-parity"),
+        scenarios=("a", "c", "d"), args=("--threads", "4", "--line-timeout", "90")),
+    Experiment(
+        "layouts",
+        "Does DPP's default keep its speed on the layouts a Megatron user runs? Per layout, megatron-core's "
+        "best eager configuration against `--use-dpp` alone: PP=4; PP=2 x TP=2 with sequence parallelism; "
+        "PP=2 x DP=2 with the overlapped gradient reduction and the distributed optimizer.",
+        "pipeline", 4,
+        lines=("megatron-1f1b-best", "dpp-default"),
+        layouts=("4x1x1", "2x2x1+sp", "2x1x2+overlap+distopt"),
+        args=("--optimizer", "adam", "--threads", "4", "--line-timeout", "120")),
+    Experiment(
+        "transport",
+        "What does one stage-to-stage message cost on this host, per transport and size, against blocking "
+        "torch.distributed send/recv and a raw copy of the same bytes?",
+        "transport", 2,
+        args=("--sizes", "64K,1M,8M,64M,256M", "--repeats", "5")),
+)}

@@ -1,0 +1,183 @@
+"""``python -m trainer.bench.run EXPERIMENT``: run one named experiment (trainer/bench/experiments.py)
+and write its dated result file under docs/bench/: the question, hardware, versions, commit, the full
+configuration and command, then the tool's report (tables, headline, timelines beside it).
+
+    python -m trainer.bench.run schedule-vs-static                 # 4 GPUs, scenarios a, c (d with --corpus)
+    python -m trainer.bench.run schedule-vs-static --gpus 2        # the same on 2 GPUs (PP=2)
+    python -m trainer.bench.run layouts
+    python -m trainer.bench.run transport
+    python -m trainer.bench.run schedule-vs-static --device cpu --results /tmp/r   # CPU dry run, tiny model
+
+On CPU the model is ``tiny`` and PP is 2 unless given: graphed lines are listed as not run, the
+megatron lines run our runtime's static orders (labelled so). Arguments after ``--`` go to the tool.
+Exit status: the tool's (0: every line ran), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.bench.experiments import EXPERIMENTS, MODELS, Experiment
+from trainer.cli import OneLineParser
+
+REPO = Path(__file__).resolve().parents[2]
+REQUIRED_FIELDS = ("experiment", "question", "date", "hardware", "versions", "commit", "configuration", "command")
+"""Rows of every result file's header table (tests/unit/test_bench_experiments.py holds the runner to it)."""
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m trainer.bench.run", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment", choices=sorted(EXPERIMENTS), help="which experiment (trainer/bench/experiments.py)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs (the pipeline's PP without layouts); default: the experiment's, 2 on CPU")
+    parser.add_argument("--model", choices=sorted(MODELS), default=None,
+                        help="default: the experiment's (gpt16-h2048), tiny on CPU")
+    parser.add_argument("--corpus", default="", help="GPT-2-tokenized corpus prefix for scenario d")
+    parser.add_argument("--out", type=Path, default=None, help="work folder (each line's logs); default /tmp/bench-NAME")
+    parser.add_argument("--results", type=Path, default=REPO / "docs" / "bench",
+                        help="where the dated result file and its PNGs go")
+    parser.add_argument("--dry-plan", action="store_true", help="print the tool's command and the plan; write nothing")
+    return parser
+
+
+def tool_command(exp: Experiment, device: str, gpus: int, model: str, corpus: str, out: Path,
+                 report: Path, more: list[str]) -> tuple[list[str], list[str]]:
+    """(argv of the tool, notes on what of the experiment was left out here)."""
+    notes = []
+    if exp.tool == "transport":
+        argv = [sys.executable, "-m", "trainer.transport.bench", "--device", device, *exp.args,
+                "--json", str(out / "transport.json")]
+        if device == "cpu":  # a dry run: the two smallest sizes, two repeats
+            argv[argv.index("--sizes") + 1] = "64K,1M"
+            argv[argv.index("--repeats") + 1] = "2"
+        return argv + more, notes
+    scenarios = list(exp.scenarios)
+    if "d" in scenarios and not corpus:
+        scenarios.remove("d")
+        notes.append("scenario d not run: no --corpus given")
+    argv = [sys.executable, "-m", "trainer.bench.pipeline", "--device", device, *MODELS[model].bench_args(),
+            "--lines", ",".join(exp.lines), "--scenarios", ",".join(scenarios), "--rounds", str(exp.rounds),
+            "--out", str(out), "--report", str(report), *exp.args]
+    if exp.layouts:
+        argv += ["--layouts", ",".join(exp.layouts)]
+    else:
+        argv += ["--pipeline-parallel", str(gpus)]
+    if corpus:
+        argv += ["--corpus", corpus]
+    if device == "cpu":
+        argv += ["--line-timeout", "300", "--cpu-bind", "none", "--threads", "1"]  # a dry run on a small host
+    return argv + more, notes
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def commit() -> str:
+    head = _git("rev-parse", "--short", "HEAD") or "unknown (not a git checkout)"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return head + (" with uncommitted changes" if dirty else "")
+
+
+def hardware(device: str) -> tuple[str, str, dict[str, str]]:
+    """(the hardware in words, its short name for the file name, versions)."""
+    import os
+
+    from trainer.run_metrics import versions
+
+    found = versions(device)
+    if device == "cuda":
+        import torch
+
+        name, count = found.get("device_name", "?"), torch.cuda.device_count()
+        short = (re.search(r"[A-Z]+[0-9]{2,}", name) or re.search(r"\w+", name or "gpu"))[0]
+        return f"{count} x {name}", f"{count}x{short}", found
+    return f"CPU, {os.cpu_count()} cores ({found.get('device_name', '?')})", "cpu", found
+
+
+def result_path(folder: Path, day: str, name: str, short: str) -> Path:
+    """``DATE-NAME-HARDWARE.md``, with -2, -3, ... where one exists already."""
+    path, n = folder / f"{day}-{name}-{short}.md", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{day}-{name}-{short}-{n}.md"
+    return path
+
+
+def header(exp: Experiment, when: datetime.datetime, hw: str, versions: dict[str, str], rev: str,
+           model: str, gpus: int, command: str, tool: str, notes: list[str]) -> list[str]:
+    configuration = (f"model **{model}** ({MODELS[model].describe()})" if exp.tool == "pipeline" else "") + (
+        f"; lines {', '.join(exp.lines)}; scenarios {', '.join(exp.scenarios)}; rounds {exp.rounds}" if exp.lines else "")
+    configuration += f"; layouts {', '.join(exp.layouts)}" if exp.layouts else (f"; PP={gpus}" if exp.tool == "pipeline" else "")
+    if exp.args:
+        configuration += f"; tool flags `{shlex.join(exp.args)}`"
+    version_text = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "device_name")
+    rows = [("experiment", f"`{exp.name}` (trainer/bench/experiments.py)"), ("question", exp.question),
+            ("date", when.strftime("%Y-%m-%d %H:%M UTC")), ("hardware", hw), ("versions", version_text),
+            ("commit", rev), ("configuration", configuration.lstrip("; ")), ("command", f"`{command}`"),
+            ("tool command", f"`{tool}`")]
+    out = [f"# {exp.name}, {when:%Y-%m-%d}", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return out + [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    cut = given.index("--") if "--" in given else len(given)  # the tool's own flags follow "--"
+    args = parser.parse_args(given[:cut])
+    args.tool_args = given[cut + 1:]
+    exp = EXPERIMENTS[args.experiment]
+    gpus = args.gpus or (2 if args.device == "cpu" else exp.gpus)
+    model = args.model or ("tiny" if args.device == "cpu" else exp.model)
+    out = args.out or Path(f"/tmp/bench-{exp.name}")
+    when = datetime.datetime.now(datetime.UTC)
+    report = out / "report.md"
+    tool, notes = tool_command(exp, args.device, gpus, model, args.corpus, out, report, args.tool_args)
+    command = shlex.join(["python", "-m", "trainer.bench.run", *given])
+    if args.dry_plan:
+        print(shlex.join(tool))
+        if exp.tool == "pipeline":
+            return subprocess.run([*tool, "--dry-plan"], cwd=REPO).returncode
+        return 0
+    hw, short, versions = hardware(args.device)
+    out.mkdir(parents=True, exist_ok=True)
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = result_path(args.results, f"{when:%Y-%m-%d}", exp.name, short)
+    print(f"[bench.run] {exp.name} on {hw}: {shlex.join(tool)}", flush=True)
+    run = subprocess.run(tool, cwd=REPO, capture_output=exp.tool == "transport", text=True)
+    body: list[str] = []
+    if exp.tool == "pipeline":
+        text = report.read_text() if report.exists() else "The tool wrote no report (see its output above).\n"
+        for png in sorted(out.glob(f"{report.stem}.timeline-*.png")):  # beside the result, named after it
+            target = path.with_name(f"{path.stem}.{png.name.removeprefix(report.stem + '.')}")
+            target.write_bytes(png.read_bytes())
+            text = text.replace(f"({png.name})", f"({target.name})")
+        rest = text.splitlines()[1:]  # the report's own title goes: this file has one
+        while rest and not rest[0].strip():
+            rest.pop(0)
+        body = ["## Report", ""] + [re.sub(r"^(#+) ", r"#\1 ", ln) for ln in rest]
+    else:
+        sys.stdout.write(run.stdout)
+        sys.stderr.write(run.stderr)
+        body = ["## Report", "", "```", run.stdout.rstrip(), "```"]
+        if run.returncode:
+            body += ["", f"Exit {run.returncode}; stderr tail:", "", "```", run.stderr[-2000:].rstrip(), "```"]
+    head = header(exp, when, hw, versions, commit(), model, gpus, command, shlex.join(["python", *tool[1:]]), notes)
+    path.write_text("\n".join(head + body) + "\n")
+    print(f"[bench.run] wrote {path}", flush=True)
+    return run.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
