@@ -6,7 +6,7 @@ source scripts/device/env.sh || exit 1
 source scripts/device/gpt16.sh
 # The bench's configuration: SGD without warm-up, the balanced 5/4/4/3 split (later flags win).
 G16="$GPT16 --optimizer sgd --lr-warmup-iters 0 --decoder-first-pipeline-num-layers 5 --decoder-last-pipeline-num-layers 3"
-timeout 90 torchrun --standalone --nproc-per-node 4 -m trainer.train $G16 --train-iters 6 --use-dpp \
+timeout 90 torchrun --standalone --nproc-per-node 4 -m trainer.train $G16 --train-iters 6 --use-dpp --dpp-eager \
     --dpp-policy dpp --profile-dir /tmp/prof-dpp > /tmp/dpp.log 2>&1; echo "traced dpp exit $?"; grep -E "iteration +[3-6]" /tmp/dpp.log | tail -3
 timeout 60 python3 -m trainer.profiling.aggregate --benchmark_dir /tmp/prof-dpp --iteration 4 \
     --png /tmp/timeline-traced-dpp.png 2>&1 | tail -n 12

@@ -7,7 +7,7 @@ M8="--device cuda --mock-data --num-layers 8 --hidden-size 2048 --num-attention-
   --pipeline-model-parallel-size 2 --bf16 --optimizer sgd --lr 1e-4 --hidden-dropout 0 --attention-dropout 0 \
   --seed 1234 --log-interval 1 --decoder-first-pipeline-num-layers 5 --decoder-last-pipeline-num-layers 3"
 for pol in dpp-zb dpp; do
-  timeout 70 torchrun --standalone --nproc-per-node 2 -m trainer.train $M8 --train-iters 5 --use-dpp \
+  timeout 70 torchrun --standalone --nproc-per-node 2 -m trainer.train $M8 --train-iters 5 --use-dpp --dpp-eager \
       --dpp-policy $pol --profile-dir /tmp/prof-$pol > /tmp/$pol.log 2>&1; echo "traced $pol exit $?"
   timeout 40 python3 -m trainer.profiling.aggregate --benchmark_dir /tmp/prof-$pol --iteration 3 \
       --png "$OUT/timeline-mbs8-$pol.png" 2>&1 | tail -n 8
