@@ -123,6 +123,21 @@ def _replayed_everywhere(results: list, chunks: int = 1) -> None:
     assert counts == {(s, c): (ITERS * M, 0) for s in range(2) for c in range(chunks)}, counts
 
 
+@pytest.mark.timeout(400)
+def test_use_dpp_alone_replays_graphed_dpp_zb(tmp_path: Path) -> None:
+    """The default: --use-dpp alone on CUDA runs dpp-zb from CUDA graphs (every forward replayed), its
+    first line says so and why, and it equals eager dpp-zb (--dpp-eager, the opt-out)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    results, default = _run(tmp_path / "default", [])
+    _replayed_everywhere(results)
+    assert any("schedule dpp-zb (--dpp-policy auto: with CUDA graphs" in r.output
+               and "graphs: --use-dpp's default where they can run" in r.output for r in results)
+    _, eager = _run(tmp_path / "eager", [*ZB, *EAGER])
+    assert_same_losses(eager, default)
+    assert_same_grads(tmp_path / "eager", tmp_path / "default")
+
+
 BERT = [*[a for a in GPT if a not in ("--vocab-size", "1000")], "--model", "bert", "--vocab-size", "128",
         "--make-vocab-size-divisible-by", "64"]
 

@@ -157,6 +157,20 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
     megatron = _plan(CUDA_PP2).schedule
     assert (megatron.engine, megatron.cuda_graphs, megatron.graphs_reason, megatron.log_text) == \
         ("megatron-core", False, "", "megatron-core")
+    # Transformer Engine's layers (where it is installed, --transformer-impl auto picks them): the default
+    # stays eager (graphs with TE never ran on a GPU here); an explicit ask still gets them.
+    import importlib.util
+
+    import trainer.config.transformer_engine as te
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
+    monkeypatch.setattr(te, "import_problem", lambda module: None)  # as if it imported
+    with_te = [a for a in CUDA_PP2 if a not in ("--transformer-impl", "local")]
+    te_default = _plan([*with_te, "--use-dpp"]).schedule
+    assert not te_default.cuda_graphs and "Transformer Engine's layers" in te_default.graphs_reason
+    assert _plan([*with_te, *GRAPHS]).schedule.cuda_graphs
 
 
 def test_the_plan_holds_the_layer_split_and_the_links() -> None:

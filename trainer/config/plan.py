@@ -220,10 +220,17 @@ def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
 
 
 def auto_graph_problems(cfg: TrainConfig) -> list[str]:
-    """What would rule out CUDA graphs for ``cfg`` had --dpp-cuda-graphs been given."""
+    """What would rule out CUDA graphs for ``cfg`` had --dpp-cuda-graphs been given, and what keeps the
+    default from choosing them although an explicit ask may: Transformer Engine's layers under the slot
+    graphs have never run on a GPU here, so the default stays eager with them."""
     asked = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dpp_cuda_graphs=True,
                                                                   dpp_eager=False))
-    return _cuda_graph_problems(asked) + _recompute_slot_problems(asked)
+    p = _cuda_graph_problems(asked) + _recompute_slot_problems(asked)
+    if cfg.run.device == "cuda" and uses_transformer_engine_spec(cfg, installed("transformer_engine")):
+        p.append("the default picks graphs with megatron-core's local layers only (--transformer-impl local): "
+                 "Transformer Engine's layers under the slot graphs are not verified on GPUs; "
+                 "--dpp-cuda-graphs asks for them anyway")
+    return p
 
 
 def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
