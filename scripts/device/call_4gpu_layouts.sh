@@ -10,7 +10,7 @@ timeout 300 python3 -m pytest -m gpu -q -x tests/gpu/test_dpp_cuda_graphs.py \
 echo "== graphs + overlap test (exit $?)"; tail -n 3 "$OUT/gpu-overlap.log"
 source scripts/device/gpt16.sh
 SP="--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --transformer-impl local \
-  --use-dpp --dpp-policy dpp-zb"
+  --use-dpp --dpp-eager --dpp-policy dpp-zb"
 for input in keep regather; do
     gpt16 "sp-$input" 10 $SP --dpp-sp-wgrad-input "$input" --metrics-dir "$OUT/sp-$input"
 done

@@ -22,7 +22,8 @@ GROUPS: dict[str, list[str]] = {
           f"{_GRAPHS}[v1-recompute-slot]", f"{_G}/test_checkpoint_gpu.py", f"{_G}/test_gpu_spans.py"],
     "C": [f"{_G}/test_dpp_nccl_split.py"],
     # part 2: the split-backward graphs, side by side, then the 2-rank loss test and the NCCL clock sync
-    "Z1": [f"{_GRAPHS}[zb-v1]", f"{_GRAPHS}[zb-v2]"],
+    "Z1": [f"{_GRAPHS}[zb-v1]", f"{_GRAPHS}[zb-v2]",
+           f"{_G}/test_dpp_cuda_graphs.py::test_use_dpp_alone_replays_graphed_dpp_zb"],
     "Z2": [f"{_GRAPHS}[zb-v1-varlen]", f"{_GRAPHS}[zb-v1-recompute-slot]"],
     "E": [f"{_TRAIN}::test_dpp_on_cuda_ipc_equals_1f1b_with_two_ranks_sharing_one_gpu",
           "tests/dist/test_clock_offset.py::test_offsets_undo_injected_skew_over_nccl"],

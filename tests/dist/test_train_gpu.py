@@ -1,7 +1,8 @@
 """On 4 GPUs: GPT (16 layers, hidden 2048, seq 1024, mbs 2, bf16, PP=4, 32 microbatches) trains with
-``--use-dpp`` under each DPP policy (``dpp``, ``dpp-zb``, graphs with selective recompute at cap
-factor 1.5, graphs with per-slot recompute and a one-op run-ahead bound, and dpp-zb with graphs) and its first 10 losses match megatron-core's own 1F1B from the same seed within bf16
-noise. Skipped without CUDA; run on a 4-GPU machine with::
+``--use-dpp`` alone (its default: CUDA graphs and dpp-zb on this layout) and under each DPP policy (eager
+``dpp`` and ``dpp-zb``, graphs with selective recompute at cap factor 1.5, graphs with per-slot recompute
+and a one-op run-ahead bound, and dpp-zb with graphs) and its first 10 losses match megatron-core's own
+1F1B from the same seed within bf16 noise. Skipped without CUDA; run on a 4-GPU machine with::
 
     pytest -m gpu tests/dist/test_train_gpu.py -s
 """
@@ -34,16 +35,17 @@ def _losses(out: Path, extra: list[str]) -> dict[str, float]:
 
 
 DPP_POLICIES = {
-    "dpp": ["--use-dpp", "--dpp-policy", "dpp"],
-    "dpp-zb": ["--use-dpp", "--dpp-policy", "dpp-zb"],
+    "dpp-default": ["--use-dpp"],  # what a user typing --use-dpp gets: graphed dpp-zb here
+    "dpp": ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp"],
+    "dpp-zb": ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp-zb"],
     # The fastest configuration of docs/benchmarks.md: graphs, selective recompute, cap factor 1.5.
     "dpp-graphs-rc-cf1.5": ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--recompute-activations",
                             "--dpp-cap-factor", "1.5"],
-    # The seventh session's candidate: graphs at 1F1B caps, two of stage 0's slots recomputing the core
+    # Graphs at 1F1B caps, two of stage 0's slots recomputing the core
     # attention, hosts deciding with at most one op queued on their GPU.
     "dpp-graphs-rs2-q1": ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2",
                           "--dpp-max-queued-ops", "1"],
-    # Tenth session: split backward with graphs (F, I and W graphs per slot).
+    # Split backward with graphs (F, I and W graphs per slot).
     "dpp-zb-graphs": ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs"],
 }
 
@@ -91,7 +93,7 @@ def _one_gpu_losses(out: Path, extra: list[str]) -> dict[str, float]:
 def test_dpp_on_cuda_ipc_equals_1f1b_with_two_ranks_sharing_one_gpu(tmp_path: Path) -> None:
     """Runs on ANY CUDA machine (one GPU is enough): gloo default group, CUDA IPC stage transport.
     Seen on one H100 (2026-11-26): identical losses for 10 iterations."""
-    dpp = _one_gpu_losses(tmp_path / "dpp", ["--use-dpp"])
+    dpp = _one_gpu_losses(tmp_path / "dpp", ["--use-dpp", "--dpp-eager"])
     policy_1f1b = _one_gpu_losses(tmp_path / "1f1b", [])
     assert sorted(dpp, key=int) == [str(i) for i in range(1, 6)]
     for it, value in policy_1f1b.items():

@@ -18,6 +18,10 @@ TINY = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", 
 
 
 def _iteration_lines(flags: list[str], script: str | None = None) -> list[str]:
+    return [line for line in _stdout(flags, script).splitlines() if "trainer.train: iteration " in line]
+
+
+def _stdout(flags: list[str], script: str | None = None) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
@@ -25,7 +29,17 @@ def _iteration_lines(flags: list[str], script: str | None = None) -> list[str]:
     proc = subprocess.run([sys.executable, *command, *TINY, *flags], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [line for line in proc.stdout.splitlines() if "trainer.train: iteration " in line]
+    return proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_first_line_says_whether_graphs_run_and_why() -> None:
+    """--use-dpp alone picks CUDA graphs where they can run; on CPU they cannot, and the run's first line
+    says the schedule, that it is eager and why (trainer.config.plan.resolve_cuda_graphs)."""
+    out = _stdout(["--use-dpp"])
+    first = next(line for line in out.splitlines() if "trainer.train: run " in line)
+    assert "| schedule dpp (--dpp-policy auto: without CUDA graphs dpp-zb was not measured faster); eager: " \
+           "--dpp-cuda-graphs needs --device cuda (got cpu) |" in first, first
 
 
 @pytest.mark.timeout(180)

@@ -26,7 +26,7 @@ GPT = ["--device", "cuda", "--mock-data", "--num-layers", "4", "--hidden-size", 
        "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
        "--lr-warmup-iters", "2", "--lr-decay-iters", "8", "--train-iters", "6", "--hidden-dropout", "0",
        "--attention-dropout", "0", "--seed", "1234", "--dpp-timeout", "60", "--log-interval", "1"]
-PP2 = ["--pipeline-model-parallel-size", "2", "--use-dpp"]
+PP2 = ["--pipeline-model-parallel-size", "2", "--use-dpp", "--dpp-eager"]
 
 
 def _train(out: Path, world: int, *extra: str) -> tuple[dict[int, float], str]:

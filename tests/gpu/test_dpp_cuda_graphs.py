@@ -46,6 +46,7 @@ VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--s
 
 ZB = ["--dpp-policy", "dpp-zb"]
 DPP = ["--dpp-policy", "dpp"]  # explicit: the default (auto) picks dpp-zb with graphs and dpp without
+EAGER = ["--dpp-eager"]  # the eager bar: --use-dpp alone replays from CUDA graphs where they can run
 
 
 @pytest.mark.timeout(700)
@@ -73,7 +74,7 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
         pytest.skip("needs a GPU")
     layout = [] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"]
     layout += (VARLEN if varlen else []) + both
-    _, eager = _run(tmp_path / "eager", layout)
+    _, eager = _run(tmp_path / "eager", [*layout, *EAGER])
     graph_flags = ["--dpp-cuda-graphs", *extra]
     results, graphed = _run(tmp_path / "graphed", [*layout, *graph_flags])
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
@@ -109,7 +110,7 @@ def test_graphed_dpp_zb_with_overlapped_dp_reduction_equals_eager(tmp_path: Path
     def run(out: Path, extra: list[str]) -> tuple[list, dict]:
         return train(out, 4, ["--dump-grads", "2", "--", *GPT, *dp, *extra], last_rank=3)
 
-    _, eager = run(tmp_path / "eager", DPP)
+    _, eager = run(tmp_path / "eager", [*DPP, *EAGER])
     results, graphed = run(tmp_path / "graphed", [*ZB, "--dpp-cuda-graphs", "--overlap-grad-reduce"])
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
     assert counts and all(eager_ops == 0 for _, eager_ops in counts.values()), counts
@@ -120,6 +121,21 @@ def _replayed_everywhere(results: list, chunks: int = 1) -> None:
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
     print("replayed/eager forwards per (stage, chunk):", counts)
     assert counts == {(s, c): (ITERS * M, 0) for s in range(2) for c in range(chunks)}, counts
+
+
+@pytest.mark.timeout(400)
+def test_use_dpp_alone_replays_graphed_dpp_zb(tmp_path: Path) -> None:
+    """The default: --use-dpp alone on CUDA runs dpp-zb from CUDA graphs (every forward replayed), its
+    first line says so and why, and it equals eager dpp-zb (--dpp-eager, the opt-out)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    results, default = _run(tmp_path / "default", [])
+    _replayed_everywhere(results)
+    assert any("schedule dpp-zb (--dpp-policy auto: with CUDA graphs" in r.output
+               and "graphs: --use-dpp's default where they can run" in r.output for r in results)
+    _, eager = _run(tmp_path / "eager", [*ZB, *EAGER])
+    assert_same_losses(eager, default)
+    assert_same_grads(tmp_path / "eager", tmp_path / "default")
 
 
 BERT = [*[a for a in GPT if a not in ("--vocab-size", "1000")], "--model", "bert", "--vocab-size", "128",
@@ -133,7 +149,7 @@ def test_graphed_bert_equals_eager_bert(tmp_path: Path, policy: list[str]) -> No
     microbatch's padding mask (mock BERT samples are padded to different lengths)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    _, eager = _run(tmp_path / "eager", policy, BERT)
+    _, eager = _run(tmp_path / "eager", [*policy, *EAGER], BERT)
     results, graphed = _run(tmp_path / "graphed", [*policy, "--dpp-cuda-graphs"], BERT)
     _replayed_everywhere(results)
     assert_same_losses(eager, graphed)
@@ -157,7 +173,7 @@ def test_graphed_dropout_repeats_from_its_seed_and_stays_close_to_eager(tmp_path
     assert_same_losses(first, again)
     _, reseeded = _run(tmp_path / "reseeded", [*graphed_flags, "--seed", "4321"])
     assert any(reseeded[it]["lm loss"] != first[it]["lm loss"] for it in first)
-    _, eager = _run(tmp_path / "eager", [*DPP, *DROPOUT])
+    _, eager = _run(tmp_path / "eager", [*DPP, *DROPOUT, *EAGER])
     _, no_dropout = _run(tmp_path / "no-dropout", [*DPP, "--dpp-cuda-graphs"])
     print("iteration  eager  graphed  graphed-without-dropout")
     for it in sorted(first, key=int):

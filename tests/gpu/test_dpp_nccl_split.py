@@ -29,7 +29,7 @@ GPT = ["--device", "cuda", "--mock-data", "--num-layers", "8", "--hidden-size", 
        "--vocab-size", "50257", "--micro-batch-size", "2", "--global-batch-size", "32",
        "--pipeline-model-parallel-size", "4", "--bf16", "--lr", "1e-4", "--train-iters", str(ITERS),
        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--use-dpp",
-       "--transport", "auto", "--dpp-timeout", "60"]
+       "--dpp-eager", "--transport", "auto", "--dpp-timeout", "60"]
 EDGE = re.compile(r"(next|prev):(\d+)->(\d+):(\w+)")
 
 

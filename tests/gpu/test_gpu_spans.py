@@ -46,7 +46,7 @@ SKEWED = ["--device", "cuda", "--mock-data", "--num-layers", "6", "--decoder-fir
           "--max-position-embeddings", "512", "--vocab-size", "1000", "--micro-batch-size", "2",
           "--global-batch-size", "16", "--pipeline-model-parallel-size", "2", "--lr", "1e-4", "--train-iters", "3",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--use-dpp", "--dpp-policy", "dpp",
-          "--dpp-timeout", "60", "--log-interval", "1"]
+          "--dpp-eager", "--dpp-timeout", "60", "--log-interval", "1"]
 CLOCK_SLACK_US = 300.0
 """Two processes' GPU spans, each placed on the host clock by its own reference event."""
 

@@ -46,7 +46,8 @@ def test_llama_dpp_equals_megatron_1f1b_on_2_gpus(tmp_path: Path) -> None:
         pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     local = ["--transformer-impl", "local"]
     megatron = _losses(tmp_path / "1f1b", *local)
-    runs = {policy: _losses(tmp_path / policy, *local, "--use-dpp", "--dpp-policy", policy) for policy in ("dpp", "dpp-zb")}
+    runs = {policy: _losses(tmp_path / policy, *local, "--use-dpp", "--dpp-eager", "--dpp-policy", policy)
+            for policy in ("dpp", "dpp-zb")}
     print("iteration  megatron-core 1F1B  " + "  ".join(runs))
     for it in sorted(megatron, key=int):
         print(it, megatron[it], *(runs[p][it] for p in runs))

@@ -43,7 +43,7 @@ def test_graphed_static_order_equals_its_eager_run(tmp_path: Path, policy: str, 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     layout = ["--dpp-policy", policy] + ([] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"])
-    _, eager = _run(tmp_path / "eager", layout)
+    _, eager = _run(tmp_path / "eager", [*layout, "--dpp-eager"])
     results, graphed = _run(tmp_path / "graphed", [*layout, "--dpp-cuda-graphs"])
     logs = "".join(r.output for r in results)
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for m in REPLAYED.finditer(logs)}

@@ -48,7 +48,8 @@ def _compare(tmp_path: Path, pp: int, tp: int, layout: list[str]) -> None:
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
     base = [*GPT, "--pipeline-model-parallel-size", str(pp), "--tensor-model-parallel-size", str(tp), *layout]
-    _, eager = train(tmp_path / "eager", world, ["--dump-grads", "2", "--", *base], last_rank=world - 1)
+    _, eager = train(tmp_path / "eager", world, ["--dump-grads", "2", "--", *base, "--dpp-eager"],
+                     last_rank=world - 1)
     results, graphed = train(tmp_path / "graphed", world, ["--dump-grads", "2", "--", *base, "--dpp-cuda-graphs"],
                              last_rank=world - 1)
     counts = [(int(m[1]), int(m[2]), int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)]

@@ -86,7 +86,7 @@ def test_sequence_parallel_refusals() -> None:
     assert _problems(tp2 + ["--pipeline-model-parallel-size", "2", "--use-dpp", "--dpp-sp-wgrad-input",
                             "regather"], world_size=4) == [
         "--dpp-sp-wgrad-input=regather applies to --sequence-parallel with a split backward (--dpp-policy dpp-zb or "
-        "zb-h1); this run uses --dpp-policy auto: without --dpp-cuda-graphs dpp-zb was not measured faster"]
+        "zb-h1); this run uses --dpp-policy auto: without CUDA graphs dpp-zb was not measured faster"]
     assert _problems(["--dpp-sp-wgrad-input", "gather"]) == [
         "--dpp-sp-wgrad-input='gather' must be one of keep, regather"]
 

@@ -466,7 +466,8 @@ def test_recompute_slots_flag_is_per_stage_and_checked_before_start() -> None:
         argv = [*GOOD, *extra]
         if needle is None:  # without graphs
             argv = [a for a in argv if a != "--dpp-cuda-graphs"]
-            needle = "needs --dpp-cuda-graphs"
+            argv.append("--dpp-eager")
+            needle = "needs CUDA graphs"
         with pytest.raises(ConfigError, match=re.escape(needle)):
             parse_config(argv, world_size=2)
     with pytest.raises((ConfigError, SystemExit)):

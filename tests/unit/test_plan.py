@@ -19,9 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCHEDULE_FLAGS = frozenset({"use_dpp", "dpp_policy", "dpp_cuda_graphs", "dpp_max_queued_ops", "dpp_max_inflight",
                             "dpp_cap_factor", "dpp_fill_transit", "dpp_recompute_slots",
-                            "dpp_sp_wgrad_input"})
+                            "dpp_sp_wgrad_input", "dpp_eager"})
 """ParallelConfig fields that decide which schedule runs and with which options: the plan's alone."""
-DECIDERS = frozenset({"resolve_dpp_policy", "uses_megatron_schedule", "schedule_plan", "split_backward_refusals"})
+DECIDERS = frozenset({"resolve_dpp_policy", "resolve_cuda_graphs", "auto_graph_problems", "uses_megatron_schedule",
+                      "schedule_plan", "split_backward_refusals"})
 """The plan's deciding functions: called by trainer/config/ alone (everyone else reads the RunPlan)."""
 
 
@@ -62,6 +63,8 @@ def test_the_config_does_not_reach_back_into_the_checks() -> None:
 CPU_PP2 = ["--mock-data", "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
 CUDA_PP2 = [*CPU_PP2, "--device", "cuda", "--transformer-impl", "local"]
 GRAPHS = ["--use-dpp", "--dpp-cuda-graphs", "--hidden-dropout", "0", "--attention-dropout", "0"]
+CPU_EAGER = "eager: --dpp-cuda-graphs needs --device cuda (got cpu)"
+AUTO_GRAPHS = "graphs: --use-dpp's default where they can run (--dpp-eager turns them off)"
 
 
 def _plan(argv: list[str], world_size: int = 2) -> RunPlan:
@@ -77,13 +80,19 @@ def _plan(argv: list[str], world_size: int = 2) -> RunPlan:
      "1f1b policy", False),
     ([*CUDA_PP2, "--distributed-backend", "gloo"], "runtime", "1f1b", "1f1b policy", False),  # ranks share a GPU
     (CPU_PP2 + ["--device", "cpu", "--use-dpp"], "runtime", "dpp", "dpp (--dpp-policy auto: without "
-     "--dpp-cuda-graphs dpp-zb was not measured faster)", False),
-    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "dpp"], "runtime", "dpp", "dpp", False),
-    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "dpp-zb"], "runtime", "dpp-zb", "dpp-zb", True),
+     f"CUDA graphs dpp-zb was not measured faster); {CPU_EAGER}", False),
+    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "dpp"], "runtime", "dpp", f"dpp; {CPU_EAGER}", False),
+    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "dpp-zb"], "runtime", "dpp-zb",
+     f"dpp-zb; {CPU_EAGER}", True),
     (CPU_PP2 + ["--device", "cpu", "--dpp-policy", "zb-h1"], "runtime", "zb-h1", "zb-h1", True),
-    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "zb-h1"], "runtime", "zb-h1", "zb-h1", True),
-    ([*CUDA_PP2, *GRAPHS], "runtime", "dpp-zb", "dpp-zb (--dpp-policy auto: with --dpp-cuda-graphs dpp-zb is the "
-     "faster at equal memory)", True),
+    (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "zb-h1"], "runtime", "zb-h1", f"zb-h1; {CPU_EAGER}",
+     True),
+    ([*CUDA_PP2, *GRAPHS], "runtime", "dpp-zb", "dpp-zb (--dpp-policy auto: with CUDA graphs dpp-zb is the "
+     "faster at equal memory); graphs: --dpp-cuda-graphs", True),
+    ([*CUDA_PP2, "--use-dpp"], "runtime", "dpp-zb", "dpp-zb (--dpp-policy auto: with CUDA graphs dpp-zb is the "
+     f"faster at equal memory); {AUTO_GRAPHS}", True),
+    ([*CUDA_PP2, "--use-dpp", "--dpp-eager"], "runtime", "dpp", "dpp (--dpp-policy auto: without CUDA graphs dpp-zb "
+     "was not measured faster); eager: --dpp-eager", False),
 ])
 def test_resolve_plan_over_layouts(argv, engine, policy, log_text, split) -> None:
     schedule = _plan(argv).schedule
@@ -104,6 +113,64 @@ def test_the_plan_holds_the_options_the_runtime_uses() -> None:
     assert not _plan([*CUDA_PP2, "--use-dpp", "--overlap-grad-reduce"]).schedule.megatron_grad_sync
     with pytest.raises(dataclasses.FrozenInstanceError):
         eager.policy = "zb-h1"  # type: ignore[misc]
+
+
+def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
+    """--use-dpp alone on CUDA: CUDA graphs and dpp-zb (the fastest measured), one op queued ahead;
+    --dpp-eager turns them off; a layout the graph checks block runs eagerly and says why (no error),
+    while --dpp-cuda-graphs on that layout stays an error."""
+    from trainer.config import ConfigError
+    from trainer.config.plan import TP_GRAPHS_ENV
+
+    monkeypatch.delenv(TP_GRAPHS_ENV, raising=False)
+    auto = _plan([*CUDA_PP2, "--use-dpp"]).schedule
+    assert (auto.cuda_graphs, auto.policy, auto.split_backward, auto.max_queued_ops) == (True, "dpp-zb", True, 1)
+    assert auto.graphs_reason == AUTO_GRAPHS and auto.log_text.endswith(AUTO_GRAPHS)
+    assert _plan([*CUDA_PP2, "--use-dpp", "--dpp-policy", "dpp"]).schedule.cuda_graphs  # an explicit policy too
+    eager = _plan([*CUDA_PP2, "--use-dpp", "--dpp-eager"]).schedule
+    assert (eager.cuda_graphs, eager.policy, eager.max_queued_ops, eager.graphs_reason) == \
+        (False, "dpp", 0, "eager: --dpp-eager")
+    # Checks that apply "with graphs" accept the graphs --use-dpp turned on.
+    slots = _plan([*CUDA_PP2, "--use-dpp", "--hidden-dropout", "0", "--attention-dropout", "0",
+                   "--dpp-recompute-slots", "1"]).schedule
+    assert slots.cuda_graphs and slots.recompute_slots_of(0) == 1
+    blocked = {
+        "tp2": (["--tensor-model-parallel-size", "2"], 4, "graphs that capture the TP collectives are not verified"),
+        "varlen": (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length", "1024",
+                    "--seq-length-divisible-by", "16", "--max-position-embeddings", "1024"], 2, "at most 32 sequence lengths"),
+        "recompute+dropout": (["--recompute-activations"], 2, "no recompute with dropout"),
+    }
+    for name, (extra, world, why) in blocked.items():
+        schedule = _plan([*CUDA_PP2, "--use-dpp", *extra], world).schedule
+        assert not schedule.cuda_graphs and schedule.policy == "dpp", name
+        assert schedule.graphs_reason.startswith("eager: --dpp-cuda-graphs needs") and why in schedule.graphs_reason
+        assert why in schedule.log_text and schedule.max_queued_ops == 0, name
+        with pytest.raises(ConfigError, match=why):
+            _plan([*CUDA_PP2, "--use-dpp", "--dpp-cuda-graphs", *extra], world)
+    with pytest.raises(ConfigError, match="--dpp-cuda-graphs and --dpp-eager: give one"):
+        _plan([*CUDA_PP2, "--use-dpp", "--dpp-cuda-graphs", "--dpp-eager"])
+    with pytest.raises(ConfigError, match="--dpp-eager applies to --use-dpp"):
+        _plan([*CUDA_PP2, "--dpp-eager"])
+    with pytest.raises(ConfigError, match="--dpp-recompute-slots 1 needs CUDA graphs.*here eager: --dpp-eager"):
+        _plan([*CUDA_PP2, "--use-dpp", "--dpp-eager", "--dpp-recompute-slots", "1"])
+    # Without --use-dpp nothing changes: megatron-core's schedule, no graphs, no graphs reason.
+    megatron = _plan(CUDA_PP2).schedule
+    assert (megatron.engine, megatron.cuda_graphs, megatron.graphs_reason, megatron.log_text) == \
+        ("megatron-core", False, "", "megatron-core")
+    # Transformer Engine's layers (where it is installed, --transformer-impl auto picks them): the default
+    # stays eager (graphs with TE never ran on a GPU here); an explicit ask still gets them.
+    import importlib.util
+
+    import trainer.config.transformer_engine as te
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
+    monkeypatch.setattr(te, "import_problem", lambda module: None)  # as if it imported
+    with_te = [a for a in CUDA_PP2 if a not in ("--transformer-impl", "local")]
+    te_default = _plan([*with_te, "--use-dpp"]).schedule
+    assert not te_default.cuda_graphs and "Transformer Engine's layers" in te_default.graphs_reason
+    assert _plan([*with_te, *GRAPHS]).schedule.cuda_graphs
 
 
 def test_the_plan_holds_the_layer_split_and_the_links() -> None:

@@ -289,10 +289,11 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
             "--hidden-dropout", "0", "--attention-dropout", "0"]
     graphed = parse_config([*base, "--dpp-cuda-graphs"], world_size=2)
     schedule = resolve_plan(graphed, 2).schedule
-    assert schedule.dpp_policy == "dpp-zb" and "auto: with --dpp-cuda-graphs" in resolve_dpp_policy(graphed)[1]
+    assert schedule.dpp_policy == "dpp-zb" and "auto: with CUDA graphs" in resolve_dpp_policy(graphed)[1]
     assert schedule.policy == "dpp-zb" and schedule.policy_kwargs["fill_transit"] is True
-    eager = parse_config(base, world_size=2)
-    assert resolve_plan(eager, 2).schedule.dpp_policy == "dpp" and "without --dpp-cuda-graphs" in resolve_dpp_policy(eager)[1]
+    assert resolve_plan(parse_config(base, world_size=2), 2).schedule.dpp_policy == "dpp-zb"  # graphs by default
+    eager = parse_config([*base, "--dpp-eager"], world_size=2)
+    assert resolve_plan(eager, 2).schedule.dpp_policy == "dpp" and "without CUDA graphs" in resolve_dpp_policy(eager)[1]
     assert resolve_plan(eager, 2).schedule.policy == "dpp"
     # Transformer Engine rules the split out: auto falls back to dpp and says why (dpp-zb asked for: refused)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
@@ -302,8 +303,8 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
     with_te = parse_config([*base, "--dpp-cuda-graphs", "--transformer-impl", "transformer_engine"], world_size=2)
     assert resolve_dpp_policy(with_te)[0] == "dpp" and "--transformer-impl local" in resolve_dpp_policy(with_te)[1]
     # --no-dpp-fill-transit only where dpp-zb runs
-    with pytest.raises(ConfigError, match="--no-dpp-fill-transit applies to --use-dpp with dpp-zb.*without --dpp-cuda-graphs"):
-        parse_config([*base, "--no-dpp-fill-transit"], world_size=2)
+    with pytest.raises(ConfigError, match="--no-dpp-fill-transit applies to --use-dpp with dpp-zb.*without CUDA graphs"):
+        parse_config([*base, "--dpp-eager", "--no-dpp-fill-transit"], world_size=2)
     assert not parse_config([*base, "--dpp-cuda-graphs", "--transformer-impl", "local", "--no-dpp-fill-transit"],
                             world_size=2).parallel.dpp_fill_transit
 

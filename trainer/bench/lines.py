@@ -29,10 +29,13 @@ CATALOGUE = {
                               ["--no-batch-p2p-sync", "--recompute-activations"], True),
     "megatron-interleaved-v2": ("megatron-core interleaved 1F1B v=2, overlapped P2P, balanced split", 2,
                                 ["--no-batch-p2p-sync"], True),
-    "dpp": ("--use-dpp --dpp-policy dpp (greedy)", 1, ["--use-dpp", "--dpp-policy", "dpp"], True),
-    "dpp-default": ("--use-dpp alone: the runtime and policy --use-dpp picks for the layout (its log's layout "
-                    "line says which and why)", 1, ["--use-dpp"], True),
-    "dpp-v2": ("--use-dpp --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp"], True),
+    # The eager DPP lines say --dpp-eager: --use-dpp alone replays from CUDA graphs where they can run.
+    "dpp": ("--use-dpp --dpp-eager --dpp-policy dpp (greedy, eager)", 1,
+            ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp"], True),
+    "dpp-default": ("--use-dpp alone: the runtime, graphs and policy --use-dpp picks for the layout (CUDA graphs "
+                    "and dpp-zb where they can run; its log's first line says which and why)", 1, ["--use-dpp"], True),
+    "dpp-v2": ("--use-dpp --dpp-eager --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp"],
+               True),
     # Every graphed line decides with at most one op queued ahead (--dpp-max-queued-ops' default with
     # graphs, trainer/pipeline/run_ahead.py); "-q0" appended gives the unbounded behaviour.
     "dpp-graphs": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs (transformer blocks replayed from CUDA graphs, "
@@ -71,7 +74,8 @@ CATALOGUE = {
                       ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-graphs-v2-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25, v=2", 2,
                              ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-cap-factor", "1.25"], True),
-    "dpp-zb": ("--use-dpp --dpp-policy dpp-zb (split backward)", 1, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
+    "dpp-zb": ("--use-dpp --dpp-eager --dpp-policy dpp-zb (split backward, eager)", 1,
+               ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp-zb"], True),
     # Split backward with graphs: each slot holds F, I and W graphs; dpp-zb's held cap is
     # stage 0's 1F1B bound on every stage (4/4/4/4 at PP=4), its live cap the stage's own (4/3/2/1).
     "dpp-zb-graphs": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs (F, I and W graphs per slot)", 1,
@@ -80,7 +84,8 @@ CATALOGUE = {
                           "0's slots recompute the core attention)", 1,
                           ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2"],
                           True),
-    "dpp-zb-v2": ("--use-dpp --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-policy", "dpp-zb"], True),
+    "dpp-zb-v2": ("--use-dpp --dpp-eager --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-eager", "--dpp-policy",
+                                                                         "dpp-zb"], True),
     # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the fair bars for the
     # dynamic policies -- same runtime, transport, graphs and run-ahead bound, only the order differs. Graphed,
     # each chunk gets as many slots as the order holds at most (ZB-H1: p on every stage; the log and the
@@ -101,12 +106,12 @@ CATALOGUE = {
     "dpp-graphs-v2-parity": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs --dpp-recompute-slots <per stage>, v=2 "
                              "(recomputing slots chosen for <= 1.10x interleaved-graphs' slot memory)", 2,
                              ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
-    "1f1b-eager": ("--use-dpp --dpp-policy 1f1b (megatron-core's 1F1B order in the DPP runtime, eager)", 1,
-                   ["--use-dpp", "--dpp-policy", "1f1b"], True),
-    "interleaved-eager": ("--use-dpp --dpp-policy interleaved, v=2 (the interleaved order in the DPP runtime, eager)", 2,
-                          ["--use-dpp", "--dpp-policy", "interleaved"], True),
-    "zb-h1-eager": ("--use-dpp --dpp-policy zb-h1 (the static ZB-H1 order in the DPP runtime, eager)", 1,
-                    ["--use-dpp", "--dpp-policy", "zb-h1"], True),
+    "1f1b-eager": ("--use-dpp --dpp-eager --dpp-policy 1f1b (megatron-core's 1F1B order in the DPP runtime, eager)",
+                   1, ["--use-dpp", "--dpp-eager", "--dpp-policy", "1f1b"], True),
+    "interleaved-eager": ("--use-dpp --dpp-eager --dpp-policy interleaved, v=2 (the interleaved order in the DPP "
+                          "runtime, eager)", 2, ["--use-dpp", "--dpp-eager", "--dpp-policy", "interleaved"], True),
+    "zb-h1-eager": ("--use-dpp --dpp-eager --dpp-policy zb-h1 (the static ZB-H1 order in the DPP runtime, eager)", 1,
+                    ["--use-dpp", "--dpp-eager", "--dpp-policy", "zb-h1"], True),
     "direct-megatron": ("megatron-core forward_backward driven by a minimal script (trainer.bench.direct), "
                         "1F1B, balanced split, no batch sync", 1, ["--no-batch-p2p-sync"], True),
 }

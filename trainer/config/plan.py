@@ -18,6 +18,7 @@ Where a change goes (docs/house.md):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -81,11 +82,15 @@ class SchedulePlan:
     split_backward: bool = False
     """Backwards run as I then W (zb-h1, dpp-zb): the runtime installs split backward."""
     cuda_graphs: bool = False
-    """--dpp-cuda-graphs: the runtime replays each chunk's block from CUDA graphs."""
+    """The runtime replays each chunk's block from CUDA graphs: asked for (--dpp-cuda-graphs), or
+    --use-dpp's default where the graph checks find nothing (not with --dpp-eager)."""
+    graphs_reason: str = ""
+    """Why the graphs are on or off, in words (the first log line prints it); empty without the runtime's
+    dynamic or static DPP policies under --use-dpp."""
     recompute_slots: tuple[int, ...] = ()
     """--dpp-recompute-slots, per stage from stage 0 (stages not listed: none)."""
     max_queued_ops: int = 0
-    """--dpp-max-queued-ops resolved (1 with --dpp-cuda-graphs, else 0 = unbounded)."""
+    """--dpp-max-queued-ops resolved (1 with CUDA graphs, else 0 = unbounded)."""
     megatron_grad_sync: bool = False
     """megatron-core's schedule launches each chunk's DP gradient reduction (--overlap-grad-reduce under
     megatron-core's schedule: config.grad_sync_func); under the runtime the runtime starts each chunk's
@@ -94,7 +99,8 @@ class SchedulePlan:
     """--dpp-sp-wgrad-input: what a split backward keeps for the deferred weight GEMM of a
     sequence-parallel column linear (keep the gathered input, or regather it in W)."""
     log_text: str = ""
-    """The ``schedule`` field of the run's first log line."""
+    """The ``schedule`` field of the run's first log line: the policy (and why auto chose it), then
+    whether CUDA graphs are on and why."""
 
     @property
     def label(self) -> str:
@@ -191,17 +197,56 @@ def uses_megatron_schedule(cfg: TrainConfig) -> bool:
     return not par.use_dpp and cfg.run.device == "cuda" and par.distributed_backend != "gloo"
 
 
+def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
+    """(whether the DPP runtime replays from CUDA graphs, why). Graphs first, the policy after: auto's
+    choice depends on them (:func:`resolve_dpp_policy`).
+
+    On when asked (--dpp-cuda-graphs; its refusals are errors, :func:`graph_problems`), or by default with
+    --use-dpp where the graph checks, run as if they had been asked for, find nothing: they are the
+    fastest correct runtime measured (4xH200, the benchmark model, PP=4: graphed dpp-zb 415.6 ms per
+    iteration against megatron-core's eager 1F1B 814.6; PP=2 728.0 against 1471.9; eager DPP runs at
+    about megatron's speed). Off with --dpp-eager, or where a check blocks them (the reason names it)."""
+    par = cfg.parallel
+    if par.dpp_cuda_graphs:
+        return True, "graphs: --dpp-cuda-graphs"
+    if not par.use_dpp:
+        return False, ""
+    if par.dpp_eager:
+        return False, "eager: --dpp-eager"
+    blockers = auto_graph_problems(cfg)
+    if blockers:
+        return False, "eager: " + "; ".join(blockers)
+    return True, "graphs: --use-dpp's default where they can run (--dpp-eager turns them off)"
+
+
+def auto_graph_problems(cfg: TrainConfig) -> list[str]:
+    """What would rule out CUDA graphs for ``cfg`` had --dpp-cuda-graphs been given, and what keeps the
+    default from choosing them although an explicit ask may: Transformer Engine's layers under the slot
+    graphs have never run on a GPU here, so the default stays eager with them."""
+    asked = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dpp_cuda_graphs=True,
+                                                                  dpp_eager=False))
+    p = _cuda_graph_problems(asked) + _recompute_slot_problems(asked)
+    if cfg.run.device == "cuda" and uses_transformer_engine_spec(cfg, installed("transformer_engine")):
+        p.append("the default picks graphs with megatron-core's local layers only (--transformer-impl local): "
+                 "Transformer Engine's layers under the slot graphs are not verified on GPUs; "
+                 "--dpp-cuda-graphs asks for them anyway")
+    return p
+
+
 def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
     """Which schedule runs, its options and why (see :class:`SchedulePlan`)."""
     par = cfg.parallel
+    graphs, graphs_why = resolve_cuda_graphs(cfg)
     dpp_policy, why = resolve_dpp_policy(cfg)
     static = "interleaved" if cfg.virtual_pipeline > 1 else "1f1b"
-    common = {"dpp_policy": dpp_policy, "cuda_graphs": par.dpp_cuda_graphs,
+    common = {"dpp_policy": dpp_policy, "cuda_graphs": graphs, "graphs_reason": graphs_why,
               "sp_wgrad_input": par.dpp_sp_wgrad_input,
               "recompute_slots": par.dpp_recompute_slots,
               "max_queued_ops": par.dpp_max_queued_ops if par.dpp_max_queued_ops is not None
-              else 1 if par.dpp_cuda_graphs else 0}
+              else 1 if graphs else 0}
     named = dpp_policy if par.dpp_policy != "auto" else f"{dpp_policy} ({why})"
+    if graphs_why:
+        named += f"; {graphs_why}"
     if uses_megatron_schedule(cfg):
         return SchedulePlan(MEGATRON, static, reason="without --use-dpp on CUDA: megatron-core's own schedule",
                             megatron_grad_sync=par.overlap_grad_reduce, log_text="megatron-core", **common)
@@ -349,8 +394,10 @@ def _recompute_slot_problems(cfg: TrainConfig) -> list[str]:
         return []
     flag = "--dpp-recompute-slots " + ",".join(map(str, given))
     p = []
-    if not par.dpp_cuda_graphs:
-        p.append(f"{flag} needs --dpp-cuda-graphs (it picks which graph slots recompute)")
+    graphs, graphs_why = resolve_cuda_graphs(cfg)
+    if not graphs:
+        p.append(f"{flag} needs CUDA graphs (it picks which graph slots recompute): --use-dpp's default where "
+                 f"they can run, or --dpp-cuda-graphs; here {graphs_why or 'without --use-dpp'}")
     if any(n < 0 for n in given):
         p.append(f"{flag}: every count must be >= 0")
     if len(given) > par.pipeline_model_parallel_size:
@@ -385,7 +432,7 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
 
 
 def resolve_dpp_policy(cfg: TrainConfig) -> tuple[str, str]:
-    """(the policy --dpp-policy names, why) -- ``auto`` resolved: dpp-zb with --dpp-cuda-graphs where
+    """(the policy --dpp-policy names, why) -- ``auto`` resolved: dpp-zb with CUDA graphs where
     split backward is possible, else dpp. Why: on the benchmark model (4xH100, one measurement,
     equal peak memory) graphed dpp-zb ran 474.6 ms per iteration against dpp's 493.2 (510.9 vs
     519.0 with two recomputing slots), once it waits for a gradient's data rather than its header
@@ -395,12 +442,12 @@ def resolve_dpp_policy(cfg: TrainConfig) -> tuple[str, str]:
         return par.dpp_policy, "--dpp-policy " + par.dpp_policy
     if not par.use_dpp:
         return "dpp", "--dpp-policy auto without --use-dpp (not used)"
-    if not par.dpp_cuda_graphs:
-        return "dpp", "--dpp-policy auto: without --dpp-cuda-graphs dpp-zb was not measured faster"
+    if not resolve_cuda_graphs(cfg)[0]:
+        return "dpp", "--dpp-policy auto: without CUDA graphs dpp-zb was not measured faster"
     blockers = split_backward_refusals(cfg, "dpp-zb")
     if blockers:
         return "dpp", "--dpp-policy auto: dpp-zb's split backward is ruled out: " + "; ".join(blockers)
-    return "dpp-zb", "--dpp-policy auto: with --dpp-cuda-graphs dpp-zb is the faster at equal memory"
+    return "dpp-zb", "--dpp-policy auto: with CUDA graphs dpp-zb is the faster at equal memory"
 
 
 def split_backward_refusals(cfg: TrainConfig, policy: str | None = None) -> list[str]:

@@ -275,7 +275,7 @@ class ParallelConfig:
     """How many of its queued ops a DPP stage's host may have unfinished on the GPU before it decides
     the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
     instead of at host time, so a forward whose input is still being computed upstream does not
-    hold back a ready backward on the stream. 0 = unbounded. Default: 1 with --dpp-cuda-graphs (on
+    hold back a ready backward on the stream. 0 = unbounded. Default: 1 with CUDA graphs (on
     4xH100, the benchmark model: 482 ms/iteration at 1, 524 at 2, 559 unbounded; docs/benchmarks.md), 0
     otherwise (eager DPP not measured with it). CUDA only in effect."""
     dpp_fill_transit: bool = True
@@ -294,20 +294,29 @@ class ParallelConfig:
     deferred weight gradients fill idle time), zb-h1 (static zero-bubble schedule; also selects it for
     the runtime's non-DPP CPU path), 1f1b / interleaved (megatron-core's orders, v = 1 / v >= 2, replayed
     as written by the runtime: with --dpp-cuda-graphs the graphed static bars the dynamic policies are
-    measured against), auto (the default: dpp-zb with --dpp-cuda-graphs where its split backward is
+    measured against), auto (the default: dpp-zb with CUDA graphs where its split backward is
     possible, else dpp -- what measured fastest at equal memory, docs/schedules.md; the log's layout
     line says which ran and why: trainer/config/plan.py). Split backward needs megatron-core's local
     layer spec."""
     dpp_cuda_graphs: bool = False
-    """Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
+    """Ask for CUDA graphs: a layout they cannot run is an error (``--use-dpp`` alone turns them on
+    where they can run and stays eager, saying why, where they cannot; ``--dpp-eager`` turns them off).
+    Replay the forward and backward of every chunk's transformer block from CUDA graphs, one graph
     pair per in-flight activation slot (``--dpp-cuda-graphs``; trainer/pipeline/cuda_graphs.py): removes
     the launch overhead that makes small-microbatch forwards host-bound. GPT or BERT on CUDA with --use-dpp
     --dpp-policy dpp or dpp-zb (F, I and W graphs per slot) or a static order (1f1b, interleaved, zb-h1:
     as many slots per chunk as the order holds at most); TP > 1 (with or without --sequence-parallel)
     captures the TP collectives and needs NCCL; dropout draws fresh masks every replay (not with
     recompute); costs GPU memory per slot."""
+    dpp_eager: bool = False
+    """Run the DPP runtime eagerly, without CUDA graphs (``--dpp-eager``). ``--use-dpp`` alone replays
+    the transformer blocks from CUDA graphs wherever the layout allows them (on 4xH200, PP=4: 415.6 ms
+    per iteration graphed against 814.6 for megatron-core's eager 1F1B; eager DPP runs at about
+    megatron's speed) and runs eagerly, saying why, where it does not. Use it to save the graphs' GPU
+    memory (a graph pair per activation slot) or their capture time, to debug or profile op by op, or as
+    the eager bar in a measurement. Exclusive with --dpp-cuda-graphs."""
     dpp_recompute_slots: tuple[int, ...] = ()
-    """With --dpp-cuda-graphs: how many of a stage's graph slots (of each chunk's, at v > 1) recompute
+    """With CUDA graphs (--use-dpp's default, or --dpp-cuda-graphs): how many of a stage's graph slots (of each chunk's, at v > 1) recompute
     the core attention in their backward graph (selective recompute, per slot), listed per stage from
     stage 0, comma-separated;
     stages not listed: none (``--dpp-recompute-slots 1`` = one slot of stage 0's). A recomputing slot
@@ -391,6 +400,11 @@ class ParallelConfig:
         if self.dpp_policy in STATIC_DPP_POLICIES and self.dpp_max_inflight is not None:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} applies to --dpp-policy dpp/dpp-zb, "
                      f"not to the static {self.dpp_policy}")
+        if self.dpp_eager and self.dpp_cuda_graphs:
+            p.append("--dpp-cuda-graphs and --dpp-eager: give one (graphs are --use-dpp's default where they "
+                     "can run; --dpp-eager turns them off)")
+        elif self.dpp_eager and not self.use_dpp:
+            p.append("--dpp-eager applies to --use-dpp (the DPP runtime's CUDA graphs)")
         if self.dpp_policy in ("1f1b", "interleaved") and not self.use_dpp:
             p.append(f"--dpp-policy={self.dpp_policy} needs --use-dpp (without it megatron-core's own "
                      "schedule runs, or on CPU the runtime's static order for the layout)")
