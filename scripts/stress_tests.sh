@@ -16,7 +16,7 @@
 # else K Python busy loops; either way it is started for one round at a time, bounded by the round's
 # timeout, and stopped (by the pids this script started) when the round ends or the script exits.
 #
-# Each round runs under its own MDPP_RUN_TAG (trainer/run_token.py): tests/conftest.py adds its own
+# Each round runs under its own MDPP_RUN_TAG (trainer/launch/run_token.py): tests/conftest.py adds its own
 # random tag after it, so every segment the round's runs create is named /dev/shm/mdpp-<round tag>...
 # and the check after the round looks at those names only: other runs on the host are never counted
 # (their /dev/shm/mdpp* entries are reported, for information). Exit status: 0 when every round passed

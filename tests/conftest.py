@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.shm_tag import TAG, our_segments
-from trainer.run_token import RUN_TAG_ENV
+from trainer.launch.run_token import RUN_TAG_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 LEAK_GRACE_S = 3.0

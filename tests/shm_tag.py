@@ -1,7 +1,7 @@
 """This test run's tag on every shared-memory name it makes: how a test tells its own segments from
 those of any other run on the host (a second clone's tests, a training job, a developer's ranks).
 
-conftest.py puts TAG in the environment (trainer.run_token.RUN_TAG_ENV) before any test starts, so
+conftest.py puts TAG in the environment (trainer.launch.run_token.RUN_TAG_ENV) before any test starts, so
 every run token a test's ranks draw -- in-process, in forked ranks, in ``python -m`` ranks, in Slurm
 jobs submitted with the test's environment -- begins with it; a test that names its own job passes
 :func:`tagged`. The leak check in conftest.py then looks at ``/dev/shm/mdpp-<TAG>*`` and nothing else.
@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from trainer.run_token import RUN_TAG_ENV
+from trainer.launch.run_token import RUN_TAG_ENV
 
 SHM = Path("/dev/shm")
 # One per pytest process (random: two clones, or two runs of one clone, never share it). A harness

@@ -1,6 +1,6 @@
 """The shared vocabulary: names that the trainer's flags, the workflow knobs and the recipes all
 accept, and the names a run gives its shared-memory segments (spelled from the run token, which
-trainer/run_token.py draws), each written once here and read everywhere else.
+trainer/launch/run_token.py draws), each written once here and read everywhere else.
 
 Standard library only (no torch): it is the one trainer module that workflows/ may import
 (tests/unit/test_import_boundary.py).

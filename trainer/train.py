@@ -1,6 +1,6 @@
 """``python -m trainer.train``: megatron-core GPT/BERT under DP x TP x PP (x VP), optionally with DPP.
 
-Launched by torchrun or by one srun task per rank (trainer.distributed reads either). Order matters:
+Launched by torchrun or by one srun task per rank (trainer.launch.distributed reads either). Order matters:
 the configuration is validated against the launcher's world size *before* any process group exists,
 so an impossible layout exits 2 with one message naming every bad value and no traceback.
 
@@ -24,22 +24,35 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer import early_signals
+from trainer.launch import early_signals
 
-early_signals.install_for_main(__name__)  # before torch's import: see trainer/early_signals.py
+early_signals.install_for_main(__name__)  # before torch's import: see trainer/launch/early_signals.py
 
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import RunFacts, TrainState, load_checkpoint, preflight, run_identity, save_checkpoint
+from trainer.checkpoint.state import (
+    RunFacts,
+    TrainState,
+    load_checkpoint,
+    preflight,
+    run_identity,
+    save_checkpoint,
+)
 from trainer.cli import EXIT_BAD_INPUT, print_error
 from trainer.config import ConfigError, RunPlan, TrainConfig, parse_config, resolve_plan
-from trainer.distributed import LaunchError, LaunchInfo, ranks_per_node_from_env, read_launch_env, shutdown
-from trainer.manual_gc import GcPauses, ManualGC
+from trainer.launch.distributed import (
+    LaunchError,
+    LaunchInfo,
+    ranks_per_node_from_env,
+    read_launch_env,
+    shutdown,
+)
+from trainer.launch.run_token import remove_run_segments
+from trainer.launch.topology import Topology
 from trainer.pipeline.runtime import link_options as link_options  # re-exported: callers import it from here
-from trainer.run_token import remove_run_segments
+from trainer.profiling.manual_gc import GcPauses, ManualGC
 from trainer.session.build import BuiltRun, build_run
-from trainer.topology import Topology
 
 log = logging.getLogger("trainer.train")
 _PROCESS_START = time.time()  # --exit-duration-in-mins counts from here (Megatron-LM: its _TRAIN_START_TIME)
@@ -428,14 +441,14 @@ def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> 
         faulthandler.dump_traceback_later(cfg.parallel.dpp_timeout_s + 60, exit=True)
         session.close()
         faulthandler.cancel_dump_traceback_later()
-        remove_run_segments(session.run_token)  # the run's last act (trainer.run_token)
+        remove_run_segments(session.run_token)  # the run's last act (trainer.launch.run_token)
         session.record_exit(code)
         return code
     except Exception as err:
         log.exception("rank %d failed", launch.rank)
         session.record_failure(err)  # the job's last line names the failure (trainer/train.py: record_failure)
         session.flush_traces()
-        remove_run_segments(session.run_token)  # the run's last act (trainer.run_token)
+        remove_run_segments(session.run_token)  # the run's last act (trainer.launch.run_token)
         sys.stdout.flush()
         # Peers may be blocked in a collective with this rank: exiting now (non-zero) lets the
         # launcher tear the job down instead of hanging in process-group destructors.

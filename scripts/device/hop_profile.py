@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.local_ranks import check_all_ok, run_processes
-from trainer.topology import Topology
+from trainer.launch.local_ranks import check_all_ok, run_processes
+from trainer.launch.topology import Topology
 from trainer.transport.bench import parse_size
 from trainer.transport.factory import LinkOptions, make_stage_links
 from trainer.transport.tensors import as_bytes, check_matches, header_for

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.bench.lines import BenchConfig, Line, plan
 from trainer.bench.results import line_result
-from trainer.local_ranks import run_ranks
+from trainer.launch.local_ranks import run_ranks
 
 PP2 = BenchConfig(pipeline_parallel=2, num_layers=8, num_microbatches=16, train_iters=4, gpu_busy_iters=0)
 PP4 = BenchConfig(train_iters=4, gpu_busy_iters=0)

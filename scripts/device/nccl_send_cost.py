@@ -23,8 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.local_ranks import check_all_ok, run_processes
-from trainer.topology import Topology
+from trainer.launch.local_ranks import check_all_ok, run_processes
+from trainer.launch.topology import Topology
 from trainer.transport.bench import parse_size
 from trainer.transport.factory import make_stage_links
 from trainer.transport.tensors import header_for

@@ -1,4 +1,4 @@
-"""The tests' way to start N ranks the way torchrun does: trainer/local_ranks.py (the one launcher)
+"""The tests' way to start N ranks the way torchrun does: trainer/launch/local_ranks.py (the one launcher)
 with the tests' defaults — the repository as working folder, OMP_NUM_THREADS=1 (2-core CI), output
 kept in a temporary folder until the ranks are waited for, and no grace period after a failure (a
 test may want a failing rank's peers to report for themselves)."""
@@ -10,8 +10,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer import local_ranks as launcher
-from trainer.ports import free_port
+from trainer.launch import local_ranks as launcher
+from trainer.launch.ports import free_port
 
 __all__ = ["REPO", "RankResult", "Ranks", "check_ok", "free_port", "launch", "start"]
 

@@ -1,6 +1,6 @@
 """Checkpoint saves never hang (house rule "never hang"): a rank stalled inside a save, as behind a
 dead megatron-core writer worker or a wedged file system, makes every rank report where it waited
-and exit 1 once the deadline passes (trainer/checkpoint_watchdog.py), instead of the job waiting
+and exit 1 once the deadline passes (trainer/checkpoint/watchdog.py), instead of the job waiting
 until Slurm's time limit. The unfinished save leaves no tracker for its iteration, and a resume
 takes the previous checkpoint and carries on exactly as the failed run had trained.
 
@@ -19,8 +19,8 @@ import pytest
 from tests.dist.checkpoints import TRACKER, assert_megatron_checkpoint
 from tests.dist.launch import Ranks, start
 from tests.dist.test_checkpoint_layouts import ARGS, train
-from trainer.checkpoint import SAVE_WAIT, SAVE_WRITE
-from trainer.checkpoint_watchdog import STALL_ENV, TIMEOUT_ENV
+from trainer.checkpoint.state import SAVE_WAIT, SAVE_WRITE
+from trainer.checkpoint.watchdog import STALL_ENV, TIMEOUT_ENV
 
 TIMEOUT_S = 8.0
 MARGIN_S = 20.0  # the report, the stack dump and the exit, on a loaded 2-core machine

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from trainer.ports import free_port
+from trainer.launch.ports import free_port
 from trainer.profiling.clock import RoundTrip, best_offset
 
 # Seconds-scale skews, far beyond the loopback round trip, in both directions.

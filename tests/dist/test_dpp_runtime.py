@@ -13,7 +13,7 @@ from trainer.pipeline import DppContext, DppStallError, forward_backward_dpp, ma
 from trainer.pipeline.tp_decision import decode, encode
 from trainer.schedule.core import Action, Op, PipelineShape
 from trainer.schedule.registry import make_policy
-from trainer.topology import Topology
+from trainer.launch.topology import Topology
 from trainer.transport.base import StageLinks, TransportTimeout
 
 

@@ -34,7 +34,7 @@ def _events(tmp_path: Path, flags: list[str], harness: tuple[str, ...] = ()) -> 
 
 
 def _in_step_lines(tmp_path: Path) -> dict[int, str]:
-    """Each rank's end-of-run line on the collections inside training steps (trainer.manual_gc.GcPauses)."""
+    """Each rank's end-of-run line on the collections inside training steps (trainer.profiling.manual_gc.GcPauses)."""
     lines = {}
     for rank in range(2):
         found = [line for line in (tmp_path / f"log_rank{rank}.txt").read_text().splitlines()
@@ -76,7 +76,7 @@ def test_no_manual_gc_eval_leaves_only_the_interval(tmp_path: Path) -> None:
 
 
 def _harness(argv: list[str]) -> int:
-    from trainer import manual_gc
+    from trainer.profiling import manual_gc
     from trainer.train import TrainHooks, main
 
     split = argv.index("--")

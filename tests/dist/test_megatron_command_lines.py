@@ -28,7 +28,7 @@ import pytest
 
 from tests.dist.checkpoints import assert_megatron_checkpoint
 from tests.dist.launch import REPO
-from trainer.ports import free_port
+from trainer.launch.ports import free_port
 
 VOCAB, MERGES = str(REPO / "datasets/gpt2/vocab.json"), str(REPO / "datasets/gpt2/merges.txt")
 ITERATION = re.compile(r"iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \|")

@@ -16,9 +16,9 @@ import torch
 
 from tests.shm_tag import tagged
 from trainer.config import parse_config
-from trainer.local_ranks import check_all_ok, run_processes
+from trainer.launch.local_ranks import check_all_ok, run_processes
 from trainer.pipeline.runtime import PipelineRuntime
-from trainer.topology import Topology
+from trainer.launch.topology import Topology
 
 ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -46,7 +46,7 @@ def _still_owned(runtime: PipelineRuntime) -> list[str]:
 
 
 def _runtime(rank: int, world: int, layout: str, token: str, tracer_factory=None, profile_dir=None):  # noqa: ANN001
-    from trainer.distributed import init_megatron_parallel
+    from trainer.launch.distributed import init_megatron_parallel
 
     argv = ARGS + LAYOUTS[layout] + (["--profile-dir", profile_dir] if profile_dir else [])
     cfg = parse_config(argv, world_size=world)

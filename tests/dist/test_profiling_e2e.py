@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.layer_split import layers_per_stage
+from trainer.schedule.layers import layers_per_stage
 from trainer.profiling import aggregate
 from trainer.profiling.tracer import trace_file_name
 from trainer.profiling.validate import validate_trace

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tests.dist.launch import check_ok, free_port, launch
 from tests.shm_tag import TAG
 from trainer.names import doorbell_name, ring_name
-from trainer.run_token import token_prefix
+from trainer.launch.run_token import token_prefix
 from trainer.transport.factory import _agreed_job_id
 
 SHM = Path("/dev/shm")

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.shm_tag import tagged
-from trainer.local_ranks import check_all_ok, run_processes
+from trainer.launch.local_ranks import check_all_ok, run_processes
 from trainer.names import tp_decision_name
 from trainer.pipeline.tp_decision import TpDecisionChannel, TpDecisionTimeout, TpLeaderDied
 from trainer.schedule.core import Action, Op

@@ -56,7 +56,7 @@ def test_usr1_during_start_up_checkpoints_instead_of_killing(tmp_path: Path) -> 
                   extra_env={"MDPP_EXIT_RECORD": str(record), "MDPP_READY_DIR": str(ready)})
     # The interpreter is up and the handlers are in (each rank marks itself ready right after, as the
     # sbatch script waits for); torch is still being imported. A fixed sleep raced the interpreter's
-    # own start on a loaded host (both ranks died of USR1 before reaching trainer.early_signals).
+    # own start on a loaded host (both ranks died of USR1 before reaching trainer.launch.early_signals).
     deadline = time.monotonic() + 120
     while len(list(ready.iterdir())) < 2:
         assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.procs), list(ready.iterdir())

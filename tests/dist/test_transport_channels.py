@@ -1,6 +1,6 @@
 """Issue 3 "Must show" (CPU) for every CPU transport: each scenario runs on real processes.
 
-Each test spawns its ranks through ``trainer.local_ranks.run_processes`` (a forkserver with torch preloaded,
+Each test spawns its ranks through ``trainer.launch.local_ranks.run_processes`` (a forkserver with torch preloaded,
 gloo rendezvous on a free port) and is parametrised over the transports: "gloo" (a process group per
 directed edge) and "shm" (the C++ shared-memory ring). conftest.py fails any test that leaves
 a segment of its own (/dev/shm/mdpp-<tag>*) behind, which covers the "no leaked segments" bullet for every scenario here.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.shm_tag import tagged
-from trainer.local_ranks import check_all_ok, run_processes
-from trainer.topology import Topology
+from trainer.launch.local_ranks import check_all_ok, run_processes
+from trainer.launch.topology import Topology
 from trainer.transport import TransportError, TransportTimeout
 from trainer.transport.factory import LinkOptions, make_stage_links
 from trainer.transport.tensors import header_for

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.shm_tag import tagged
-from trainer.local_ranks import check_all_ok, run_processes
-from trainer.topology import Topology
+from trainer.launch.local_ranks import check_all_ok, run_processes
+from trainer.launch.topology import Topology
 from trainer.transport import TransportError, TransportTimeout
 from trainer.transport.edge_groups import build_edge_groups
 from trainer.transport.factory import LinkOptions, make_stage_links, plan_channels

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from trainer.local_ranks import check_all_ok, run_processes
-from trainer.topology import Topology
+from trainer.launch.local_ranks import check_all_ok, run_processes
+from trainer.launch.topology import Topology
 from trainer.transport import TransportError, TransportTimeout
 from trainer.transport.factory import LinkOptions, make_stage_links
 from trainer.transport.tensors import header_for

@@ -17,7 +17,7 @@ from tests.slurm.conftest import REPO
 # until the other step has too: both steps were alive at the same time.
 STEP = """
 import os, pathlib, time
-from trainer.run_token import agreed_run_token
+from trainer.launch.run_token import agreed_run_token
 folder, token = pathlib.Path(os.environ["TOKENS"]), agreed_run_token()
 (folder / token).touch()
 print(token, flush=True)

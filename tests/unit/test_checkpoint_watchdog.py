@@ -1,4 +1,4 @@
-"""trainer/checkpoint_watchdog.py on its own, in real processes (no torch): past the deadline the
+"""trainer/checkpoint/watchdog.py on its own, in real processes (no torch): past the deadline the
 process reports rank, action, iteration, folder and phase on stderr, kills its child processes and
 exits 1; a block that finishes in time leaves the process to exit normally; bad settings are named.
 tests/dist/test_checkpoint_deadline.py runs it inside real saves."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from trainer.checkpoint_watchdog import (
+from trainer.checkpoint.watchdog import (
     DEFAULT_TIMEOUT_S,
     STALL_ENV,
     TIMEOUT_ENV,
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
     from pathlib import Path
-    from trainer.checkpoint_watchdog import Watchdog
+    from trainer.checkpoint.watchdog import Watchdog
 
     child = subprocess.Popen(["sleep", "120"])
     print("child", child.pid, flush=True)

@@ -104,8 +104,8 @@ def test_train_main_exits_2_on_unimplemented_flags_before_any_process_group(caps
 
 
 def test_init_method_std_reaches_megatron_and_must_be_positive() -> None:
+    from trainer.launch.topology import Topology
     from trainer.model.build import transformer_config
-    from trainer.topology import Topology
 
     cfg = parse_config(BASE + ["--init-method-std", "0.006", "--device", "cpu"], world_size=1)
     assert cfg.model.init_method_std == pytest.approx(0.006)
@@ -162,8 +162,8 @@ def test_schedule_lengths_megatron_would_assert_on_are_refused_up_front() -> Non
 
 
 def test_recompute_flags_reach_megatron_as_megatron_lm_passes_them() -> None:
+    from trainer.launch.topology import Topology
     from trainer.model.build import transformer_config
-    from trainer.topology import Topology
 
     topo = Topology(world_size=1, rank=0)
     selective = parse_config(BASE + ["--device", "cpu", "--recompute-activations"], world_size=1)
@@ -203,7 +203,7 @@ def test_recompute_rules_name_every_problem(flags, problems) -> None:
 
 def test_log_throughput_counts_flops_as_megatron_lm() -> None:
     """GPT 16L h2048 (the docs' 4-GPU model): Megatron-LM's dense formula, term by term."""
-    from trainer.flops import flops_per_iteration, tflops_per_gpu
+    from trainer.measure.flops import flops_per_iteration, tflops_per_gpu
 
     cfg = parse_config(["--mock-data", "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
                         "--seq-length", "1024", "--max-position-embeddings", "1024", "--global-batch-size", "64",

@@ -1,10 +1,10 @@
-"""trainer.distributed.read_launch_env: torchrun and srun variables -> rank, world and node."""
+"""trainer.launch.distributed.read_launch_env: torchrun and srun variables -> rank, world and node."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.distributed import LaunchError, read_launch_env
+from trainer.launch.distributed import LaunchError, read_launch_env
 
 
 def test_torchrun_node_is_rank_over_local_world_size() -> None:

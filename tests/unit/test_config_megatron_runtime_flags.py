@@ -17,7 +17,7 @@ from trainer.config import (
     resolve_plan,
     uses_transformer_engine_spec,
 )
-from trainer.manual_gc import ManualGC
+from trainer.profiling.manual_gc import ManualGC
 
 BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--device", "cpu"]
 
@@ -48,9 +48,9 @@ def test_these_flags_are_no_longer_refused() -> None:
 
 # ---- --sequence-parallel -----------------------------------------------------------------------
 def test_sequence_parallel_reaches_megatron_and_sizes_the_links() -> None:
+    from trainer.launch.topology import Topology
     from trainer.model.build import transformer_config
     from trainer.schedule.core import PipelineShape
-    from trainer.topology import Topology
     from trainer.train import link_options
 
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--seq-length", "64"]
@@ -92,8 +92,8 @@ def test_sequence_parallel_refusals() -> None:
 
 
 def test_sequence_parallel_norm_marks_its_parameters_for_the_tp_all_reduce() -> None:
+    from trainer.launch.topology import Topology
     from trainer.model.build import SequenceParallelLayerNorm, transformer_config
-    from trainer.topology import Topology
 
     cfg = parse_config(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
     norm = SequenceParallelLayerNorm(transformer_config(cfg, Topology(world_size=2, rank=0, tensor_parallel=2)), 64)
@@ -227,8 +227,8 @@ def test_overlap_grad_reduce_is_accepted_with_split_backward_and_graphs() -> Non
 def test_attention_backend_reaches_transformer_config() -> None:
     from megatron.core.transformer.enums import AttnBackend
 
+    from trainer.launch.topology import Topology
     from trainer.model.build import transformer_config, use_transformer_engine
-    from trainer.topology import Topology
 
     for flags, backend in ((["--attention-backend", "local"], AttnBackend.local), ([], AttnBackend.auto)):
         cfg = parse_config(BASE + flags, world_size=1)

@@ -1,4 +1,4 @@
-"""trainer.cpu_binding: the pure CPU-set plan of the benchmark launcher's ``--cpu-bind numa``, and the
+"""trainer.launch.cpu_binding: the pure CPU-set plan of the benchmark launcher's ``--cpu-bind numa``, and the
 launcher really applying it to a started rank."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.cpu_binding import _sysfs_bus_id, format_cpu_list, parse_cpu_list, plan_cpu_sets
-from trainer.local_ranks import start_ranks
+from trainer.launch.cpu_binding import _sysfs_bus_id, format_cpu_list, parse_cpu_list, plan_cpu_sets
+from trainer.launch.local_ranks import start_ranks
 
 
 def test_cpu_list_round_trip() -> None:

@@ -326,8 +326,8 @@ MEGATRON_GRAPHS = [a for a in GOOD if a not in ("--use-dpp", "--dpp-cuda-graphs"
 
 def test_megatron_graphs_reach_megatron_core_config() -> None:
     """--cuda-graph-impl local is megatron-core's own per-layer graphs (Megatron-LM's flag), for its schedules."""
+    from trainer.launch.topology import Topology
     from trainer.model.build import transformer_config
-    from trainer.topology import Topology
 
     cfg = parse_config(MEGATRON_GRAPHS + ["--cuda-graph-warmup-steps", "2"], world_size=1)
     assert (cfg.parallel.cuda_graph_impl, cfg.parallel.cuda_graph_warmup_steps) == ("local", 2)
@@ -615,7 +615,7 @@ def test_checkpoints_save_graph_safe_rng_states_as_tensors(monkeypatch) -> None:
     generator has the same get_state; the graph-safe direction needs CUDA.)"""
     from megatron.core import tensor_parallel
 
-    from trainer import checkpoint
+    from trainer.checkpoint import state as checkpoint
 
     class Tracker:
         use_cudagraphable_rng = False

@@ -26,7 +26,7 @@ from trainer.data.megatron_datasets import (
     gpt_samples,
     parse_blend,
 )
-from trainer.ports import free_port
+from trainer.launch.ports import free_port
 
 SEQ = 16
 DOCS = 40

@@ -1,4 +1,4 @@
-"""trainer.early_signals in a fresh interpreter (it changes process-wide signal dispositions): as
+"""trainer.launch.early_signals in a fresh interpreter (it changes process-wide signal dispositions): as
 ``__main__`` it notes USR1/TERM instead of dying and marks the rank ready in $MDPP_READY_DIR, which
 the training batch script waits for before forwarding a signal; imported by anything else it does
 nothing."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 PROBE = """
 import os, signal, sys
-from trainer import early_signals
+from trainer.launch import early_signals
 early_signals.install_for_main(sys.argv[1])
 os.kill(os.getpid(), signal.SIGUSR1)
 print("alive", early_signals.received)
@@ -44,7 +44,7 @@ def test_imported_it_installs_nothing_and_marks_nothing(tmp_path: Path) -> None:
 
 CHILD_PROBE = """
 import multiprocessing as mp, os, signal, sys, time
-from trainer import early_signals
+from trainer.launch import early_signals
 signal.signal(signal.SIGUSR1, lambda *a: print("parent noted USR1", flush=True))
 signal.signal(signal.SIGTERM, lambda *a: print("parent noted TERM", flush=True))
 if sys.argv[1] == "kept":
@@ -84,7 +84,7 @@ def test_a_spawned_child_dies_of_usr1_and_term_unless_started_inside_the_block()
 
 ORPHAN_PROBE = """
 import os, sys, time
-from trainer import early_signals
+from trainer.launch import early_signals
 if os.fork() == 0:  # the 'rank'
     with early_signals.kept_from_child_processes():
         if sys.argv[1] == "forked-inside":

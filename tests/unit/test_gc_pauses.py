@@ -1,4 +1,4 @@
-"""trainer.manual_gc.GcPauses: Python's collections inside training steps, for the end-of-run log line."""
+"""trainer.profiling.manual_gc.GcPauses: Python's collections inside training steps, for the end-of-run log line."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from trainer.manual_gc import GcPauses
+from trainer.profiling.manual_gc import GcPauses
 
 
 @pytest.fixture

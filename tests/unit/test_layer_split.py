@@ -1,11 +1,11 @@
-"""trainer.layer_split: Megatron-LM's uneven first/last stage split, checked against megatron-core itself."""
+"""trainer.schedule.layers: Megatron-LM's uneven first/last stage split, checked against megatron-core itself."""
 
 from __future__ import annotations
 
 import pytest
 
 from trainer.config import ConfigError, parse_config
-from trainer.layer_split import describe_split, layers_per_stage, split_problems, stage_layers
+from trainer.schedule.layers import describe_split, layers_per_stage, split_problems, stage_layers
 
 # (num_layers, pp, vp, first, last): even and uneven, with and without interleaving
 LAYOUTS = [

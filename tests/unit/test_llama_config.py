@@ -31,8 +31,8 @@ def test_megatron_defaults() -> None:
 
 
 def test_llama_flags_reach_transformer_config_and_gpt_model() -> None:
+    from trainer.launch.topology import Topology
     from trainer.model.build import gpt_position_kwargs, transformer_config
-    from trainer.topology import Topology
 
     cfg = parse_config(BASE + LLAMA + ["--tensor-model-parallel-size", "2"], world_size=2)
     tc = transformer_config(cfg, Topology(world_size=2, rank=0, tensor_parallel=2))
@@ -53,8 +53,8 @@ def test_llama_flags_reach_transformer_config_and_gpt_model() -> None:
 
 
 def test_rms_norm_under_sequence_parallel_is_marked_for_the_tp_all_reduce() -> None:
+    from trainer.launch.topology import Topology
     from trainer.model.build import SequenceParallelRMSNorm, transformer_config
-    from trainer.topology import Topology
 
     cfg = parse_config(BASE + LLAMA + ["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
     norm = SequenceParallelRMSNorm(transformer_config(cfg, Topology(world_size=2, rank=0, tensor_parallel=2)), 64)
@@ -112,7 +112,7 @@ def test_bert_without_tokenizer_type_hears_it_needs_wordpiece() -> None:
 
 
 def test_log_throughput_counts_gqa_and_swiglu_as_megatron_lm() -> None:
-    from trainer.flops import flops_per_iteration
+    from trainer.measure.flops import flops_per_iteration
 
     cfg = parse_config(BASE + LLAMA + ["--seq-length", "32", "--global-batch-size", "4"], world_size=1)
     L, h, s, f, V, n, g = 4, 64, 32, 128, 1024, 8, 2  # noqa: N806 - Megatron-LM's symbols

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.checkpoint import SCHEDULE_KEYS, TRAINING_KEYS, _compared_identity, run_identity
+from trainer.checkpoint.state import SCHEDULE_KEYS, TRAINING_KEYS, _compared_identity, run_identity
 from trainer.config import ConfigError, parse_config
 
 BASE = ["--mock-data", "--num-layers", "2", "--device", "cpu"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.distributed import LaunchError, read_launch_env
+from trainer.launch.distributed import LaunchError, read_launch_env
 
 TORCHRUN = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "MASTER_PORT": "1"}
 

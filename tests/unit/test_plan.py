@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer import layer_split
 from trainer.bench.lines import balanced_split as bench_balanced_split
 from trainer.config import ModelConfig, ParallelConfig, RunPlan, TrainConfig, parse_config, resolve_plan
 from trainer.config.layout import _stage_split_problems
+from trainer.schedule import layers as layer_split
 
 REPO = Path(__file__).resolve().parents[2]
 

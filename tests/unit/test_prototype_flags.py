@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import ConfigError, parse_config
-from trainer.distributed import LaunchError, ranks_per_node_from_env, read_launch_env
-from trainer.node_addresses import read_node_ips
+from trainer.launch.distributed import LaunchError, ranks_per_node_from_env, read_launch_env
+from trainer.launch.node_addresses import read_node_ips
 
 BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
 

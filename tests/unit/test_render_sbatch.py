@@ -34,7 +34,7 @@ case "${FAKE_RANKS:-done}" in
         if [[ $FAKE_RANKS == slow-start ]]; then sleep 2; fi
         trap 'echo USR1 >> "$FAKE_SRUN_LOG.signals"; record "checkpointed 4"; exit 75' USR1
         ntasks=$(printf '%s\n' "$@" | sed -n 's/^--ntasks=//p')
-        for ((i = 0; i < ${ntasks:-1}; i++)); do : > "$MDPP_READY_DIR/rank$i"; done  # as trainer.early_signals
+        for ((i = 0; i < ${ntasks:-1}; i++)); do : > "$MDPP_READY_DIR/rank$i"; done  # as trainer.launch.early_signals
         for _ in $(seq 200); do sleep 0.1; done
         exit 9 ;;
 esac

@@ -1,10 +1,11 @@
-"""trainer.run_token and trainer.names: one token per run, never taken from torchrun's shared "none" alone."""
+"""trainer.launch.run_token and trainer.names: one token per run, never taken from torchrun's shared "none" alone."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.shm_tag import TAG
+from trainer.launch.run_token import RUN_TAG_ENV, agreed_run_token, remove_run_segments, token_prefix
 from trainer.names import (
     RUN_TOKEN_MAX_LENGTH,
     doorbell_name,
@@ -15,7 +16,6 @@ from trainer.names import (
     ring_name,
     tp_decision_name,
 )
-from trainer.run_token import RUN_TAG_ENV, agreed_run_token, remove_run_segments, token_prefix
 
 
 @pytest.mark.parametrize(("env", "prefix"), [

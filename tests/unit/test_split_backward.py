@@ -229,10 +229,10 @@ def test_store_lifecycle_errors() -> None:
 
 
 def test_runtime_refuses_a_split_policy_without_the_store() -> None:
+    from trainer.launch.topology import Topology
     from trainer.pipeline import DppContext, forward_backward_dpp
     from trainer.schedule.core import PipelineShape
     from trainer.schedule.registry import make_policy
-    from trainer.topology import Topology
 
     config = SimpleNamespace(no_sync_func=None, grad_sync_func=None, finalize_model_grads_func=None,
                              grad_scale_func=None, calculate_per_token_loss=False,

@@ -1,11 +1,11 @@
-"""trainer.stall_injection: the same seed delays the same forward ops whatever order a schedule runs them in."""
+"""trainer.schedule.stall_injection: the same seed delays the same forward ops whatever order a schedule runs them in."""
 
 from __future__ import annotations
 
 import pytest
 
 from trainer.config import ConfigError, parse_config
-from trainer.stall_injection import StallInjector, StallSpec, parse_stall_spec, stall_problems
+from trainer.schedule.stall_injection import StallInjector, StallSpec, parse_stall_spec, stall_problems
 
 
 def _run(order: list[tuple[int, int]], spec: StallSpec, iterations: int = 3) -> list[tuple[int, int, int]]:

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from trainer.launch.topology import Topology
 from trainer.pipeline import DppContext, forward_backward_dpp
 from trainer.pipeline.runtime import graph_slots
 from trainer.pipeline.split_backward import SplitBackward
@@ -27,7 +28,6 @@ from trainer.schedule.core import Op, PipelineShape
 from trainer.schedule.dynamic import one_f_one_b_cap
 from trainer.schedule.registry import make_policy
 from trainer.schedule.static import peak_held_per_chunk
-from trainer.topology import Topology
 from trainer.transport.base import Message, StageLinks, TransportTimeout
 
 

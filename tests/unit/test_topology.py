@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.topology import Topology, nodes_from_local_world_size
+from trainer.launch.topology import Topology, nodes_from_local_world_size
 
 
 def test_megatron_rank_order_tp_fastest_pp_slowest():

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from trainer.topology import Topology
+from trainer.launch.topology import Topology
 from trainer.transport import Header, LinkOptions, TransportError, make_stage_links, plan_channels
 from trainer.transport.tensors import as_bytes, check_matches, from_bytes, header_for
 from trainer.transport.wire import HEADER_WORDS, decode, encode, pack, unpack

@@ -56,15 +56,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from trainer.config import parse_config, resolve_plan
-    from trainer.distributed import (
+    from trainer.launch.distributed import (
         build_topology,
         init_megatron_parallel,
         init_process_group,
         read_launch_env,
     )
+    from trainer.measure.run_metrics import RunMeasurement
     from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
     from trainer.model.build import params_dtype
-    from trainer.run_metrics import RunMeasurement
 
     launch = read_launch_env()
     cfg = parse_config(argv, launch.world_size)

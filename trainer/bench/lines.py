@@ -13,9 +13,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from trainer import layer_split
 from trainer.bench.layouts import Layout
 from trainer.problems import raise_if_any
+from trainer.schedule import layers
 
 CATALOGUE = {
     # name: (what it is, v, extra trainer flags, uses the balanced split)
@@ -245,7 +245,7 @@ class BenchConfig:
     PP = --pipeline-parallel, TP = DP = 1. Not a flag of its own: set per layout by the command."""
     cpu_bind: str = "numa"
     """CPUs of each rank, the same for every line: numa (the cores of its GPU's NUMA node, shared
-    among the ranks there; an even split where the node is unknown; trainer.cpu_binding) or none."""
+    among the ranks there; an even split where the node is unknown; trainer.launch.cpu_binding) or none."""
 
     @property
     def data_parallel(self) -> int:
@@ -262,13 +262,13 @@ class BenchConfig:
 
 
 def balanced_split(num_layers: int, pp: int, vp: int, head_weight: float) -> tuple[int, int] | None:
-    """First/last stage layers of :func:`trainer.layer_split.balanced_split` when the output head
+    """First/last stage layers of :func:`trainer.schedule.layers.balanced_split` when the output head
     weighs ``head_weight`` layers (16 layers on 4 stages with head 2: 5/3, i.e. 5/4/4/3, the split
     measured best on 4 GPUs; its tie-break says why not the equally costly 4/5/5/2). Both flags are
     given whenever the split is not even, so every line lays it out the same way; None: even."""
     if pp < 2:
         return None
-    best = layer_split.balanced_split(layer_split.LayerCosts(num_layers, head=head_weight), pp, vp)
+    best = layers.balanced_split(layers.LayerCosts(num_layers, head=head_weight), pp, vp)
     if best.first is None and best.last is None:
         return None
     return best.layers[0], best.layers[-1]

@@ -43,8 +43,8 @@ from trainer.bench.report import plot_kernel_timeline, plot_trace_timeline, writ
 from trainer.bench.results import LineResult, line_result
 from trainer.cli import OneLineParser
 from trainer.config import field_docs
-from trainer.cpu_binding import numa_cpu_sets
-from trainer.local_ranks import run_ranks
+from trainer.launch.cpu_binding import numa_cpu_sets
+from trainer.launch.local_ranks import run_ranks
 from trainer.problems import problems_text
 
 

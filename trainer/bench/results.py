@@ -1,4 +1,4 @@
-"""One benchmark line's figures, read from its ranks' ``metrics_rank<R>.json`` (trainer/run_metrics.py).
+"""One benchmark line's figures, read from its ranks' ``metrics_rank<R>.json`` (trainer/measure/run_metrics.py).
 
 * ms/iteration: per iteration the slowest rank's step time, over iterations after ``skip_iters``
   that did not run under the kernel profiler; median, min/max and inter-quartile range.

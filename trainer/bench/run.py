@@ -94,7 +94,7 @@ def hardware(device: str) -> tuple[str, str, dict[str, str]]:
     """(the hardware in words, its short name for the file name, versions)."""
     import os
 
-    from trainer.run_metrics import versions
+    from trainer.measure.run_metrics import versions
 
     found = versions(device)
     if device == "cuda":

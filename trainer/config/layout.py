@@ -16,12 +16,12 @@ from trainer.config.plan import (
 from trainer.config.training import DataConfig, TrainConfig
 from trainer.config.transformer_engine import attention_backend_problems
 from trainer.data.split import parse_split
-from trainer.layer_split import stage_split_problems
-from trainer.node_addresses import read_node_ips
+from trainer.launch.node_addresses import read_node_ips
+from trainer.schedule.layers import stage_split_problems
 
 
 def _stage_split_problems(cfg: TrainConfig) -> list[str]:
-    """How the layers cannot be placed on the pipeline stages (and virtual stages): trainer.layer_split's rules."""
+    """How the layers cannot be placed on the pipeline stages (and virtual stages): trainer.schedule.layers's rules."""
     m, par = cfg.model, cfg.parallel
     return stage_split_problems(m.num_layers, par.pipeline_model_parallel_size, par.decoder_first_pipeline_num_layers,
                                 par.decoder_last_pipeline_num_layers, par.num_virtual_stages_per_pipeline_rank,

@@ -26,7 +26,7 @@ def llama_layout_problems(cfg: TrainConfig) -> list[str]:
 
 
 def llama_identity(m: ModelConfig) -> dict[str, object]:
-    """The architecture a checkpoint of this model must share (trainer.checkpoint.run_identity)."""
+    """The architecture a checkpoint of this model must share (trainer.checkpoint.state.run_identity)."""
     return {"normalization": m.normalization, "swiglu": m.swiglu, "add_bias_linear": not m.disable_bias_linear,
             "position_embedding_type": m.position_embedding_type,
             "num_query_groups": m.num_query_groups if m.group_query_attention else m.num_attention_heads}

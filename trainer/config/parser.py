@@ -21,7 +21,7 @@ from trainer.cli import OneLineParser
 from trainer.config.layout import layout_problems
 from trainer.config.sections import ConfigError, ModelConfig, OptimConfig, ParallelConfig, _check
 from trainer.config.training import CheckpointConfig, DataConfig, RunConfig, TrainConfig
-from trainer.megatron_lm_flags import MEGATRON_LM_FLAGS
+from trainer.megatron.flags import MEGATRON_LM_FLAGS
 
 SECTIONS = (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig)
 

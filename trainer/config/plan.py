@@ -26,9 +26,9 @@ from typing import Any, Literal
 from trainer.config.sections import STATIC_DPP_POLICIES
 from trainer.config.training import TrainConfig
 from trainer.config.transformer_engine import TE_ATTENTION_BACKENDS, installed, uses_transformer_engine_spec
-from trainer.layer_split import describe_split, layers_per_stage, stage_layers
 from trainer.schedule.core import PipelineShape
 from trainer.schedule.dynamic import scaled_cap
+from trainer.schedule.layers import describe_split, layers_per_stage, stage_layers
 from trainer.schedule.registry import SPLIT_BACKWARD
 
 Engine = Literal["megatron-core", "runtime"]
@@ -118,7 +118,7 @@ class SchedulePlan:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Which transformer layers each stage and chunk holds (trainer.layer_split's placement)."""
+    """Which transformer layers each stage and chunk holds (trainer.schedule.layers's placement)."""
 
     num_layers: int
     per_stage: tuple[int, ...]

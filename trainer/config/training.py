@@ -13,7 +13,7 @@ from trainer.data.megatron_datasets import parse_blend
 from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
 from trainer.names import MODEL_FILE_TOKENIZERS, TOKENIZERS, TokenizerType
-from trainer.stall_injection import stall_problems
+from trainer.schedule.stall_injection import stall_problems
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class RunConfig:
     """Where and how this job runs; logging and profiling."""
 
     device: Literal["cuda", "cpu"] = "cuda"
-    """``--device``: cuda (NCCL) or cpu (gloo, megatron-core with trainer.megatron_compat shims)."""
+    """``--device``: cuda (NCCL) or cpu (gloo, megatron-core with trainer.megatron.compat shims)."""
     run_name: str = "run"
     """Free-form run name (``--run-name``), used in logs, trace metadata and job ids."""
     workload: int | None = None
@@ -206,7 +206,7 @@ class RunConfig:
     node_ips: tuple[str, ...] = ()
     """``--node-ips a,b,...``: the prototype's one address per rank, in rank order (ranks sharing an
     address share a node), or one address per node in node order -- told apart by the count
-    (trainer/node_addresses.py). The first is the rendezvous host when MASTER_ADDR is not set."""
+    (trainer/launch/node_addresses.py). The first is the rendezvous host when MASTER_ADDR is not set."""
     profile_dir: str | None = None
     """Write per-rank Chrome traces here (``--profile-dir``)."""
     log_interval: int = 1
@@ -216,7 +216,7 @@ class RunConfig:
     ms, losses, peak GPU memory, GPU busy time -- what the pipeline benchmark reads, not log text."""
     log_throughput: bool = False
     """Add Megatron-LM's ``throughput per GPU (TFLOP/s/GPU)`` to each iteration line
-    (``--log-throughput``): its model-FLOPs count (trainer/flops.py) / (iteration time x world size)."""
+    (``--log-throughput``): its model-FLOPs count (trainer/measure/flops.py) / (iteration time x world size)."""
     eval_interval: int | None = None
     """Every N iterations, run --eval-iters forward-only steps on the
     validation share of --split through the training schedule and print Megatron-LM's ``validation
@@ -233,7 +233,7 @@ class RunConfig:
     over the last N iterations, which the benchmark then leaves out of its timings; 0 = off."""
     inject_stalls: str | None = None
     """``RANK:FRACTION:MILLISECONDS[:SEED]``: delay that share of RANK's forward steps (the GPU stream
-    on CUDA), the same ops under every schedule for one seed (trainer/stall_injection.py)."""
+    on CUDA), the same ops under every schedule for one seed (trainer/schedule/stall_injection.py)."""
     manual_gc: bool = False
     """Megatron-LM's ``--manual-gc``: Python's automatic garbage collector is off for the run (one full
     collection when training starts) so that no rank pauses for it at a moment of its own; collections

@@ -16,8 +16,8 @@ import logging
 import torch
 
 from trainer.config import TrainConfig, uses_transformer_engine_spec
+from trainer.launch.topology import Topology
 from trainer.model.steps import uses_per_token_loss
-from trainer.topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from trainer.launch.topology import Topology
 from trainer.pipeline.grad_sync import GradSync
 from trainer.pipeline.run_ahead import RunAheadBound
 from trainer.pipeline.split_backward import SplitBackward
@@ -39,7 +40,6 @@ from trainer.pipeline.stall import DppStallError, describe_wait
 from trainer.pipeline.tp_decision import TpDecisionChannel
 from trainer.profiling.tracer import NULL_SPAN, NullTracer, Tracer, now_us
 from trainer.schedule.core import Action, Op, PipelineShape, Policy, StageState
-from trainer.topology import Topology
 from trainer.transport.base import Header, Message, StageLinks, TransportTimeout
 
 log = logging.getLogger(__name__)

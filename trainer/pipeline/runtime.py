@@ -27,10 +27,10 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.config.plan import LinkPlan, RunPlan, link_plan, resolve_plan
+from trainer.launch.topology import Topology
 from trainer.names import tp_decision_name
 from trainer.pipeline.dpp import DppContext, MicrobatchData, make_forward_backward_func
 from trainer.schedule.core import PipelineShape
-from trainer.topology import Topology
 from trainer.transport.factory import LinkOptions
 
 log = logging.getLogger(__name__)

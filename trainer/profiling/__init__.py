@@ -1,6 +1,7 @@
 """Per-rank Chrome trace events and the aggregation of all ranks into one timeline (docs/profiling.md).
 
 Runtime side: :func:`make_tracer` (tracer.py) and :func:`measure_clock_offset` (clock.py).
+Megatron-LM's ``--manual-gc`` lives here too (manual_gc.py): its collections are timed into the trace.
 Offline side: ``python -m trainer.profiling.aggregate`` (loading -> merge -> validate -> summary -> plot).
 Importing this package imports neither torch nor matplotlib: both load only where they are used.
 """

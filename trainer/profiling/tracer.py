@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.manual_gc import GcTimer
 from trainer.problems import raise_if_any
+from trainer.profiling.manual_gc import GcTimer
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ DEFAULT_KEEP_ITERATIONS = 20
 REQUIRED_METADATA = ("stage", "world_size", "pipeline_parallel", "num_chunks", "num_microbatches", "schedule",
                      "run_id")
 """Metadata keys the runtime must give :func:`make_tracer`; the aggregator relies on each one.
-``run_id`` is the run's token (trainer.run_token), the same on every rank of one run and different
+``run_id`` is the run's token (trainer.launch.run_token), the same on every rank of one run and different
 for every run: the aggregation refuses a folder whose files disagree on it."""
 
 
@@ -185,7 +185,7 @@ class Tracer:
         self._closed = False
         # Python's collector stops the host wherever it runs (an automatic gen-2 pass over a model's
         # objects takes milliseconds): each collection is a "gc" span, so a GPU idle gap it caused
-        # is named in the critical path (Megatron-LM's answer is --manual-gc; trainer/manual_gc.py).
+        # is named in the critical path (Megatron-LM's answer is --manual-gc; trainer/profiling/manual_gc.py).
         self._gc_timer = GcTimer(self._record_gc)
         self._gc_timer.install()
 

@@ -12,7 +12,7 @@ split evenly over its ``v`` chunks. Variation models, all seeded:
   ``stall_duration`` longer (a GC pause, a preempted kernel, a host hiccup): rare, large, and
   unpredictable, unlike lengths, which the runtime knows before the forward;
 * **stage scale**: a fixed cost multiplier per stage (e.g. an uneven layer split, or the extra
-  embedding / output-head work of the first / last stage: :mod:`trainer.layer_split`).
+  embedding / output-head work of the first / last stage: :mod:`trainer.schedule.layers`).
 
 A full backward B costs I + W of the same draws, so split and unsplit schedules see the same work.
 """
@@ -62,7 +62,7 @@ class CostModel:
     """Time a stalled op takes on top of its cost (units of one stage's forward)."""
     stage_scale: tuple[float, ...] = ()
     """Cost multiplier of each stage (one entry per stage; empty: all 1). E.g. the per-stage work
-    of a layer split with the head's extra work (``trainer.layer_split.stage_costs``)."""
+    of a layer split with the head's extra work (``trainer.schedule.layers.stage_costs``)."""
 
     def __post_init__(self) -> None:
         problems = []

@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 
 from trainer.cli import OneLineParser
-from trainer.layer_split import LayerCosts, LayerSplit, balanced_split, split_of
 from trainer.problems import problems_text
 from trainer.schedule.compare import ScheduleSpec, Simulator, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
 from trainer.schedule.dynamic import CAP_BASES, CHUNK_ORDERS, MICROBATCH_ORDERS, PRIORITIES, WEIGHT_ORDERS
 from trainer.schedule.host_ahead import simulate_host_ahead
+from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, split_of
 from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
 from trainer.schedule.simulator import simulate
 from trainer.schedule.trace import write_trace

@@ -3,13 +3,13 @@ run measured.
 
 Input: each stage's compute time per iteration (GPU time of its ops from a trace, or its kernels'
 busy time from ``--metrics-dir``; host time on CPU, where ops are synchronous) and the layer split
-the run had. The model behind the fit is :class:`~trainer.layer_split.LayerCosts`: a stage
+the run had. The model behind the fit is :class:`~trainer.schedule.layers.LayerCosts`: a stage
 costs ``speed * (layers * layer + embedding [first stage] + head [last stage])``. With three or
 more stages the middle ones give the per-layer time (their median), the first and last stages'
 surplus over it gives the embedding and the head, and a middle stage slower per layer than the
 median is a slower GPU (``stage_speed``); with two stages the embedding is taken as free (nothing
 separates it from stage 0's layers). The fitted model reproduces every measured stage time, so the
-split it prefers (:func:`~trainer.layer_split.balanced_split`) is a prediction from the run's
+split it prefers (:func:`~trainer.schedule.layers.balanced_split`) is a prediction from the run's
 own figures -- a new run must confirm it.
 
 Pure: the trace aggregation (trainer.profiling.aggregate) and the benchmark report both call it.
@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainer.layer_split import LayerCosts, LayerSplit, balanced_split, split_of
+from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, split_of
 
 PERSISTENT_SHARE = 0.75
 """A stage is *persistently* the slowest when it is the slowest in at least this share of the

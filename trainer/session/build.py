@@ -15,19 +15,19 @@ import torch
 
 from trainer.config import RunPlan, SchedulePlan, TrainConfig
 from trainer.config.plan import MEGATRON
-from trainer.distributed import (
+from trainer.launch.distributed import (
     LaunchError,
     LaunchInfo,
     build_topology,
     init_megatron_parallel,
     init_process_group,
 )
+from trainer.launch.run_token import agreed_run_token
+from trainer.launch.topology import Topology
+from trainer.measure.run_metrics import RunMeasurement
 from trainer.pipeline.runtime import PipelineRuntime
-from trainer.run_metrics import RunMeasurement
-from trainer.run_token import agreed_run_token
 from trainer.session.logs import RunLog
 from trainer.session.microbatches import MicrobatchFeed
-from trainer.topology import Topology
 
 
 @dataclass
@@ -72,11 +72,11 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
     run_token = agreed_run_token(device=device)
     shims = None
     if cfg.run.device == "cpu":
-        from trainer.megatron_compat import apply_cpu_shims
+        from trainer.megatron.compat import apply_cpu_shims
 
         shims = apply_cpu_shims()
     elif cfg.parallel.distributed_backend == "gloo":  # CUDA tensors over gloo: ranks sharing a GPU
-        from trainer.megatron_compat import apply_gloo_cuda_shims
+        from trainer.megatron.compat import apply_gloo_cuda_shims
 
         shims = apply_gloo_cuda_shims()
     graph_stream = None

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import RunPlan, TrainConfig
-from trainer.topology import Topology
+from trainer.launch.topology import Topology
 
 log = logging.getLogger("trainer.train")
 
@@ -95,7 +95,7 @@ class RunLog:
         norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
         throughput = ""
         if cfg.run.log_throughput:  # where Megatron-LM puts it: right after the iteration time
-            from trainer.flops import tflops_per_gpu
+            from trainer.measure.flops import tflops_per_gpu
 
             tflops = tflops_per_gpu(cfg, padded_vocab_size, seconds, self.plan.world_size)
             throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"

@@ -16,9 +16,9 @@ import torch
 from trainer.config import TrainConfig
 from trainer.data.split import SampleSplit
 from trainer.data.varlen import LENGTH_KEY, Bucketing, bucket_length, parse_length_distribution
+from trainer.launch.topology import Topology
 from trainer.model.batches import BatchPlan, SampleSource, causal_mask, host_batch, mock_sample_source
 from trainer.model.prefetch import MicrobatchPrefetcher
-from trainer.topology import Topology
 
 Samples = Callable[[str, int], dict]
 """(split name, k) -> sample k of that share of the data."""

@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.cli import OneLineParser
-from trainer.local_ranks import check_all_ok, run_processes
+from trainer.launch.local_ranks import check_all_ok, run_processes
+from trainer.launch.topology import Topology
 from trainer.problems import raise_if_any
-from trainer.topology import Topology
 from trainer.transport.factory import GPU_SIGNALS, GpuSignals, LinkOptions, make_stage_links
 from trainer.transport.tensors import header_for
 

@@ -22,10 +22,10 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
+from trainer.launch.run_token import agreed_run_token, remove_run_segments
+from trainer.launch.topology import Topology
 from trainer.names import TRANSPORTS, job_name_part
 from trainer.problems import raise_if_any
-from trainer.run_token import agreed_run_token, remove_run_segments
-from trainer.topology import Topology
 from trainer.transport.base import Direction, StageLinks
 from trainer.transport.channels import ChannelStageLinks, Inbox, RecvChannel, SendChannel
 from trainer.transport.dist_links import (
@@ -135,7 +135,7 @@ def make_stage_links(
 
     ``device``: where tensors live ("cpu" when None). ``timeout_s`` bounds every wait (send on
     exhausted credits, set-up, close). ``job_id`` makes shared-memory names unique per job (default:
-    a new run token agreed between ranks, see trainer.run_token).
+    a new run token agreed between ranks, see trainer.launch.run_token).
     """
     device = torch.device(device if device is not None else "cpu")
     if timeout_s <= 0:
@@ -208,7 +208,7 @@ def _build_same_node_channels(
 def _agreed_job_id(job_id: str | None, group: dist.ProcessGroup) -> str:
     """A short token, identical on all ranks, that makes shared-memory names unique to this job:
     ``job_id`` when the caller has one (trainer.train passes its run token), else a new run token
-    (trainer.run_token.agreed_run_token, the one place that draws them: torchrun's default
+    (trainer.launch.run_token.agreed_run_token, the one place that draws them: torchrun's default
     TORCHELASTIC_RUN_ID "none" or a requeued Slurm job's id alone would repeat names, and a leftover
     segment would block). The names themselves are trainer.names's."""
     if job_id:

@@ -306,7 +306,7 @@ def _set_up_in_phases(phases: tuple[tuple[str, Callable[[], None]], ...], rank: 
     runs ``clean_up`` and raises one TransportError naming each rank's error, instead of waiting for
     peers that will never attach. When the all-gather itself fails (a rank died, or never came within the
     group's timeout), this rank cleans up what it made and raises TransportError naming the phase;
-    the segments the missing rank made are its caller's to remove (trainer.run_token.remove_run_segments).
+    the segments the missing rank made are its caller's to remove (trainer.launch.run_token.remove_run_segments).
     """
     for phase, work in phases:
         error = None

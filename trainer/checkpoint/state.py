@@ -30,7 +30,7 @@ tracker (tmp file + ``os.replace``), so a crash at any moment leaves the previou
 or the new complete one. ``DIR`` must be visible to all ranks (a shared file system on multi-node jobs,
 as Megatron also assumes).
 
-Saves and loads never hang: each runs under a deadline (trainer/checkpoint_watchdog.py; 30 minutes,
+Saves and loads never hang: each runs under a deadline (trainer/checkpoint/watchdog.py; 30 minutes,
 ``$MDPP_CHECKPOINT_TIMEOUT_S`` or the ``timeout_s`` argument) past which the rank reports the
 iteration, the folder and the phase it waited in (``SAVE_*``/``LOAD_*`` below) and exits 1. An
 unfinished save leaves ``iter_N.tmp/`` and the tracker naming the previous checkpoint, which a
@@ -59,9 +59,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint_watchdog import TimeoutSettingError, Watchdog, checkpoint_timeout_s
+from trainer.checkpoint.watchdog import TimeoutSettingError, Watchdog, checkpoint_timeout_s
 from trainer.config import llama_identity
-from trainer.early_signals import kept_from_child_processes
+from trainer.launch.early_signals import kept_from_child_processes
 
 log = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name (get_checkpoint_tracker_filename)
@@ -379,7 +379,7 @@ def _rng_sharded_object():
 
 
 # ---- save -----------------------------------------------------------------------------------------
-# The phases a save reports when it overruns its deadline (trainer/checkpoint_watchdog.py).
+# The phases a save reports when it overruns its deadline (trainer/checkpoint/watchdog.py).
 SAVE_START = "waiting for the other ranks to begin the save"
 SAVE_COLLECT = "collecting the state"
 SAVE_PLAN = "planning the save with the other ranks"
@@ -405,7 +405,7 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
     """COLLECTIVE: write ``root/iter_N`` through megatron-core, then the tracker; returns the folder.
 
     Bounded: a rank whose save has not finished ``timeout_s`` after it began (default:
-    :func:`~trainer.checkpoint_watchdog.checkpoint_timeout_s`) reports the iteration, the folder and
+    :func:`~trainer.checkpoint.watchdog.checkpoint_timeout_s`) reports the iteration, the folder and
     the phase it waited in and exits 1; the tracker still names the previous checkpoint.
     """
     final = iteration_dir(root, state.iteration)
@@ -514,7 +514,7 @@ def _write_in_phases(request, watchdog: Watchdog) -> None:
 
 
 # ---- load -----------------------------------------------------------------------------------------
-# The phases a load reports when it overruns its deadline (trainer/checkpoint_watchdog.py).
+# The phases a load reports when it overruns its deadline (trainer/checkpoint/watchdog.py).
 LOAD_FIND = "reading the tracker and the common state"
 LOAD_COLLECT = "collecting the state to load into"
 LOAD_READ = "reading shards"
@@ -610,7 +610,7 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
     chunks = unwrap_model(model)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
-    from trainer.megatron_compat import torch_adam_distributed_optimizer_load
+    from trainer.megatron.compat import torch_adam_distributed_optimizer_load
 
     if loads_optimizer:
         _zero_steps_where_unsaved(optimizer, loaded["optimizer"])

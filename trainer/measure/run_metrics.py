@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import TrainConfig
-from trainer.topology import Topology
+from trainer.launch.topology import Topology
 
 METRICS_FILE_FORMAT = "metrics_rank{rank:05d}.json"
 
@@ -80,7 +80,7 @@ class RunMeasurement:
         """The forward step every schedule calls, delayed per --inject-stalls on the named rank."""
         if self.cfg.run.inject_stalls is None:
             return forward_step
-        from trainer.stall_injection import make_stall_injector, parse_stall_spec
+        from trainer.schedule.stall_injection import make_stall_injector, parse_stall_spec
 
         spec = parse_stall_spec(self.cfg.run.inject_stalls)
         if spec.rank != self.topology.rank:

@@ -1,4 +1,4 @@
-"""A free loopback port for a local rendezvous: the launcher's (trainer/local_ranks.py), and that of
+"""A free loopback port for a local rendezvous: the launcher's (trainer/launch/local_ranks.py), and that of
 the tests that start a process group themselves. Torch-free."""
 
 from __future__ import annotations

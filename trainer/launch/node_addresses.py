@@ -11,7 +11,7 @@ size alone, so every rank reads it the same way before any process group exists:
   comes from the launcher: SLURM_NODEID, this host's address, or consecutive ranks per node);
 - anything else is refused, naming the count and what it could have been.
 
-Pure (no torch, no sockets): trainer.config checks a list with it, trainer.distributed places ranks.
+Pure (no torch, no sockets): trainer.config checks a list with it, trainer.launch.distributed places ranks.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Two ways, both bounded by a deadline past which every rank still running is kill
   (trainer/transport/bench.py) and the transport tests run so.
 
 Not test tooling: both benchmarks are user commands that start their own ranks. It sits beside the
-trainer's leaves (it imports only trainer.ports and trainer.cpu_binding, and torch only inside a
+trainer's leaves (it imports only trainer.launch.ports and trainer.launch.cpu_binding, and torch only inside a
 forked rank), so the two benchmarks, which nothing else in trainer imports, can share it and the
 import graph stays a tree; the training runtime never imports it.
 """
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.cpu_binding import format_cpu_list
-from trainer.ports import free_port
+from trainer.launch.cpu_binding import format_cpu_list
+from trainer.launch.ports import free_port
 
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set (unless already set) for every benchmark rank on CUDA: NVLink multicast stays off on the lent machines."""
@@ -123,7 +123,7 @@ def run_ranks(module: str, args: list[str], world_size: int, folder: Path, devic
               timeout_s: float, threads: int, cpu_sets: list[list[int]] | None = None) -> LineRun:
     """One benchmark line: ``python -m module args`` on ``world_size`` ranks; waits for all of them,
     the deadline, or FAILURE_GRACE_S after a rank failed. ``cpu_sets[r]``: the CPUs of rank r
-    (trainer.cpu_binding.numa_cpu_sets; written at the top of each rank's log); None: unbound."""
+    (trainer.launch.cpu_binding.numa_cpu_sets; written at the top of each rank's log); None: unbound."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     if device == "cuda":
         env |= {key: os.environ.get(key, value) for key, value in CUDA_ENV.items()}

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.node_addresses import read_node_ips
+from trainer.launch.node_addresses import read_node_ips
+from trainer.launch.topology import Topology
 from trainer.problems import raise_if_any
-from trainer.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def init_megatron_parallel(topology: Topology) -> None:
     assert (parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_data_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_rank()) == (tp, dp, pp), \
-        "megatron-core's rank order differs from trainer.topology's"
+        "megatron-core's rank order differs from trainer.launch.topology's"
 
 
 def shutdown() -> None:

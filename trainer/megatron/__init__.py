@@ -1,0 +1,2 @@
+"""Meeting Megatron-LM and megatron-core: version shims (compat.py) and Megatron-LM's command-line flag
+names and meanings (flags.py)."""
