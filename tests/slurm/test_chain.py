@@ -123,7 +123,7 @@ def train_log(submitted: chain.Chain) -> Path:
     return submitted.run_dir / "logs" / f"mdpp-{submitted.run_dir.name}-train_{submitted.job_ids['train']}.out"
 
 
-def wait_for_iteration(log: Path, iteration: int, timeout_s: float) -> None:
+def wait_for_iteration(log: Path, iteration: int, timeout_s: float, job_id: str = "") -> None:
     deadline, text = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
         text = log.read_text() if log.exists() else ""
@@ -131,7 +131,20 @@ def wait_for_iteration(log: Path, iteration: int, timeout_s: float) -> None:
         if done and max(done) >= iteration:
             return
         time.sleep(0.2)
-    raise AssertionError(f"training never logged iteration {iteration} within {timeout_s:.0f} s:\n{text[-3000:]}")
+    shown = slurm.call(["scontrol", "show", "job", job_id]).stdout if job_id else ""
+    raise AssertionError(f"training never logged iteration {iteration} within {timeout_s:.0f} s:\n"
+                         f"{text[-3000:]}\n{shown}")
+
+
+def wait_until_started(job_id: str, timeout_s: float) -> None:
+    """Wait for the job to leave PENDING: with six chains on two cores, its turn may take minutes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        shown = slurm.call(["scontrol", "show", "job", job_id]).stdout
+        if "JobState=PENDING" not in shown:
+            return
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still PENDING after {timeout_s:.0f} s:\n{shown}")
 
 
 def release_when_held(job_id: str, timeout_s: float) -> None:
@@ -162,7 +175,8 @@ class Interrupter(threading.Thread):
     def run(self) -> None:
         train_id = self.submitted.job_ids["train"]
         try:
-            wait_for_iteration(train_log(self.submitted), INTERRUPT_AFTER, timeout_s=CHAIN_TIMEOUT_S)
+            wait_until_started(train_id, timeout_s=CHAIN_TIMEOUT_S)
+            wait_for_iteration(train_log(self.submitted), INTERRUPT_AFTER, CHAIN_TIMEOUT_S, train_id)
             slurm.run([*self.command, train_id])
             release_when_held(train_id, timeout_s=120)
         except BaseException as exc:  # re-raised by the test in the main thread
@@ -286,13 +300,13 @@ def test_status_of_an_unknown_job_is_one_line_and_status_2():
     assert time.monotonic() - started < 30
 
 
-@pytest.mark.timeout(2 * CHAIN_TIMEOUT_S)
+@pytest.mark.timeout(4 * CHAIN_TIMEOUT_S)
 @pytest.mark.parametrize("interruption", list(INTERRUPTIONS))
 def test_interrupted_training_resumes_and_matches_an_uninterrupted_run(chains, interruption):
     result, interrupted = chains
     submitted, interrupter = interrupted[interruption]
     train_id = submitted.job_ids["train"]
-    interrupter.join(timeout=CHAIN_TIMEOUT_S)
+    interrupter.join(timeout=2 * CHAIN_TIMEOUT_S + 180)
     assert not interrupter.is_alive(), "the interrupter thread did not finish"
     if interrupter.error is not None:
         raise interrupter.error
