@@ -197,9 +197,11 @@ def init_megatron_parallel(topology: Topology) -> None:
         "megatron-core's rank order differs from trainer.launch.topology's"
 
 
-GROUPS_DESTROY_TIMEOUT_S = 120.0
+GROUPS_DESTROY_TIMEOUT_S = 60.0
 """Deadline on destroying every process group at the end of a run (seconds; a healthy destroy takes
-well under one). Past it the rank says where it waits and exits 1 (trainer.launch.exit_deadline)."""
+well under one). Past it the rank says where it waits and exits 1 (trainer.launch.exit_deadline);
+shorter than trainer.train's stack dump over the whole tear-down (--dpp-timeout + 60 s), so the named
+report comes first."""
 
 
 def shutdown(rank: int | None = None, graph_groups: Mapping[str, object] | None = None,
