@@ -346,8 +346,10 @@ class TrainingSession:
     # ---- tear-down -------------------------------------------------------------------------
     def _graph_groups(self) -> dict:
         """Process groups whose collectives the run's CUDA graphs captured: the tensor-parallel group
-        with --dpp-cuda-graphs at TP > 1 (destroyed first, by name: trainer.launch.distributed.shutdown)."""
-        if not self.plan.schedule.cuda_graphs or self.built.topology.tensor_parallel == 1:
+        with --dpp-cuda-graphs or --cuda-graph-impl local at TP > 1 (destroyed first, by name:
+        trainer.launch.distributed.shutdown)."""
+        graphed = self.plan.schedule.cuda_graphs or self.cfg.parallel.cuda_graph_impl == "local"
+        if not graphed or self.built.topology.tensor_parallel == 1:
             return {}
         from megatron.core import parallel_state
 
@@ -382,6 +384,12 @@ class TrainingSession:
         run.measure.write()
         run.log.close()
         graph_groups = self._graph_groups()  # read while megatron's parallel state still exists
+        if self.cfg.parallel.cuda_graph_impl == "local" and run.device.type == "cuda":
+            from trainer.pipeline.graph_teardown import free_megatron_graphs
+
+            torch.cuda.synchronize(run.device)  # a graph is released only once its replays have run
+            log.info("stage %d: %d megatron-core CUDA graph(s) freed before the process groups",
+                     stage, free_megatron_graphs(run.model))
         if run.runtime is not None:  # graphs freed, then tracer, TP channel, links, in that order
             runtime, run.runtime = run.runtime, None
             runtime.__exit__(None, None, None)

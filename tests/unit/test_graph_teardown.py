@@ -177,3 +177,19 @@ def test_shutdown_destroys_the_graph_groups_first_by_name(monkeypatch) -> None:
     tp = object()
     distributed.shutdown(0, {"tensor-parallel": tp}, timeout_s=30.0)
     assert calls == [tp, None]  # the TP group on its own, then everything else
+
+
+def test_megatron_layer_graphs_are_reset_too() -> None:
+    """--cuda-graph-impl local: each layer runner's forward and backward graph (megatron-core's
+    _CudaGraphRunner attributes) is reset, a runner not captured yet has none."""
+    from types import SimpleNamespace
+
+    from trainer.pipeline.graph_teardown import free_megatron_graphs
+
+    log: list = []
+    layer = torch.nn.Linear(2, 2)
+    layer.cudagraph_manager = SimpleNamespace(cudagraph_runners=[
+        SimpleNamespace(fwd_graph=_Graph("l0.fwd", log), bwd_graph=_Graph("l0.bwd", log)),
+        SimpleNamespace(fwd_graph=None, bwd_graph=None)])
+    chunk = torch.nn.Sequential(layer, torch.nn.ReLU())
+    assert free_megatron_graphs([chunk]) == 2 and log == ["l0.fwd", "l0.bwd"]

@@ -104,6 +104,29 @@ def _bounded(work, timeout_s: float) -> bool:
     return not thread.is_alive()
 
 
+def free_megatron_graphs(model: list) -> int:
+    """``--cuda-graph-impl local``: destroy megatron-core's per-layer graphs (each layer runner's forward
+    and backward graph) before the process groups, for the same reason as the runtime's (at TP > 1 they
+    capture the layers' TP collectives); then megatron-core's own ``delete_cuda_graphs`` drops its
+    records and pools. How many graphs were reset."""
+    freed = 0
+    for chunk in model:
+        for module in chunk.modules():
+            for runner in getattr(getattr(module, "cudagraph_manager", None), "cudagraph_runners", []):
+                for name in ("fwd_graph", "bwd_graph"):
+                    graph = getattr(runner, name, None)
+                    if graph is not None and hasattr(graph, "reset"):
+                        graph.reset()
+                        freed += 1
+    try:
+        from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+        delete_cuda_graphs()
+    except Exception:  # its records are gone with the process; the graphs themselves were reset above
+        log.debug("megatron-core's delete_cuda_graphs failed", exc_info=True)
+    return freed
+
+
 def free_graphs_before_groups(graphs: dict, rank: int, ops: TeardownOps, timeout_s: float) -> FreedGraphs:
     """Free every CUDA graph of this rank (``graphs``: chunk index -> ChunkGraphs) in the order of the
     module docstring; call before the process groups are destroyed. Raises :class:`TeardownTimeout`
