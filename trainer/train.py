@@ -344,6 +344,17 @@ class TrainingSession:
             self.built.runtime.flush_traces()
 
     # ---- tear-down -------------------------------------------------------------------------
+    def _graph_groups(self) -> dict:
+        """Process groups whose collectives the run's CUDA graphs captured: the tensor-parallel group
+        with --dpp-cuda-graphs or --cuda-graph-impl local at TP > 1 (destroyed first, by name:
+        trainer.launch.distributed.shutdown)."""
+        graphed = self.plan.schedule.cuda_graphs or self.cfg.parallel.cuda_graph_impl == "local"
+        if not graphed or self.built.topology.tensor_parallel == 1:
+            return {}
+        from megatron.core import parallel_state
+
+        return {"tensor-parallel": parallel_state.get_tensor_model_parallel_group(check_initialized=False)}
+
     def close(self) -> None:
         self.preempt.restore()
         self.manual_gc.stop()
@@ -372,10 +383,17 @@ class TrainingSession:
                      stage, sum(bool(r.cudagraph_created) for r in runners), len(runners))
         run.measure.write()
         run.log.close()
-        if run.runtime is not None:  # tracer, TP channel, links, in that order
+        graph_groups = self._graph_groups()  # read while megatron's parallel state still exists
+        if self.cfg.parallel.cuda_graph_impl == "local" and run.device.type == "cuda":
+            from trainer.pipeline.graph_teardown import free_megatron_graphs
+
+            torch.cuda.synchronize(run.device)  # a graph is released only once its replays have run
+            log.info("stage %d: %d megatron-core CUDA graph(s) freed before the process groups",
+                     stage, free_megatron_graphs(run.model))
+        if run.runtime is not None:  # graphs freed, then tracer, TP channel, links, in that order
             runtime, run.runtime = run.runtime, None
             runtime.__exit__(None, None, None)
-        shutdown()
+        shutdown(self.launch.rank, graph_groups)
         if run.shims is not None:
             run.shims.remove()
             run.shims = None

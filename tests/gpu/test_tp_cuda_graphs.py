@@ -39,6 +39,7 @@ GPT = ["--device", "cuda", "--mock-data", "--num-layers", "4", "--hidden-size", 
        "--seed", "1234", "--use-dpp", "--dpp-timeout", "60", "--log-interval", "1",
        "--distributed-backend", "nccl"]
 REPLAYED = re.compile(r"stage (\d+) chunk (\d+): (\d+) training forward\(s\) replayed from CUDA graphs, (\d+) eager")
+FREED = re.compile(r"rank (\d+): (\d+) CUDA graph\(s\) freed before the process groups")
 SP = ["--sequence-parallel"]
 VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length-divisible-by", "32"]
 
@@ -56,6 +57,11 @@ def _compare(tmp_path: Path, pp: int, tp: int, layout: list[str]) -> None:
     print("(stage, chunk, replayed, eager) per rank:", counts)
     # every rank of every stage logs its count: all forwards replayed, TP peers alike
     assert sorted(counts) == sorted((s, 0, ITERS * M, 0) for s in range(pp) for _ in range(tp)), counts
+    # every rank destroyed its graphs before its process groups (else ncclCommDestroy waits for ever on a
+    # graph holding a captured TP collective) and exited 0 (train() checked the exit codes)
+    freed = sorted((int(m[1]), int(m[2])) for r in results for m in FREED.finditer(r.output))
+    print("(rank, graphs freed) per rank:", freed)
+    assert [rank for rank, _ in freed] == list(range(world)) and all(n > 0 for _, n in freed), freed
     assert_same_losses(eager, graphed)
     assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
 

@@ -197,13 +197,39 @@ def init_megatron_parallel(topology: Topology) -> None:
         "megatron-core's rank order differs from trainer.launch.topology's"
 
 
-def shutdown() -> None:
-    """Destroy megatron's groups and the default group (idempotent)."""
-    try:
-        from megatron.core import parallel_state
+GROUPS_DESTROY_TIMEOUT_S = 60.0
+"""Deadline on destroying every process group at the end of a run (seconds; a healthy destroy takes
+well under one). Past it the rank says where it waits and exits 1 (trainer.launch.exit_deadline);
+shorter than trainer.train's stack dump over the whole tear-down (--dpp-timeout + 60 s), so the named
+report comes first."""
 
-        parallel_state.destroy_model_parallel()
-    except Exception:  # pragma: no cover - best effort at exit
-        log.debug("destroy_model_parallel failed", exc_info=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+def shutdown(rank: int | None = None, graph_groups: Mapping[str, object] | None = None,
+             timeout_s: float = GROUPS_DESTROY_TIMEOUT_S) -> None:
+    """Destroy megatron's groups and the default group (idempotent), under a deadline naming the rank.
+
+    ``graph_groups``: name -> process group whose collectives were captured in CUDA graphs (the
+    tensor-parallel group with --dpp-cuda-graphs at TP > 1). Each is destroyed first and on its own,
+    so a hang names the group: NCCL's communicator destroy waits for every graph that captured one of
+    its collectives, so the caller frees those graphs before calling this
+    (trainer/pipeline/graph_teardown.py)."""
+    from trainer.launch.exit_deadline import ExitDeadline
+
+    me = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else -1)
+    with ExitDeadline(me, timeout_s, "destroying the process groups") as deadline:
+        for name, group in (graph_groups or {}).items():
+            if group is None or not dist.is_initialized():
+                continue
+            deadline.enter(f"destroying the {name} group, whose collectives were captured in CUDA graphs (a "
+                           "graph still alive keeps ncclCommDestroy waiting)")
+            dist.destroy_process_group(group)
+        deadline.enter("clearing megatron-core's parallel state")
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:  # pragma: no cover - best effort at exit
+            log.debug("destroy_model_parallel failed", exc_info=True)
+        if dist.is_initialized():
+            deadline.enter("destroying the remaining process groups")
+            dist.destroy_process_group()

@@ -85,6 +85,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -93,6 +94,28 @@ import torch
 from trainer.pipeline.split_backward import SplitBackward, StaticOperandStore, WeightGradStore
 
 log = logging.getLogger(__name__)
+
+_CAPTURED: weakref.WeakSet = weakref.WeakSet()
+"""Every graph this module captured and has not freed yet (weakly: a graph nothing holds is freed by
+its destructor anyway). :func:`free_captured_graphs` frees what is left of them at tear-down."""
+
+
+def _destroy_graph(graph) -> None:
+    """Destroy a graph's executable now (``CUDAGraph.reset``), whoever still holds the Python object:
+    an NCCL collective captured in it keeps its communicator's ``ncclCommDestroy`` waiting until the
+    executable is destroyed (see :meth:`ChunkGraphs.release`)."""
+    graph.reset()
+    _CAPTURED.discard(graph)
+
+
+def free_captured_graphs() -> int:
+    """Free every graph of this module not freed yet (a capture that failed half-way, a slot that no
+    :class:`ChunkGraphs` holds any more but something else does); how many. Tear-down calls it after
+    each chunk's :meth:`ChunkGraphs.release`, so nothing captured outlives the process groups."""
+    left = list(_CAPTURED)
+    for graph in left:
+        _destroy_graph(graph)
+    return len(left)
 
 
 def _register_generators(graph: torch.cuda.CUDAGraph) -> None:
@@ -125,6 +148,7 @@ def _graph(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, draws: 
     and offset written for the graph), whether or not the graph draws from it."""
     if draws:
         _register_generators(graph)
+    _CAPTURED.add(graph)
     return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
 
 
@@ -288,6 +312,10 @@ class _PairReplay:
 
     def __init__(self, pair: _GraphPair) -> None:
         self.pair = pair
+
+    def graphs(self) -> list:
+        """The pair's captured graphs: forward, backward, and W with a split backward."""
+        return [g for g in (self.pair.fwd, self.pair.bwd, self.pair.wgt) if g is not None]
 
     def __call__(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # GPT: the mask was captured with the pair (the causal mask of the pair's length, the tensor every
@@ -492,17 +520,26 @@ class ChunkGraphs:
         self._taken: dict[int, tuple[int, int]] = {}  # microbatch -> (slot, captured length)
         self.replayed = self.eager = 0  # forwards of training steps, for the end-of-run log
 
-    def release(self) -> None:
-        """Free every captured graph. Graphs that captured NCCL collectives (TP > 1) keep their
-        communicators busy: ncclCommDestroy, and so destroy_process_group, waits for them for ever
-        while they exist (pytorch/pytorch#115388), so a run frees its graphs before the process groups."""
+    def release(self) -> int:
+        """Free every captured graph of this chunk now; how many (0 for slots a stand-in capture made).
+
+        Why, and why before the process groups go: a graph that captured an NCCL collective (TP > 1)
+        holds a reference on its communicator (NCCL attaches a CUDA user object to the graph), and
+        ``ncclCommDestroy`` -- so torch's ``destroy_process_group`` -- polls until every such graph is
+        destroyed: for ever while one lives (NCCL >= 2.26; pytorch/pytorch#115388). Dropping the
+        Python references is not enough: an autograd node of the last step, a ``Replay`` or a cycle
+        waiting for the garbage collector can still hold a graph. ``CUDAGraph.reset`` destroys the
+        executable whoever holds the object. The caller has synchronised the device first (a graph
+        whose replay still runs is only released once it finishes)."""
+        freed = 0
         for slot in self.slots:
-            for pair in (slot.values() if isinstance(slot, dict) else [slot]):
-                for name in ("fwd", "bwd", "wgt"):
-                    graph = getattr(pair, name, None)
-                    if graph is not None:
-                        graph.reset()
+            for replay in (slot.values() if isinstance(slot, dict) else [slot]):
+                for graph in (replay.graphs() if hasattr(replay, "graphs") else []):
+                    _destroy_graph(graph)
+                    freed += 1
         self.slots = []
+        self._free, self._taken = [], {}
+        return freed
 
     def length_of(self, x: torch.Tensor) -> int | None:
         """The captured length ``x`` (tokens on the first stage, the activation elsewhere) has, or None."""

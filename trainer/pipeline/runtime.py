@@ -110,9 +110,20 @@ class PipelineRuntime:
         if self.context is not None:
             graphs, self.context.graphs = self.context.graphs or {}, None
         if graphs:
-            torch.cuda.synchronize(self.device)  # no replay may still run on the GPU
-            for chunk_graphs in graphs.values():
-                chunk_graphs.release()  # before the process groups go (ChunkGraphs.release says why)
+            # Before the process groups go (trainer/pipeline/graph_teardown.py says why and in what order).
+            from trainer.pipeline.graph_teardown import (
+                CudaTeardown,
+                TeardownTimeout,
+                free_graphs_before_groups,
+            )
+
+            try:
+                freed = free_graphs_before_groups(graphs, self.topology.rank, CudaTeardown(self.device),
+                                                  self.cfg.parallel.dpp_timeout_s)
+                log.info("rank %d: %d CUDA graph(s) freed before the process groups (per chunk %s)",
+                         self.topology.rank, freed.total, freed.per_chunk)
+            except TeardownTimeout as exc:
+                first = exc
         for name in reversed(self._OWNED):
             resource = getattr(self, name)
             setattr(self, name, None)
