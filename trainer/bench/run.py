@@ -109,10 +109,31 @@ def run_tool(tool: list[str], capture: bool, time_limit: float | None) -> tuple[
                 break
             except subprocess.TimeoutExpired:
                 out, err = None, None
+        _reap_group(proc.pid, 30.0)
         note = (f"cut off by --time-limit {time_limit:.0f} s: the report holds only the lines finished before it"
                 " (run the rest in another call, e.g. --scenarios or -- --lines)")
         print(f"[bench.run] {note}", flush=True)
         return subprocess.CompletedProcess(tool, 124, out or "", err or ""), note
+
+
+def _reap_group(pgid: int, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the rest of the stopped tool's group (ranks finishing their step after
+    SIGTERM, as the trainer does), then SIGKILL whatever of it is left."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _git(*args: str) -> str:
