@@ -57,3 +57,64 @@ def test_flags_after_a_double_dash_go_to_the_tool(capsys) -> None:
     assert main(["transport", "--device", "cpu", "--dry-plan", "--", "--repeats", "3"]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed.endswith("--repeats 3") and "--sizes 64K,1M" in printed
+
+
+def test_scenarios_subset_runs_one_scenario_per_call(tmp_path: Path, capsys) -> None:
+    """A call with a time limit runs one scenario: --scenarios reaches the tool and the header, and a
+    scenario the experiment does not run is refused by name before anything starts."""
+    from trainer.bench.run import main, scenario_problems
+
+    exp = EXPERIMENTS["schedule-vs-static"]
+    assert scenario_problems(exp, None) == (None, [])
+    assert scenario_problems(exp, "c") == (["c"], [])
+    chosen, problems = scenario_problems(exp, "a,b")
+    assert chosen is None and problems == ["--scenarios='a,b': schedule-vs-static runs scenarios a,c,d (got unknown b)"]
+    argv, notes = tool_command(exp, "cuda", 4, "gpt16-h2048", "", tmp_path, tmp_path / "r.md", [], ["c"])
+    assert argv[argv.index("--scenarios") + 1] == "c" and not notes
+    when = datetime.datetime(2026, 11, 28, 3, 50, tzinfo=datetime.UTC)
+    text = "\n".join(header(exp, when, "4 x H200", {}, "abc", "gpt16-h2048", 4, "cmd", "tool", [], ["c"]))
+    assert "scenarios c;" in text
+    assert main(["schedule-vs-static", "--scenarios", "x", "--dry-plan"]) == 2
+    assert "--scenarios='x'" in capsys.readouterr().err
+
+
+def test_the_runner_prints_each_headline_with_its_three_ratios() -> None:
+    from trainer.bench.run import headline_lines
+
+    report = Path(__file__).parents[2] / "docs" / "bench" / "2026-11-28-schedule-vs-static-4xH200.md"
+    lines = headline_lines(report.read_text())
+    assert lines[0] == "### (a) uniform" and lines[1].startswith("**Headline**")
+    assert [ln[:3] for ln in lines[2:]] == ["1. ", "2. ", "3. "]
+    assert "1.231x" in lines[4] and not any("(c)" in ln for ln in lines)  # a scenario not run prints nothing
+
+
+def test_time_limit_stops_the_tool_and_the_processes_it_started() -> None:
+    """A call with a time limit must end with a result file: past --time-limit the runner stops the
+    tool's whole process group (the ranks too) and says so, instead of being killed with nothing written."""
+    import os
+    import sys
+    import time
+
+    from trainer.bench.run import run_tool
+
+    sleeper = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']);"
+               " print(c.pid, flush=True); time.sleep(300)")
+    start = time.monotonic()
+    result, note = run_tool([sys.executable, "-c", sleeper], True, 2.0)
+    assert time.monotonic() - start < 60, "run_tool did not stop the tool within its grace period"
+    assert result.returncode == 124 and "cut off by --time-limit 2 s" in note
+    child = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the grandchild got SIGTERM with its group; wait for it to go
+        try:
+            with open(f"/proc/{child}/status") as status:
+                if "\nState:\tZ" in status.read():
+                    break  # dead, not yet reaped by whoever adopted it
+        except FileNotFoundError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(child, 9)
+        raise AssertionError(f"the tool's child {child} still runs 30 s after the time limit")
+    done, _ = run_tool([sys.executable, "-c", "print('ok')"], True, 30.0)
+    assert done.returncode == 0 and done.stdout.strip() == "ok"

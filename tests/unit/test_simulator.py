@@ -408,3 +408,69 @@ def test_cli_resplit_and_stalls(capsys):
     for bad in (["--resplit"], ["--layers", "16", "--split", "4,4,4"], ["--stalls", "x"]):
         with pytest.raises(SystemExit):
             simulate_main(bad)
+
+
+# The 4xH200 benchmark's costs (GPT 16 layers h2048, M=32; docs/schedules.md, "The step against its
+# balanced limit"): ms per microbatch of a layer, the embedding and the head with loss, as (F, I, W).
+H200_OPS = dict(layer=(0.731, 1.081, 0.555), embedding=(0.166, 0.0, 0.331), head=(1.276, 1.276, 1.276))
+
+
+def _measured(split, schedules, **options):
+    from trainer.schedule.layers import LayerOps
+
+    ops = LayerOps(16, **H200_OPS).stage_ops(split)
+    costs = CostModel(stage_ops=ops)
+    _, rows = compare([ScheduleSpec(n, 1, options if n == "dpp-zb" else {}) for n in schedules],
+                      len(split), 32, costs, [0])
+    return ops, {r.spec.name: r for r in rows}
+
+
+def test_measured_costs_dpp_zb_reaches_the_zero_bubble_bound_at_1f1b_memory():
+    """On the benchmark's 5/4/4/3 split stage 0 is the slowest: no order at 1F1B's memory (stage 0
+    holds p) ends before stage 0's busy time plus the wait for microbatch 0's round trip that its p
+    forwards do not cover. dpp-zb must reach that bound (a policy that regressed would not) and so
+    be >= 1.028x 1F1B at the same peak of held activations."""
+    ops, rows = _measured((5, 4, 4, 3), ("1f1b", "zb-h1", "dpp-zb"))
+    p, m = 4, 32
+    stage0_busy = m * sum(ops[0])
+    round_trip = ops[0][0] + sum(f + i for f, i, _ in ops[1:])  # W deferred on the later stages
+    bound = stage0_busy + max(0.0, round_trip - p * ops[0][0])
+    assert bound == pytest.approx(405.6, abs=0.1)
+    for name in ("zb-h1", "dpp-zb"):
+        assert rows[name].step_time >= bound - 1e-6
+    assert rows["dpp-zb"].step_time == pytest.approx(bound, rel=1e-4)
+    assert rows["1f1b"].step_time / rows["dpp-zb"].step_time >= 1.028
+    assert rows["dpp-zb"].peak_activations == rows["1f1b"].peak_activations == p
+
+
+def test_measured_costs_no_whole_layer_split_reaches_112_percent_of_the_balanced_limit():
+    """The limit is sum(stage busy) / p; 1.12 x it is less than a stage of 5 plain layers, and 16
+    layers on 4 stages need one (or a heavier first/last stage). More memory only removes the
+    fill: at 2x the cap dpp-zb's step is stage 0's busy time exactly, still 1.169x."""
+    from trainer.schedule.layers import LayerOps, balanced_split
+
+    layer_ops = LayerOps(16, **H200_OPS)
+    limit = 32 * sum(map(sum, layer_ops.stage_ops((4, 4, 4, 4)))) / 4
+    for flags in (True, False):
+        split = balanced_split(layer_ops.costs(), 4, megatron_flags=flags)
+        assert 32 * split.bottleneck / limit > 1.12
+    ops, rows = _measured((5, 4, 4, 3), ("dpp-zb",), cap_factor=2.0)
+    assert rows["dpp-zb"].step_time == pytest.approx(32 * sum(ops[0]), rel=1e-6)
+    assert rows["dpp-zb"].step_time / limit == pytest.approx(1.169, abs=0.001)
+
+
+def test_stage_ops_and_cli_layer_ops(capsys):
+    table = CostModel(stage_ops=((1.0, 2.0, 3.0), (4.0, 5.0, 6.0))).draw(PipelineShape(2, 3), np.random.default_rng(0))
+    assert table.durations[Op.I][1][0] == [5.0] * 3 and table.durations[Op.B][0][0] == [5.0] * 3
+    with pytest.raises(ValueError, match="stage_ops=.*not three finite numbers"):
+        CostModel(stage_ops=((1.0, 0.0, 1.0),))
+    args = ["--pp", "4", "--vp", "1", "--microbatches", "32", "--schedules", "1f1b,dpp-zb", "--layers", "16",
+            "--layer-ops", "0.731:1.081:0.555", "--embedding-ops", "0.166:0:0.331", "--head-ops", "1.276:1.276:1.276"]
+    assert simulate_main([*args, "--split", "5,4,4,3", "--resplit"]) == 0
+    out = capsys.readouterr().out
+    assert "stage costs 12.33, 9.47, 9.47, 10.93" in out and "re-split: 4/5/5/2 layers" in out
+    assert "1f1b          1    417.36" in out and "dpp-zb        1    405.65" in out
+    for bad in (args[:-6] + ["--head-ops", "1:1:1"], args[:10] + ["--layer-ops", "1:1"],
+                args[:10] + ["--layer-ops", "0:1:1"], args[:8] + ["--layer-ops", "1:1:1"]):
+        with pytest.raises(SystemExit):
+            simulate_main(bad)

@@ -4,12 +4,15 @@ configuration and command, then the tool's report (tables, headline, timelines b
 
     python -m trainer.bench.run schedule-vs-static                 # 4 GPUs, scenarios a, c (d with --corpus)
     python -m trainer.bench.run schedule-vs-static --gpus 2        # the same on 2 GPUs (PP=2)
+    python -m trainer.bench.run schedule-vs-static --scenarios a   # one scenario per call (each < 10 min)
     python -m trainer.bench.run layouts
     python -m trainer.bench.run transport
     python -m trainer.bench.run schedule-vs-static --device cpu --results /tmp/r   # CPU dry run, tiny model
 
 On CPU the model is ``tiny`` and PP is 2 unless given: graphed lines are listed as not run, the
 megatron lines run our runtime's static orders (labelled so). Arguments after ``--`` go to the tool.
+At the end the runner prints each scenario's headline (the three ratios: vs megatron-core's best eager
+line, vs the best graphed static order, step vs the balanced limit).
 Exit status: the tool's (0: every line ran), 2 for bad flags.
 """
 
@@ -41,16 +44,23 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--model", choices=sorted(MODELS), default=None,
                         help="default: the experiment's (gpt16-h2048), tiny on CPU")
     parser.add_argument("--corpus", default="", help="GPT-2-tokenized corpus prefix for scenario d")
+    parser.add_argument("--scenarios", default=None,
+                        help="comma-separated subset of the experiment's scenarios to run in this call (default:"
+                        " all of them); e.g. one per call where a call has a time limit")
     parser.add_argument("--out", type=Path, default=None, help="work folder (each line's logs); default /tmp/bench-NAME")
     parser.add_argument("--results", type=Path, default=REPO / "docs" / "bench",
                         help="where the dated result file and its PNGs go")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="stop the tool after this long (its whole process group) and still write the result"
+                        " file from the lines it finished, saying so; for calls with a time limit (default: none)")
     parser.add_argument("--dry-plan", action="store_true", help="print the tool's command and the plan; write nothing")
     return parser
 
 
 def tool_command(exp: Experiment, device: str, gpus: int, model: str, corpus: str, out: Path,
-                 report: Path, more: list[str]) -> tuple[list[str], list[str]]:
-    """(argv of the tool, notes on what of the experiment was left out here)."""
+                 report: Path, more: list[str], scenarios: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """(argv of the tool, notes on what of the experiment was left out here). ``scenarios``: the
+    subset to run (None: the experiment's)."""
     notes = []
     if exp.tool == "transport":
         argv = [sys.executable, "-m", "trainer.transport.bench", "--device", device, *exp.args,
@@ -59,7 +69,7 @@ def tool_command(exp: Experiment, device: str, gpus: int, model: str, corpus: st
             argv[argv.index("--sizes") + 1] = "64K,1M"
             argv[argv.index("--repeats") + 1] = "2"
         return argv + more, notes
-    scenarios = list(exp.scenarios)
+    scenarios = list(exp.scenarios if scenarios is None else scenarios)
     if "d" in scenarios and not corpus:
         scenarios.remove("d")
         notes.append("scenario d not run: no --corpus given")
@@ -75,6 +85,55 @@ def tool_command(exp: Experiment, device: str, gpus: int, model: str, corpus: st
     if device == "cpu":
         argv += ["--line-timeout", "300", "--cpu-bind", "none", "--threads", "1"]  # a dry run on a small host
     return argv + more, notes
+
+
+def run_tool(tool: list[str], capture: bool, time_limit: float | None) -> tuple[subprocess.CompletedProcess, str]:
+    """Run the tool; past ``time_limit`` seconds stop its process group (the tool and the ranks it started:
+    SIGTERM, SIGKILL 30 s later) so the caller can still write what it finished. (result, note or "")."""
+    import os
+    import signal
+
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(tool, cwd=REPO, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=time_limit)
+        return subprocess.CompletedProcess(tool, proc.returncode, out, err), ""
+    except subprocess.TimeoutExpired:
+        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 30.0)):
+            try:
+                os.killpg(proc.pid, sig)  # the group this call started: the tool and its ranks
+            except ProcessLookupError:
+                break
+            try:
+                out, err = proc.communicate(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                out, err = None, None
+        _reap_group(proc.pid, 30.0)
+        note = (f"cut off by --time-limit {time_limit:.0f} s: the report holds only the lines finished before it"
+                " (run the rest in another call, e.g. --scenarios or -- --lines)")
+        print(f"[bench.run] {note}", flush=True)
+        return subprocess.CompletedProcess(tool, 124, out or "", err or ""), note
+
+
+def _reap_group(pgid: int, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the rest of the stopped tool's group (ranks finishing their step after
+    SIGTERM, as the trainer does), then SIGKILL whatever of it is left."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _git(*args: str) -> str:
@@ -115,10 +174,38 @@ def result_path(folder: Path, day: str, name: str, short: str) -> Path:
     return path
 
 
+def scenario_problems(exp: Experiment, text: str | None) -> tuple[list[str] | None, list[str]]:
+    """(--scenarios as a list or None, problems naming the flag)."""
+    if text is None:
+        return None, []
+    chosen = [s for s in text.split(",") if s]
+    unknown = [s for s in chosen if s not in exp.scenarios]
+    if unknown or not chosen:
+        return None, [f"--scenarios={text!r}: {exp.name} runs scenarios {','.join(exp.scenarios)} (got "
+                      f"{'unknown ' + ','.join(unknown) if unknown else 'none'})"]
+    return chosen, []
+
+
+def headline_lines(report_text: str) -> list[str]:
+    """Each scenario's title and headline (the three ratios) from the tool's report."""
+    out, title, in_headline = [], "", False
+    for line in report_text.splitlines():
+        if line.startswith("### ("):
+            title = line
+        in_headline = line.startswith("**Headline**") or (in_headline and bool(re.match(r"^[123]\. ", line)))
+        if in_headline:
+            out += [title] if title else []
+            out.append(line)
+            title = ""  # a scenario's title once, and none for a scenario that did not run
+    return out
+
+
 def header(exp: Experiment, when: datetime.datetime, hw: str, versions: dict[str, str], rev: str,
-           model: str, gpus: int, command: str, tool: str, notes: list[str]) -> list[str]:
+           model: str, gpus: int, command: str, tool: str, notes: list[str],
+           scenarios: list[str] | None = None) -> list[str]:
     configuration = (f"model **{model}** ({MODELS[model].describe()})" if exp.tool == "pipeline" else "") + (
-        f"; lines {', '.join(exp.lines)}; scenarios {', '.join(exp.scenarios)}; rounds {exp.rounds}" if exp.lines else "")
+        f"; lines {', '.join(exp.lines)}; scenarios {', '.join(scenarios or exp.scenarios)}; rounds {exp.rounds}"
+        if exp.lines else "")
     configuration += f"; layouts {', '.join(exp.layouts)}" if exp.layouts else (f"; PP={gpus}" if exp.tool == "pipeline" else "")
     if exp.args:
         configuration += f"; tool flags `{shlex.join(exp.args)}`"
@@ -138,12 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(given[:cut])
     args.tool_args = given[cut + 1:]
     exp = EXPERIMENTS[args.experiment]
+    scenarios, problems = scenario_problems(exp, args.scenarios)
+    if args.time_limit is not None and not args.time_limit > 0:
+        problems.append(f"--time-limit={args.time_limit}: must be a number of seconds > 0")
+    if problems:
+        return parser.report("; ".join(problems))
     gpus = args.gpus or (2 if args.device == "cpu" else exp.gpus)
     model = args.model or ("tiny" if args.device == "cpu" else exp.model)
     out = args.out or Path(f"/tmp/bench-{exp.name}")
     when = datetime.datetime.now(datetime.UTC)
     report = out / "report.md"
-    tool, notes = tool_command(exp, args.device, gpus, model, args.corpus, out, report, args.tool_args)
+    tool, notes = tool_command(exp, args.device, gpus, model, args.corpus, out, report, args.tool_args, scenarios)
     command = shlex.join(["python", "-m", "trainer.bench.run", *given])
     if args.dry_plan:
         print(shlex.join(tool))
@@ -155,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     path = result_path(args.results, f"{when:%Y-%m-%d}", exp.name, short)
     print(f"[bench.run] {exp.name} on {hw}: {shlex.join(tool)}", flush=True)
-    run = subprocess.run(tool, cwd=REPO, capture_output=exp.tool == "transport", text=True)
+    run, cut = run_tool(tool, exp.tool == "transport", args.time_limit)
+    notes += [cut] if cut else []
     body: list[str] = []
     if exp.tool == "pipeline":
         text = report.read_text() if report.exists() else "The tool wrote no report (see its output above).\n"
@@ -167,13 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         while rest and not rest[0].strip():
             rest.pop(0)
         body = ["## Report", ""] + [re.sub(r"^(#+) ", r"#\1 ", ln) for ln in rest]
+        for line in headline_lines(text):
+            print(f"[bench.run] {line}", flush=True)
     else:
         sys.stdout.write(run.stdout)
         sys.stderr.write(run.stderr)
         body = ["## Report", "", "```", run.stdout.rstrip(), "```"]
         if run.returncode:
             body += ["", f"Exit {run.returncode}; stderr tail:", "", "```", run.stderr[-2000:].rstrip(), "```"]
-    head = header(exp, when, hw, versions, commit(), model, gpus, command, shlex.join(["python", *tool[1:]]), notes)
+    head = header(exp, when, hw, versions, commit(), model, gpus, command, shlex.join(["python", *tool[1:]]), notes,
+                  scenarios)
     path.write_text("\n".join(head + body) + "\n")
     print(f"[bench.run] wrote {path}", flush=True)
     return run.returncode

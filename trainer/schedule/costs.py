@@ -12,7 +12,9 @@ split evenly over its ``v`` chunks. Variation models, all seeded:
   ``stall_duration`` longer (a GC pause, a preempted kernel, a host hiccup): rare, large, and
   unpredictable, unlike lengths, which the runtime knows before the forward;
 * **stage scale**: a fixed cost multiplier per stage (e.g. an uneven layer split, or the extra
-  embedding / output-head work of the first / last stage: :mod:`trainer.schedule.layers`).
+  embedding / output-head work of the first / last stage: :mod:`trainer.schedule.layers`);
+* **stage ops**: measured per-stage F, I and W times, replacing the nominal three (a stage's ratio
+  of I to W differs with what it holds: the output head's GEMMs split otherwise than a layer's).
 
 A full backward B costs I + W of the same draws, so split and unsplit schedules see the same work.
 """
@@ -63,6 +65,11 @@ class CostModel:
     stage_scale: tuple[float, ...] = ()
     """Cost multiplier of each stage (one entry per stage; empty: all 1). E.g. the per-stage work
     of a layer split with the head's extra work (``trainer.schedule.layers.stage_costs``)."""
+    stage_ops: tuple[tuple[float, float, float], ...] = ()
+    """(F, I, W) of one microbatch on each stage (one entry per stage; empty: ``forward``,
+    ``input_grad``, ``weight_grad`` everywhere): measured op times, e.g. per layer, embedding and
+    head times summed over a split (``trainer.schedule.layers.LayerOps``). ``stage_scale`` still
+    multiplies them."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -88,6 +95,11 @@ class CostModel:
         if bad_scale:
             problems.append(f"stage_scale={self.stage_scale} has values that are not finite numbers"
                             f" > 0: {bad_scale}")
+        bad_ops = [ops for ops in self.stage_ops
+                   if len(ops) != 3 or not all(math.isfinite(x) and x > 0 for x in ops)]
+        if bad_ops:
+            problems.append(f"stage_ops={self.stage_ops} has entries that are not three finite numbers"
+                            f" > 0 (F, I, W): {bad_ops}")
         if not (math.isfinite(self.straggler_factor) and self.straggler_factor > 0):
             problems.append(f"straggler_factor={self.straggler_factor} must be a finite number > 0")
         if self.straggler_stage is not None and self.straggler_stage < 0:
@@ -98,7 +110,7 @@ class CostModel:
     def is_uniform(self) -> bool:
         return (self.jitter == 0 and self.seq_len_sigma == 0 and self.straggler_factor == 1.0
                 and (self.stall_probability == 0 or self.stall_duration == 0)
-                and len(set(self.stage_scale)) <= 1)
+                and len(set(self.stage_scale)) <= 1 and len(set(self.stage_ops)) <= 1)
 
     def draw(self, shape: PipelineShape, rng: np.random.Generator) -> CostTable:
         """One random realisation of every op's duration for ``shape``."""
@@ -110,6 +122,9 @@ class CostModel:
                              f" num_stages={p}")
         if self.stage_scale and len(self.stage_scale) != p:
             raise ValueError(f"stage_scale has {len(self.stage_scale)} entries, need one per stage:"
+                             f" num_stages={p}")
+        if self.stage_ops and len(self.stage_ops) != p:
+            raise ValueError(f"stage_ops has {len(self.stage_ops)} entries, need one per stage:"
                              f" num_stages={p}")
         scale = np.ones((p, v, m))
         microbatch_cost = np.ones(m)
@@ -124,14 +139,15 @@ class CostModel:
             scale[self.straggler_stage] *= self.straggler_factor
         jitter_sigma = math.sqrt(math.log1p(self.jitter**2))  # log-normal sigma giving that CV
 
-        def op_times(nominal: float) -> np.ndarray:
-            times = scale * (nominal / v)
+        def op_times(nominal) -> np.ndarray:
+            times = scale * (np.asarray(nominal, dtype=float).reshape(-1, 1, 1) / v)
             if self.jitter > 0:
                 times = times * _mean_one_lognormal(rng, jitter_sigma, times.shape)
             return times
 
-        forward, input_grad, weight_grad = (op_times(x) for x in
-                                            (self.forward, self.input_grad, self.weight_grad))
+        nominal = (list(zip(*self.stage_ops, strict=True)) if self.stage_ops
+                   else (self.forward, self.input_grad, self.weight_grad))
+        forward, input_grad, weight_grad = (op_times(x) for x in nominal)
         if self.stall_probability > 0 and self.stall_duration > 0:
             # Drawn last, so turning stalls on leaves every other draw of a seed as it was.
             # Per chunk op 1/v of the chance: a stage meets as many stalls whatever v is.

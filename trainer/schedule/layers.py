@@ -180,6 +180,43 @@ class LayerCosts:
         return tuple(c / even for c in self.stage_costs(layers))
 
 
+Ops = tuple[float, float, float]
+"""(F, I, W): forward, input-gradient and weight-gradient time of one microbatch."""
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """Measured per-op times of the parts of a model: what the simulator needs to replay a split
+    (``CostModel.stage_ops``) where :class:`LayerCosts` gives only each stage's total."""
+
+    num_layers: int
+    layer: Ops
+    embedding: Ops = (0.0, 0.0, 0.0)
+    """The first stage's extra ops."""
+    head: Ops = (0.0, 0.0, 0.0)
+    """The last stage's extra ops (output head and loss)."""
+
+    def __post_init__(self) -> None:
+        problems = [f"{name}={getattr(self, name)} must be three finite numbers >= 0 (F, I, W)"
+                    for name in ("layer", "embedding", "head")
+                    if len(getattr(self, name)) != 3
+                    or not all(math.isfinite(x) and x >= 0 for x in getattr(self, name))]
+        if not problems and min(self.layer) <= 0:
+            problems.append(f"layer={self.layer}: each op of a layer must take time > 0")
+        raise_if_any(problems, "invalid layer op times")
+
+    def costs(self) -> LayerCosts:
+        """The same model as stage totals (what :func:`balanced_split` balances)."""
+        return LayerCosts(self.num_layers, sum(self.layer), sum(self.embedding), sum(self.head))
+
+    def stage_ops(self, layers: Sequence[int]) -> tuple[Ops, ...]:
+        """(F, I, W) of one microbatch on each stage holding ``layers[s]`` layers."""
+        last = len(layers) - 1
+        return tuple(tuple(n * x + (e if s == 0 else 0.0) + (h if s == last else 0.0)
+                           for x, e, h in zip(self.layer, self.embedding, self.head, strict=True))
+                     for s, n in enumerate(layers))
+
+
 @dataclass(frozen=True)
 class LayerSplit:
     """A layer count per stage, with its stage costs and, when Megatron can lay it out, its flags."""

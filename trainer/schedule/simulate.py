@@ -9,6 +9,8 @@ prints one row per schedule: median step time, speedup vs 1F1B, bubble %, peak a
 caps used. ``--cap-sweep 1,1.25,1.5,2`` prints throughput against the activation cap instead.
 ``--layers 16 --head-cost 2 --resplit`` derives the stage costs from a layer split and prints the
 split that balances them (with Megatron-LM's flags for it), then the table for both splits.
+``--layer-ops F:I:W --head-ops F:I:W --embedding-ops F:I:W`` give a layer's, the head's and the
+embedding's measured op times instead (e.g. ms per microbatch), so a split replays a GPU's costs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from trainer.schedule.compare import ScheduleSpec, Simulator, Summary, compare, 
 from trainer.schedule.costs import CostModel
 from trainer.schedule.dynamic import CAP_BASES, CHUNK_ORDERS, MICROBATCH_ORDERS, PRIORITIES, WEIGHT_ORDERS
 from trainer.schedule.host_ahead import simulate_host_ahead
-from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, split_of
+from trainer.schedule.layers import LayerCosts, LayerOps, LayerSplit, balanced_split, split_of
 from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
 from trainer.schedule.simulator import simulate
 from trainer.schedule.trace import write_trace
@@ -67,6 +69,12 @@ def _parser() -> OneLineParser:
         help="with --layers: extra cost of the first stage, in layer-cost units (default 0)")
     add("--head-cost", type=float, default=0.0,
         help="with --layers: extra cost of the last stage (output head + loss; default 0)")
+    add("--layer-ops", default=None,
+        help="with --layers: one layer's measured F:I:W per microbatch (e.g. 0.73:1.08:0.55; replaces"
+        " --layer-cost, --forward, --input-grad, --weight-grad)")
+    add("--embedding-ops", default=None, help="with --layer-ops: the first stage's extra F:I:W (default 0:0:0)")
+    add("--head-ops", default=None,
+        help="with --layer-ops: the last stage's extra F:I:W (output head and loss; default 0:0:0)")
     add("--split", default=None, help="with --layers: layers per stage, e.g. 5,4,4,3 (default even)")
     add("--resplit", action="store_true",
         help="with --layers: print the balanced split (and Megatron-LM's flags for it) and simulate it too")
@@ -165,7 +173,8 @@ def _parse_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
     try:
         return CostModel(
             stall_probability=stall_probability, stall_duration=stall_duration,
-            stage_scale=_stage_scale(args, parser, args.split_layers),
+            stage_scale=() if args.layer_ops else _stage_scale(args, parser, args.split_layers),
+            stage_ops=_stage_ops(args, parser, args.split_layers),
             forward=args.forward, edge_transfer=edge_transfer, input_grad=args.input_grad, weight_grad=args.weight_grad,
             transfer=args.transfer, jitter=args.jitter, seq_len_sigma=seq_sigma,
             attention_fraction=args.attention_fraction, straggler_stage=straggler_stage,
@@ -176,12 +185,46 @@ def _parse_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
         raise  # unreachable: parser.error exits
 
 
+def _layer_ops(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LayerOps | None:
+    """The parts' measured op times (--layer-ops and the others), or None without --layer-ops."""
+    given = {"--layer-ops": args.layer_ops, "--embedding-ops": args.embedding_ops, "--head-ops": args.head_ops}
+    if not args.layer_ops:
+        if any(given.values()):
+            parser.error("--embedding-ops / --head-ops need --layer-ops")
+        return None
+    if args.layers is None:
+        parser.error("--layer-ops needs --layers")
+    parts = []
+    for flag, text in given.items():
+        try:
+            ops = tuple(float(x) for x in (text or "0:0:0").split(":"))
+        except ValueError:
+            ops = ()
+        if len(ops) != 3:
+            parser.error(f"{flag}={text!r}: expected F:I:W, three numbers, e.g. 0.73:1.08:0.55")
+        parts.append(ops)
+    try:
+        return LayerOps(args.layers, *parts)
+    except ValueError as error:
+        parser.error(str(error))
+        raise
+
+
+def _stage_ops(args: argparse.Namespace, parser: argparse.ArgumentParser,
+               layers: tuple[int, ...] | None) -> tuple[tuple[float, float, float], ...]:
+    ops = _layer_ops(args, parser)
+    return ops.stage_ops(layers) if ops is not None and layers is not None else ()
+
+
 def _layer_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LayerCosts:
     speed = [1.0] * args.pp
     if args.straggler:  # a persistent slow GPU: the re-split should give it fewer layers
         stage, _, factor = args.straggler.partition(":")
         speed[int(stage)] = float(factor)
+    ops = _layer_ops(args, parser)
     try:
+        if ops is not None:
+            return dataclasses.replace(ops.costs(), stage_speed=tuple(speed))
         return LayerCosts(args.layers, args.layer_cost, args.embedding_cost, args.head_cost, tuple(speed))
     except ValueError as error:
         parser.error(str(error))
@@ -334,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.resplit:
             for split in _resplits(layer_costs, args):
                 print(f"\nre-split: {split.describe()}")
-                resplit_costs = dataclasses.replace(costs, stage_scale=_stage_scale(args, parser, split.layers))
+                resplit_costs = dataclasses.replace(
+                    costs, stage_ops=_stage_ops(args, parser, split.layers),
+                    stage_scale=() if args.layer_ops else _stage_scale(args, parser, split.layers))
                 baseline, rows = compare(specs, args.pp, args.microbatches, resplit_costs, seeds, simulator)
                 print(_format_table(baseline, rows))
         if args.trace:

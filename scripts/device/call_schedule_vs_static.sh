@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One 4-GPU device call (< 10 min) of the schedule-vs-static experiment for ONE scenario (a, c or d):
+# python -m trainer.bench.run with --time-limit (the lines finished by then are written, and the result
+# file says it was cut off), the dated result file and its timelines under $OUT (7 lines: 8 files), and
+# each scenario's three ratios printed (vs megatron-core's best eager line, vs the best graphed static
+# order, step vs the balanced limit).
+#   run(command="bash scripts/device/call_schedule_vs_static.sh a", kind="nvidia-h100-x4", carry=[".whl"])
+# Usage: bash scripts/device/call_schedule_vs_static.sh a|c|d [trainer.bench.pipeline flags, e.g. --resplit auto]
+# CPU dry run of the same path: python -m trainer.bench.run schedule-vs-static --device cpu --scenarios a \
+#   --results /tmp/r --time-limit 900 -- --lines megatron-1f1b-best,1f1b-eager,dpp-zb
+set -u
+scen=${1:?usage: call_schedule_vs_static.sh a|c|d [pipeline flags]}; shift
+source scripts/device/env.sh || exit 1
+corpus=()
+if [ "$scen" = d ]; then source scripts/device/corpus.sh; corpus=(--corpus "$CORPUS"); fi
+extra=()
+[ $# -gt 0 ] && extra=(-- "$@")
+# 470 s for the tool: the wheels, the build and the copy-back fit in the rest of the 600 s call.
+python3 -m trainer.bench.run schedule-vs-static --scenarios "$scen" ${corpus[@]+"${corpus[@]}"} --results "$OUT" \
+    --out /tmp/bench-svs --time-limit 470 ${extra[@]+"${extra[@]}"} 2>&1 | grep -E "^\[bench(\.run)?\]"
+ls -la "$OUT"
