@@ -223,7 +223,7 @@ def run_identity(cfg) -> dict[str, object]:
     The parallel layout is not part of it: checkpoints load under any TP x PP layout.
     """
     m, o = cfg.model, cfg.optim
-    return {
+    identity = {
         "model": m.model, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size, "seq_length": m.seq_length,
         "seed": o.seed, "lr": o.lr, "min_lr": o.min_lr, "lr_warmup_iters": o.lr_warmup_iters,
@@ -232,8 +232,15 @@ def run_identity(cfg) -> dict[str, object]:
         # --lr-warmup-fraction included); checkpoints older than these keys skip them.
         "lr_warmup_samples": o.lr_schedule_samples[0], "lr_decay_samples": o.lr_schedule_samples[1],
         "optimizer": o.optimizer, "micro_batch_size": o.micro_batch_size, "global_batch_size": o.global_batch_size,
+        # The batch sizes still to come depend on it (the consumed samples resume the ramp).
+        "rampup_batch_size": list(o.rampup_batch_size) if o.rampup_batch_size is not None else None,
         **llama_identity(m),  # the Llama-family architecture flags (RMSNorm, SwiGLU, RoPE, groups, biases)
     }
+    if o.train_samples is not None:
+        # Sample-based training: the decay is lr_decay_samples; the iteration count is only how many
+        # batches --train-samples makes, so a longer --train-samples resumes (as Megatron-LM's).
+        del identity["lr_decay_iters"]
+    return identity
 
 
 def identity_differences(saved: dict[str, object], current: dict[str, object]) -> list[str]:
@@ -526,7 +533,7 @@ LOAD_RESTORE = "restoring the state"
 # --use-checkpoint-opt_param-scheduler); with --finetune only the model's shape must match.
 SCHEDULE_KEYS = frozenset({"lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "weight_decay",
                            "lr_warmup_samples", "lr_decay_samples"})
-TRAINING_KEYS = SCHEDULE_KEYS | {"seed", "optimizer", "micro_batch_size", "global_batch_size"}
+TRAINING_KEYS = SCHEDULE_KEYS | {"seed", "optimizer", "micro_batch_size", "global_batch_size", "rampup_batch_size"}
 
 
 def _compared_identity(identity: dict[str, object], options) -> dict[str, object]:

@@ -19,6 +19,7 @@ ranks, when tracing).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -167,7 +168,10 @@ class PipelineRuntime:
                                   timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self.microbatch_data,
                                   tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split,
                                   gpu_timer=self._gpu_timer(), microbatch_costs=self.microbatch_costs,
-                                  run_ahead=self._run_ahead())
+                                  run_ahead=self._run_ahead(),
+                                  policy_factory=lambda m: make_policy(name, dataclasses.replace(self.shape, num_microbatches=m),
+                                                                       topo.pp_rank, **schedule.policy_kwargs),
+                                  policy_microbatches=self.shape.num_microbatches)
         self.forward_backward = make_forward_backward_func(self.context)
 
     def _tp_channel(self):
