@@ -54,10 +54,14 @@ def test_flag_parses_and_sets_iterations_and_plan() -> None:
     assert plan.num_microbatches == 8 and [plan.microbatches_of(b) for b in cfg.optim.batch_sizes] == [4, 6, 8]
 
 
-def test_ramp_needs_sample_based_training() -> None:
-    with pytest.raises(ConfigError) as err:
-        parse_config(BASE + ["--rampup-batch-size", "4", "2", "8", "--train-iters", "5"], world_size=1)
-    assert "--rampup-batch-size 4 2 8 needs sample-based training (--train-samples)" in str(err.value)
+def test_megatron_lms_175b_example_pairs_the_ramp_with_train_iters() -> None:
+    # examples/gpt3/train_gpt3_175b_distributed.sh: --rampup-batch-size 16 16 5859375 --train-iters 500000
+    # (sizes shrunk: 2 ranks of PP, mbs 1): --train-iters iterations, the ramp by consumed samples.
+    cfg = parse_config(BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "64",
+                               "--rampup-batch-size", "16", "16", "5859375", "--train-iters", "500000",
+                               "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000"], world_size=2)
+    assert cfg.optim.total_iters == 500000
+    assert [cfg.optim.batch_size_at(c) for c in (0, 1953124, 1953125, 5859376)] == [16, 16, 32, 64]  # one increment every 5859375 / 3
 
 
 def test_every_size_of_the_ramp_must_cut_into_microbatches() -> None:
