@@ -206,7 +206,7 @@ class TrainingSession:
         microbatches = self.plan.microbatches_of(batch)
         run.feed.begin_step(microbatches)  # reads state.consumed_samples: this step's data
         if run.runtime is not None:
-            run.runtime.begin_step(state.iteration)
+            run.runtime.begin_step(state.iteration, microbatches)
         with _sync_debug(cfg.run.cuda_sync_debug if run.device.type == "cuda" else None):
             losses = self._forward_backward(num_microbatches=microbatches)
         if self.hooks.after_backward is not None:

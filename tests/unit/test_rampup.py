@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from trainer.config import ConfigError, parse_config, resolve_plan
@@ -84,3 +86,29 @@ def test_interleaved_order_is_checked_at_every_size() -> None:
     text = str(err.value)
     assert "microbatches (3) divisible by --pipeline-model-parallel-size=2" in text
     assert "at global batch size 3 of --rampup-batch-size" in text
+
+
+def test_trace_of_a_ramp_names_each_iterations_microbatches(tmp_path) -> None:
+    from trainer.profiling.tracer import make_tracer
+    from trainer.profiling.validate import _schedule_problems
+
+    meta = {"stage": 0, "world_size": 1, "pipeline_parallel": 1, "num_chunks": 1, "num_microbatches": 2,
+            "schedule": "dpp", "run_id": "1.0-0badcafe"}
+    tracer = make_tracer(tmp_path, rank=0, metadata=meta)
+    ran = {1: 1, 2: 2}  # iteration 1 of the ramp: one microbatch; iteration 2: the full two
+    for iteration, count in ran.items():
+        tracer.set_iteration(iteration)
+        tracer.set_microbatches(iteration, count)
+        for m in range(count):
+            for op in "FB":
+                with tracer.span(f"{op}{m}.c0", op, microbatch=m, chunk=0):
+                    pass
+    tracer.close()
+    (trace,) = tmp_path.rglob("*.json")
+    written = json.loads(trace.read_text())
+    metadata = written["metadata"]
+    assert metadata["microbatches_by_iteration"] == {"1": 1}  # iteration 2 has the metadata's count
+    compute = [e for e in written["traceEvents"] if e.get("cat") in ("F", "B")]
+    assert _schedule_problems(compute, metadata) == []
+    assert _schedule_problems(compute, {**metadata, "microbatches_by_iteration": {}}) == [
+        "pid 0 iteration 1: missing: B1.c0, F1.c0"]

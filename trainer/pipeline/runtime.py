@@ -132,11 +132,14 @@ class PipelineRuntime:
             with contextlib.suppress(Exception):
                 self.tracer.close()
 
-    def begin_step(self, iteration: int) -> None:
-        """Tag the coming step's decisions and trace events with ``iteration``."""
+    def begin_step(self, iteration: int, num_microbatches: int | None = None) -> None:
+        """Tag the coming step's decisions and trace events with ``iteration``; ``num_microbatches``:
+        the step's count where --rampup-batch-size makes it differ from the plan's (the trace says so)."""
         self.context.iteration = iteration
         if self.tracer is not None:
             self.tracer.set_iteration(iteration)
+            if num_microbatches is not None:
+                self.tracer.set_microbatches(iteration, num_microbatches)
 
     # ---- opening -------------------------------------------------------------------------------
     def _open(self) -> None:
