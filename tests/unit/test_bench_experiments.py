@@ -57,3 +57,27 @@ def test_flags_after_a_double_dash_go_to_the_tool(capsys) -> None:
     assert main(["transport", "--device", "cpu", "--dry-plan", "--", "--repeats", "3"]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed.endswith("--repeats 3") and "--sizes 64K,1M" in printed
+
+
+def test_llama_experiment_plans_llama_lines_every_flag_accepted(tmp_path: Path, capsys) -> None:
+    """The Llama line's CPU dry plan (tiny-llama) and its GPU plan (llama16-h2048, PP=4): every planned
+    trainer command carries the Llama block's flags and passes the trainer's own configuration checks."""
+    import shlex
+
+    from trainer.bench.pipeline import main as pipeline_main
+    from trainer.config import parse_config
+
+    exp = EXPERIMENTS["llama"]
+    assert MODELS[exp.model].num_layers == MODELS["gpt16-h2048"].num_layers  # the GPT model's size class
+    assert MODELS[exp.model].hidden_size == MODELS["gpt16-h2048"].hidden_size
+    for device, gpus, model in (("cpu", 2, exp.cpu_model), ("cuda", 4, exp.model)):
+        argv, _ = tool_command(exp, device, gpus, model, "", tmp_path, tmp_path / "r.md", [])
+        assert pipeline_main(argv[3:] + ["--dry-plan"]) == 0
+        commands = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines() if ": python -m " in line]
+        assert len(commands) == len(exp.lines), commands
+        for command in commands:
+            args = shlex.split(command)[3:]  # after "python -m trainer.train"
+            for flag in ("--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights"):
+                assert flag in args, (flag, command)
+            cfg = parse_config(args, world_size=gpus)
+            assert cfg.model.swiglu and cfg.model.normalization == "RMSNorm"

@@ -39,7 +39,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs (the pipeline's PP without layouts); default: the experiment's, 2 on CPU")
     parser.add_argument("--model", choices=sorted(MODELS), default=None,
-                        help="default: the experiment's (gpt16-h2048), tiny on CPU")
+                        help="default: the experiment's (e.g. gpt16-h2048), its CPU model (tiny) on CPU")
     parser.add_argument("--corpus", default="", help="GPT-2-tokenized corpus prefix for scenario d")
     parser.add_argument("--out", type=Path, default=None, help="work folder (each line's logs); default /tmp/bench-NAME")
     parser.add_argument("--results", type=Path, default=REPO / "docs" / "bench",
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args.tool_args = given[cut + 1:]
     exp = EXPERIMENTS[args.experiment]
     gpus = args.gpus or (2 if args.device == "cpu" else exp.gpus)
-    model = args.model or ("tiny" if args.device == "cpu" else exp.model)
+    model = args.model or (exp.cpu_model if args.device == "cpu" else exp.model)
     out = args.out or Path(f"/tmp/bench-{exp.name}")
     when = datetime.datetime.now(datetime.UTC)
     report = out / "report.md"
