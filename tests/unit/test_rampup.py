@@ -112,3 +112,13 @@ def test_trace_of_a_ramp_names_each_iterations_microbatches(tmp_path) -> None:
     assert _schedule_problems(compute, metadata) == []
     assert _schedule_problems(compute, {**metadata, "microbatches_by_iteration": {}}) == [
         "pid 0 iteration 1: missing: B1.c0, F1.c0"]
+
+
+def test_graphs_stay_on_under_a_ramp_and_the_first_line_says_why() -> None:
+    cfg = parse_config(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                        "--pipeline-model-parallel-size", "2", "--use-dpp", "--transformer-impl", "local",
+                        "--micro-batch-size", "2", "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "24",
+                        "--train-samples", "96"], world_size=2)
+    schedule = resolve_plan(cfg, 2).schedule
+    assert schedule.cuda_graphs
+    assert "--rampup-batch-size: slots captured for the full batch" in schedule.log_text
