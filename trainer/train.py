@@ -200,19 +200,23 @@ class TrainingSession:
         for chunk in run.model:
             chunk.zero_grad_buffer()
         run.optimizer.zero_grad()
-        run.feed.begin_step()  # reads state.consumed_samples: this step's data
+        # --rampup-batch-size: this iteration's global batch, from the samples consumed before it
+        # (Megatron-LM's update_num_microbatches at the top of each iteration); else --global-batch-size.
+        batch = cfg.optim.batch_size_at(state.consumed_samples)
+        microbatches = self.plan.microbatches_of(batch)
+        run.feed.begin_step(microbatches)  # reads state.consumed_samples: this step's data
         if run.runtime is not None:
-            run.runtime.begin_step(state.iteration)
+            run.runtime.begin_step(state.iteration, microbatches)
         with _sync_debug(cfg.run.cuda_sync_debug if run.device.type == "cuda" else None):
-            losses = self._forward_backward()
+            losses = self._forward_backward(num_microbatches=microbatches)
         if self.hooks.after_backward is not None:
             self.hooks.after_backward(state.iteration, run.model)
         lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used (logged like Megatron)
         success, grad_norm, _ = run.optimizer.step()
         if success:
-            run.scheduler.step(increment=cfg.optim.global_batch_size)
+            run.scheduler.step(increment=batch)  # the LR schedule counts samples, as Megatron-LM's
         state.iteration += 1
-        state.consumed_samples += cfg.optim.global_batch_size
+        state.consumed_samples += batch
         reduced = self._reduce_losses(losses)
         run.log.step_done(success, reduced)
         run.measure.after_step(step, time.perf_counter() - start, reduced)
@@ -222,7 +226,7 @@ class TrainingSession:
         run.log.scalars(state.iteration, reduced, lr, loss_scale, grad_norm)
         if state.iteration % cfg.run.log_interval == 0 or state.iteration == cfg.optim.total_iters:
             run.log.iteration(state.iteration, state.consumed_samples, reduced, grad_norm, lr, loss_scale,
-                              time.perf_counter() - start, run.padded_vocab_size)
+                              time.perf_counter() - start, run.padded_vocab_size, batch)
 
     def _evaluate(self) -> None:
         """Megatron-LM's evaluate: --eval-iters forward-only steps through the training schedule on
@@ -243,21 +247,22 @@ class TrainingSession:
                         # s+1 has finished step i, whose runtime would take them for its own.
                         dist.barrier()
                     run.feed.eval_start = first + step * gbs
-                    run.feed.begin_step()
-                    losses.extend(self._forward_backward(forward_only=True))
+                    # Megatron-LM validates with the full --global-batch-size, also during a ramp-up.
+                    run.feed.begin_step(self.plan.num_microbatches)
+                    losses.extend(self._forward_backward(forward_only=True, num_microbatches=self.plan.num_microbatches))
         finally:
             run.feed.eval_start = None
             for chunk in run.model:
                 chunk.train()
         run.log.validation(self.state.iteration, self.state.consumed_samples, self._reduce_losses(losses))
 
-    def _forward_backward(self, forward_only: bool = False) -> list:
+    def _forward_backward(self, forward_only: bool = False, num_microbatches: int | None = None) -> list:
         cfg, run = self.cfg, self.built
         return run.forward_backward(
             forward_step_func=run.eval_forward_step if forward_only else run.forward_step,
             # The DPP runtime fetches microbatch m by index itself; Megatron's schedules want iterators.
             data_iterator=None if run.runtime is not None else run.feed.data_iterators(), model=run.model,
-            num_microbatches=self.plan.num_microbatches, seq_length=cfg.model.seq_length,
+            num_microbatches=num_microbatches or self.plan.num_microbatches, seq_length=cfg.model.seq_length,
             micro_batch_size=cfg.optim.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
             forward_only=forward_only)
 

@@ -118,3 +118,25 @@ def test_time_limit_stops_the_tool_and_the_processes_it_started() -> None:
         raise AssertionError(f"the tool's child {child} still runs 30 s after the time limit")
     done, _ = run_tool([sys.executable, "-c", "print('ok')"], True, 30.0)
     assert done.returncode == 0 and done.stdout.strip() == "ok"
+def test_llama_experiment_plans_llama_lines_every_flag_accepted(tmp_path: Path, capsys) -> None:
+    """The Llama line's CPU dry plan (tiny-llama) and its GPU plan (llama16-h2048, PP=4): every planned
+    trainer command carries the Llama block's flags and passes the trainer's own configuration checks."""
+    import shlex
+
+    from trainer.bench.pipeline import main as pipeline_main
+    from trainer.config import parse_config
+
+    exp = EXPERIMENTS["llama"]
+    assert MODELS[exp.model].num_layers == MODELS["gpt16-h2048"].num_layers  # the GPT model's size class
+    assert MODELS[exp.model].hidden_size == MODELS["gpt16-h2048"].hidden_size
+    for device, gpus, model in (("cpu", 2, exp.cpu_model), ("cuda", 4, exp.model)):
+        argv, _ = tool_command(exp, device, gpus, model, "", tmp_path, tmp_path / "r.md", [])
+        assert pipeline_main(argv[3:] + ["--dry-plan"]) == 0
+        commands = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines() if ": python -m " in line]
+        assert len(commands) == len(exp.lines), commands
+        for command in commands:
+            args = shlex.split(command)[3:]  # after "python -m trainer.train"
+            for flag in ("--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights"):
+                assert flag in args, (flag, command)
+            cfg = parse_config(args, world_size=gpus)
+            assert cfg.model.swiglu and cfg.model.normalization == "RMSNorm"

@@ -72,7 +72,11 @@ def test_megatron_legacy_torch_format(tmp_path: Path) -> None:
     (tmp_path / TRACKER).write_text("10")
     message = refused(tmp_path)
     assert f"{tmp_path / 'iter_0000010'} is a Megatron-LM checkpoint in the legacy 'torch' format" in message
-    assert "--ckpt-convert-format torch_dist" in message
+    # Megatron-LM's own conversion (training.py: load, save under <--ckpt-convert-save>/torch_dist, exit),
+    # with this folder filled in, and where to point --load afterwards.
+    assert (f"--load {tmp_path} --ckpt-format torch --ckpt-convert-format torch_dist "
+            f"--ckpt-convert-save {tmp_path}-torch_dist") in message
+    assert f"then pass --load {tmp_path}-torch_dist/torch_dist here" in message
 
 
 def test_iteration_folder_that_is_no_distributed_checkpoint(tmp_path: Path) -> None:
@@ -88,7 +92,8 @@ def test_other_backend(tmp_path: Path) -> None:
 
 
 def test_torch_dist_checkpoint_of_another_program(tmp_path: Path) -> None:
-    """A Megatron-LM torch_dist checkpoint's common.pt: iteration, checkpoint_version, no run state of ours."""
+    """A torch_dist common.pt with iteration and checkpoint_version but neither Megatron-LM's 'args' (which
+    name the model, so a Megatron-LM checkpoint loads: tests/dist/test_megatron_lm_checkpoint.py) nor ours."""
     folder = torch_dist_folder(tmp_path, 10, {"iteration": 10, "checkpoint_version": 3.0})
     message = refused(tmp_path)
     assert f"{folder} is a torch_dist checkpoint but not one this trainer wrote" in message

@@ -4,6 +4,7 @@ under docs/bench/ (trainer/bench/run.py)."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 
@@ -21,9 +22,12 @@ class Model:
     train_iters: int
     bf16: bool = True
     vocab_size: int = 50257
+    architecture: tuple[str, ...] = ()
+    """Trainer flags of the block beyond GPT's (the Llama family's), passed to every line (``--extra``)."""
 
     def describe(self) -> str:
-        return (f"GPT {self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, "
+        kind = f"Llama-style GPT ({' '.join(self.architecture)})" if self.architecture else "GPT"
+        return (f"{kind} {self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, "
                 f"seq {self.seq_length}, vocab {self.vocab_size}, mbs {self.micro_batch_size}, "
                 f"M={self.num_microbatches}, {'bf16' if self.bf16 else 'fp32'}, {self.train_iters} iterations")
 
@@ -32,15 +36,31 @@ class Model:
                 "--num-attention-heads", str(self.num_attention_heads), "--seq-length", str(self.seq_length),
                 "--vocab-size", str(self.vocab_size), "--micro-batch-size", str(self.micro_batch_size),
                 "--num-microbatches", str(self.num_microbatches), "--train-iters", str(self.train_iters)]
+        args += ["--extra", shlex.join(self.architecture)] if self.architecture else []
         return args + ([] if self.bf16 else ["--no-bf16"])
+
+
+def llama_block(query_groups: int, ffn_hidden_size: int) -> tuple[str, ...]:
+    """The Llama family's block as Megatron-LM's flags (the AWS Llama-2 line's): RMSNorm, SwiGLU, RoPE
+    without a position table, grouped-query attention, untied output layer, no linear biases. RoPE
+    fusion off: its fused kernel is Transformer Engine's, and the benchmark's layers are megatron-core's own."""
+    return ("--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--no-position-embedding",
+            "--no-rope-fusion", "--group-query-attention", "--num-query-groups", str(query_groups),
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--ffn-hidden-size", str(ffn_hidden_size))
 
 
 MODELS = {
     # The model of every published GPU figure: large enough that a stage's kernels dominate its step on
     # an H100/H200, small enough that 4 stages fit 32 microbatches in memory.
     "gpt16-h2048": Model("gpt16-h2048", 16, 2048, 16, 1024, 2, 32, 10),
+    # The same size class with Llama blocks: 16 heads in 4 key/value groups (Llama-2 70B's 8:1 is for 64
+    # heads; 4:1 keeps GQA's saving at 16), and SwiGLU's three matrices at 2.6875 h = 5504 (Llama-2's
+    # ratio, 11008 / 4096), about the parameters of GPT's two at 4 h.
+    "llama16-h2048": Model("llama16-h2048", 16, 2048, 16, 1024, 2, 32, 10, architecture=llama_block(4, 5504)),
     # CPU dry runs: the same command path in seconds.
     "tiny": Model("tiny", 4, 32, 4, 16, 2, 4, 4, bf16=False, vocab_size=128),
+    "tiny-llama": Model("tiny-llama", 4, 32, 4, 16, 2, 4, 4, bf16=False, vocab_size=128,
+                        architecture=llama_block(2, 64)),
 }
 
 
@@ -56,6 +76,8 @@ class Experiment:
     gpus: int
     """GPUs of one host; the pipeline's PP where no layouts are given."""
     model: str = "gpt16-h2048"
+    cpu_model: str = "tiny"
+    """The model of a CPU dry run (``--device cpu``)."""
     lines: tuple[str, ...] = ()
     scenarios: tuple[str, ...] = ("a",)
     """Scenario d runs only where ``--corpus`` is given (the runner says so otherwise)."""
@@ -86,6 +108,14 @@ EXPERIMENTS = {e.name: e for e in (
         lines=("megatron-1f1b-best", "dpp-default"),
         layouts=("4x1x1", "2x2x1+sp", "2x1x2+overlap+distopt"),
         args=("--optimizer", "adam", "--threads", "4", "--line-timeout", "120")),
+    Experiment(
+        "llama",
+        "Does DPP's default keep its speed on a Llama-style model (RMSNorm, SwiGLU, RoPE, grouped-query "
+        "attention, untied output layer; the size class of the GPT benchmark model)? Megatron-core's best "
+        "eager 1F1B against `--use-dpp` alone, PP=4.",
+        "pipeline", 4, model="llama16-h2048", cpu_model="tiny-llama",
+        lines=("megatron-1f1b-best", "dpp-default"),
+        args=("--threads", "4", "--line-timeout", "120")),
     Experiment(
         "transport",
         "What does one stage-to-stage message cost on this host, per transport and size, against blocking "

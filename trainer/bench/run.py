@@ -42,7 +42,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs (the pipeline's PP without layouts); default: the experiment's, 2 on CPU")
     parser.add_argument("--model", choices=sorted(MODELS), default=None,
-                        help="default: the experiment's (gpt16-h2048), tiny on CPU")
+                        help="default: the experiment's (e.g. gpt16-h2048), its CPU model (tiny) on CPU")
     parser.add_argument("--corpus", default="", help="GPT-2-tokenized corpus prefix for scenario d")
     parser.add_argument("--scenarios", default=None,
                         help="comma-separated subset of the experiment's scenarios to run in this call (default:"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return parser.report("; ".join(problems))
     gpus = args.gpus or (2 if args.device == "cpu" else exp.gpus)
-    model = args.model or ("tiny" if args.device == "cpu" else exp.model)
+    model = args.model or (exp.cpu_model if args.device == "cpu" else exp.model)
     out = args.out or Path(f"/tmp/bench-{exp.name}")
     when = datetime.datetime.now(datetime.UTC)
     report = out / "report.md"

@@ -189,16 +189,57 @@ def _check_is_torch_dist(path: Path) -> None:
         if legacy:
             raise CheckpointError(
                 f"{path} is a Megatron-LM checkpoint in the legacy 'torch' format ({legacy[0]}/model_optim_rng.pt): "
-                "this trainer reads --ckpt-format torch_dist checkpoints only; convert it with Megatron-LM "
-                "(--ckpt-convert-format torch_dist)")
+                "this trainer reads --ckpt-format torch_dist checkpoints only. Convert it with Megatron-LM (its "
+                "training script with the model and parallel flags it was saved with, which loads it and saves it "
+                "again, then exits): " + legacy_conversion_command(path.parent) + f"; then pass --load "
+                f"{path.parent}-torch_dist/torch_dist here")
         raise CheckpointError(f"{path} is not a megatron-core distributed checkpoint (no metadata.json)")
     if config.sharded_backend != "torch_dist":
         raise CheckpointError(f"{path} was saved with the {config.sharded_backend!r} backend; this trainer reads "
                               "'torch_dist' checkpoints only")
 
 
+def legacy_conversion_command(root: Path) -> str:
+    """Megatron-LM's conversion of the legacy 'torch' checkpoint folder ``root`` to torch_dist
+    (megatron/training/training.py: with --ckpt-convert-format it saves into <--ckpt-convert-save>/<format>
+    right after loading, then exits)."""
+    return (f"torchrun ... pretrain_gpt.py <the run's flags> --load {root} --ckpt-format torch "
+            f"--ckpt-convert-format torch_dist --ckpt-convert-save {root}-torch_dist")
+
+
+MEGATRON_LM_FORMAT = "megatron-lm"
+"""The 'format' given to a torch_dist checkpoint Megatron-LM (or megatron-core's own save path) wrote."""
+
+
+def _megatron_lm_facts(path: Path, common: dict[str, Any]) -> dict[str, Any]:
+    """What _load needs from a Megatron-LM checkpoint's common state ('args', 'iteration',
+    'checkpoint_version'), in the form of this trainer's 'mdpp' section: the model's shape from its
+    args (compared with this run's), the consumed samples, the layout and the padded vocabulary."""
+    args = common["args"]
+    if not hasattr(args, "num_layers"):
+        raise CheckpointError(f"{path}: a Megatron-LM checkpoint whose 'args' ({type(args).__name__}) do not name "
+                              "the model (num_layers, hidden_size, ...): cannot check it matches this run")
+    ffn = getattr(args, "ffn_hidden_size", None)
+    identity = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+                "num_attention_heads": args.num_attention_heads,
+                "seq_length": getattr(args, "seq_length", None)}
+    if ffn is not None:
+        identity["ffn_hidden_size"] = ffn
+    return {"format": MEGATRON_LM_FORMAT,
+            "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+            "layout": {"world_size": getattr(args, "world_size", None),
+                       "tp": getattr(args, "tensor_model_parallel_size", 1),
+                       "pp": getattr(args, "pipeline_model_parallel_size", 1),
+                       "vp": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1},
+            "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+            "identity": {k: v for k, v in identity.items() if v is not None},
+            "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))}
+
+
 def read_common_state(path: Path) -> dict[str, Any]:
-    """common.pt, checked to be this trainer's: a foreign torch_dist checkpoint is named and refused."""
+    """common.pt: this trainer's, or Megatron-LM's (its 'args', 'iteration' and 'checkpoint_version',
+    turned into an 'mdpp' section of format MEGATRON_LM_FORMAT); any other torch_dist checkpoint is
+    named and refused."""
     from megatron.core import dist_checkpointing
 
     try:
@@ -206,10 +247,13 @@ def read_common_state(path: Path) -> dict[str, Any]:
     except Exception as err:
         raise CheckpointError(f"{path}: its common state (common.pt) cannot be read: {err}") from err
     ours = common.get("mdpp") if isinstance(common, dict) else None
+    if ours is None and isinstance(common, dict) and {"args", "iteration", "checkpoint_version"} <= set(common):
+        return {**common, "mdpp": _megatron_lm_facts(path, common)}
     if not isinstance(ours, dict) or ours.get("format") != FORMAT:
         found = ours.get("format") if isinstance(ours, dict) else "no 'mdpp' section"
         raise CheckpointError(f"{path} is a torch_dist checkpoint but not one this trainer wrote (format {FORMAT!r} "
-                              f"expected, found {found!r}; a Megatron-LM checkpoint's run state is not read here)")
+                              f"expected, found {found!r}; a Megatron-LM checkpoint is read when its common.pt holds Megatron-LM's "
+                              "'args', 'iteration' and 'checkpoint_version')")
     return common
 
 
@@ -223,7 +267,7 @@ def run_identity(cfg) -> dict[str, object]:
     The parallel layout is not part of it: checkpoints load under any TP x PP layout.
     """
     m, o = cfg.model, cfg.optim
-    return {
+    identity = {
         "model": m.model, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size, "seq_length": m.seq_length,
         "seed": o.seed, "lr": o.lr, "min_lr": o.min_lr, "lr_warmup_iters": o.lr_warmup_iters,
@@ -232,8 +276,15 @@ def run_identity(cfg) -> dict[str, object]:
         # --lr-warmup-fraction included); checkpoints older than these keys skip them.
         "lr_warmup_samples": o.lr_schedule_samples[0], "lr_decay_samples": o.lr_schedule_samples[1],
         "optimizer": o.optimizer, "micro_batch_size": o.micro_batch_size, "global_batch_size": o.global_batch_size,
+        # The batch sizes still to come depend on it (the consumed samples resume the ramp).
+        "rampup_batch_size": list(o.rampup_batch_size) if o.rampup_batch_size is not None else None,
         **llama_identity(m),  # the Llama-family architecture flags (RMSNorm, SwiGLU, RoPE, groups, biases)
     }
+    if o.train_samples is not None:
+        # Sample-based training: the decay is lr_decay_samples; the iteration count is only how many
+        # batches --train-samples makes, so a longer --train-samples resumes (as Megatron-LM's).
+        del identity["lr_decay_iters"]
+    return identity
 
 
 def identity_differences(saved: dict[str, object], current: dict[str, object]) -> list[str]:
@@ -526,7 +577,7 @@ LOAD_RESTORE = "restoring the state"
 # --use-checkpoint-opt_param-scheduler); with --finetune only the model's shape must match.
 SCHEDULE_KEYS = frozenset({"lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "weight_decay",
                            "lr_warmup_samples", "lr_decay_samples"})
-TRAINING_KEYS = SCHEDULE_KEYS | {"seed", "optimizer", "micro_batch_size", "global_batch_size"}
+TRAINING_KEYS = SCHEDULE_KEYS | {"seed", "optimizer", "micro_batch_size", "global_batch_size", "rampup_batch_size"}
 
 
 def _compared_identity(identity: dict[str, object], options) -> dict[str, object]:
@@ -560,6 +611,37 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, facts: RunFact
         return _load(root, model, optimizer, scheduler, facts, override, watchdog, options)
 
 
+def _check_identity(path: Path, saved: dict[str, Any], facts: RunFacts, options, override: bool,
+                    model_only: bool) -> None:
+    """ValueError naming every setting the checkpoint's run had otherwise (unless overridden);
+    ``model_only``: a Megatron-LM checkpoint, whose args are compared for the model's shape only."""
+    compared = _compared_identity(facts.identity, options)
+    if model_only:  # only the model's shape: Megatron-LM's args carry no schedule this trainer compares
+        compared = {k: v for k, v in compared.items() if k not in TRAINING_KEYS}
+    differences = identity_differences(saved.get("identity", {}), compared)
+    if differences and not override:
+        raise ValueError(f"checkpoint {path} belongs to a run with other settings ({'; '.join(differences)}): "
+                         "resume with the same settings, save to a new folder, take the LR schedule from this command "
+                         "line (--override-opt_param-scheduler) or the checkpoint (--use-checkpoint-opt_param-scheduler), "
+                         "load only the weights (--finetune), or pass --override-checkpoint-config")
+    if differences:
+        log.warning("resuming %s despite other settings (--override-checkpoint-config): %s",
+                    path, "; ".join(differences))
+
+
+def _megatron_lm_loads(path: Path, common: dict[str, Any], loads_optimizer: bool, loads_rng: bool) -> bool:
+    """What of a Megatron-LM checkpoint is read besides the weights: its optimizer state is in the
+    sharding form its own flags chose (and its RNG object in its layout's), so neither is; its LR
+    scheduler state (common.pt) is, when present and wanted (returned). The log names what was not."""
+    not_loaded = [what for what, wanted in (("optimizer state", loads_optimizer), ("RNG states", loads_rng)) if wanted]
+    loads_scheduler = loads_optimizer and "opt_param_scheduler" in common
+    if not_loaded and dist.get_rank() == 0:
+        log.warning("%s is a Megatron-LM checkpoint: its model weights%s are loaded, its %s not (this run starts "
+                    "them afresh; --no-load-optim / --no-load-rng say so up front)", path,
+                    " and LR scheduler state" if loads_scheduler else "", " and ".join(not_loaded))
+    return loads_scheduler
+
+
 def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, override: bool,
           watchdog: Watchdog, options=None) -> TrainState | None:
     from megatron.core import dist_checkpointing
@@ -572,27 +654,24 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
     watchdog.folder, watchdog.iteration = path, iteration
     common = read_common_state(path)
     saved = common["mdpp"]
-    differences = identity_differences(saved.get("identity", {}), _compared_identity(facts.identity, options))
-    if differences and not override:
-        raise ValueError(f"checkpoint {path} belongs to a run with other settings ({'; '.join(differences)}): "
-                         "resume with the same settings, save to a new folder, take the LR schedule from this command "
-                         "line (--override-opt_param-scheduler) or the checkpoint (--use-checkpoint-opt_param-scheduler), "
-                         "load only the weights (--finetune), or pass --override-checkpoint-config")
-    if differences:
-        log.warning("resuming %s despite other settings (--override-checkpoint-config): %s",
-                    path, "; ".join(differences))
-    if saved["padded_vocab_size"] != facts.padded_vocab_size:
+    foreign = saved["format"] == MEGATRON_LM_FORMAT
+    _check_identity(path, saved, facts, options, override, model_only=foreign)
+    if saved["padded_vocab_size"] is not None and saved["padded_vocab_size"] != facts.padded_vocab_size:
         raise CheckpointError(
             f"{path} holds an embedding padded to {saved['padded_vocab_size']} rows, this run pads the vocabulary to "
             f"{facts.padded_vocab_size} (--make-vocab-size-divisible-by x TP): pick a "
             "--make-vocab-size-divisible-by that gives the checkpoint's size under this TP")
-    if saved["use_distributed_optimizer"] != facts.use_distributed_optimizer:
+    if not foreign and saved["use_distributed_optimizer"] != facts.use_distributed_optimizer:
         with_or_without = "with" if saved["use_distributed_optimizer"] else "without"
         raise CheckpointError(f"{path} was saved {with_or_without} --use-distributed-optimizer: resume {with_or_without} "
                               "it (the optimizer state is stored in that optimizer's form)")
     same_layout = saved["layout"] == facts.layout
     loads_optimizer = options is None or options.loads_optimizer
     loads_rng = same_layout and (options is None or options.loads_rng)
+    loads_scheduler = loads_optimizer
+    if foreign:
+        loads_scheduler = _megatron_lm_loads(path, common, loads_optimizer, loads_rng)
+        loads_optimizer = loads_rng = False
     watchdog.enter(LOAD_COLLECT, "model and optimizer sharded state, RNG states all-gathered over DP")
     sharded = _sharded_state_dict(model, optimizer, facts.use_distributed_optimizer, is_loading=True)
     if not loads_optimizer:
@@ -622,7 +701,9 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
             scheduler.override_opt_param_scheduler = options.override_opt_param_scheduler
             scheduler.use_checkpoint_opt_param_scheduler = options.use_checkpoint_opt_param_scheduler
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    elif hasattr(optimizer, "reload_model_params"):
+    elif loads_scheduler:
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    if not loads_optimizer and hasattr(optimizer, "reload_model_params"):
         # The fp32 main weights were copied from the freshly initialised model when the optimizer was
         # built: copy the loaded weights in instead (Megatron-LM's reload_model_params).
         optimizer.reload_model_params()

@@ -29,19 +29,22 @@ def _stage_split_problems(cfg: TrainConfig) -> list[str]:
 
 
 def _batch_problems(cfg: TrainConfig, dp: int) -> list[str]:
-    """How the global batch cannot be cut into microbatches for ``dp`` data-parallel replicas."""
+    """How the global batch cannot be cut into microbatches for ``dp`` data-parallel replicas; with
+    --rampup-batch-size, every batch size of the ramp (Megatron-LM checks each when the ramp reaches
+    it, mid-run; here all are checked before start-up)."""
     o, par = cfg.optim, cfg.parallel
     pp = par.pipeline_model_parallel_size
     p: list[str] = []
-    if o.global_batch_size % (o.micro_batch_size * dp):
-        p.append(f"--global-batch-size={o.global_batch_size} is not divisible by "
-                 f"--micro-batch-size={o.micro_batch_size} x data-parallel size {dp}")
-    else:
-        microbatches = o.global_batch_size // (o.micro_batch_size * dp)
+    for size in o.batch_sizes:
+        flag = f"--global-batch-size={size}" if size == o.global_batch_size and len(o.batch_sizes) == 1 \
+            else f"global batch size {size} (of --rampup-batch-size up to --global-batch-size={o.global_batch_size})"
+        if size % (o.micro_batch_size * dp):
+            p.append(f"{flag} is not divisible by --micro-batch-size={o.micro_batch_size} x data-parallel size {dp}")
+            continue
+        microbatches = size // (o.micro_batch_size * dp)
         if pp > 1 and microbatches < pp:
-            p.append(f"{microbatches} microbatches per iteration (--global-batch-size="
-                     f"{o.global_batch_size} / (--micro-batch-size={o.micro_batch_size} x DP {dp})) "
-                     f"is fewer than --pipeline-model-parallel-size={pp} stages")
+            p.append(f"{microbatches} microbatches per iteration ({flag} / (--micro-batch-size="
+                     f"{o.micro_batch_size} x DP {dp})) is fewer than --pipeline-model-parallel-size={pp} stages")
         p.extend(megatron_batch_problems(cfg, microbatches))
     return p
 

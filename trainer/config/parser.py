@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, *aliases.get(f.name, ()), action="store_true", **kwargs)
             elif f.name == "data_path":  # Megatron-LM's nargs='*': a prefix or WEIGHT PREFIX pairs
                 group.add_argument(flag, nargs="+", type=str, metavar="[WEIGHT] PREFIX", **kwargs)
+            elif f.name == "rampup_batch_size":  # Megatron-LM's three values
+                group.add_argument(flag, nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), **kwargs)
             elif f.name == "dpp_recompute_slots":
                 group.add_argument(flag, type=_int_list, metavar="N[,N...]", **kwargs)
             elif f.name == "node_ips":

@@ -167,8 +167,16 @@ class RunPlan:
     world_size: int
     data_parallel: int
     num_microbatches: int
-    """Microbatches per iteration per data-parallel replica."""
+    """Microbatches per iteration per data-parallel replica at --global-batch-size: what the runtime's
+    links, TP decision channel and CUDA graph slots are sized for."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    micro_batch_size: int = 1
+    """--micro-batch-size: microbatches of an iteration = its global batch / (this x data_parallel)."""
+
+    def microbatches_of(self, global_batch_size: int) -> int:
+        """Microbatches per replica of an iteration of ``global_batch_size`` samples (--rampup-batch-size
+        changes it between iterations; the layout checks made every size of the ramp divide)."""
+        return global_batch_size // (self.micro_batch_size * self.data_parallel)
 
     @property
     def shape(self) -> PipelineShape:
@@ -186,7 +194,8 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> RunPlan:
                                               par.decoder_last_pipeline_num_layers)),
                        cfg.virtual_pipeline, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
     return RunPlan(schedule=schedule_plan(cfg), layers=layers, links=link_plan(cfg, shape), world_size=world_size,
-                   data_parallel=cfg.data_parallel(world_size), num_microbatches=shape.num_microbatches)
+                   data_parallel=cfg.data_parallel(world_size), num_microbatches=shape.num_microbatches,
+                   micro_batch_size=cfg.optim.micro_batch_size)
 
 
 def uses_megatron_schedule(cfg: TrainConfig) -> bool:
@@ -245,6 +254,13 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
               "max_queued_ops": par.dpp_max_queued_ops if par.dpp_max_queued_ops is not None
               else 1 if graphs else 0}
     named = dpp_policy if par.dpp_policy != "auto" else f"{dpp_policy} ({why})"
+    if graphs and cfg.optim.rampup is not None:
+        # The slots are captured for --global-batch-size's microbatch count; an iteration of the ramp has
+        # fewer microbatches, and every policy then holds no more activations than that, so it replays
+        # from a subset of the same slots (a step that found none free would run eager, never wrong).
+        graphs_why += ("; --rampup-batch-size: slots captured for the full batch, the ramp's smaller "
+                       "iterations replay from fewer of them")
+        common["graphs_reason"] = graphs_why
     if graphs_why:
         named += f"; {graphs_why}"
     if uses_megatron_schedule(cfg):
@@ -315,10 +331,12 @@ def static_order_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     o, tp = cfg.optim, cfg.parallel.tensor_model_parallel_size
     if policy == "interleaved" and world_size % (tp * pp) == 0:
         per_replica = o.micro_batch_size * (world_size // (tp * pp))
-        microbatches = o.global_batch_size // per_replica if o.global_batch_size % per_replica == 0 else None
-        if microbatches is not None and microbatches % pp:
-            p.append(f"--dpp-policy=interleaved needs microbatches ({microbatches}) divisible by "
-                     f"--pipeline-model-parallel-size={pp} (megatron-core's interleaved 1F1B order)")
+        for size in o.batch_sizes:  # every size of a --rampup-batch-size ramp runs the same order
+            microbatches = size // per_replica if size % per_replica == 0 else None
+            if microbatches is not None and microbatches % pp:
+                p.append(f"--dpp-policy=interleaved needs microbatches ({microbatches}) divisible by "
+                         f"--pipeline-model-parallel-size={pp} (megatron-core's interleaved 1F1B order)"
+                         + (f" at global batch size {size} of --rampup-batch-size" if len(o.batch_sizes) > 1 else ""))
     return p
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from trainer.config.rampup import BatchRampup
 from trainer.names import TRANSPORTS, Transport
 
 DPP_POLICIES = ("auto", "dpp", "dpp-zb", "zb-h1", "1f1b", "interleaved")
@@ -458,6 +459,12 @@ class OptimConfig:
     """Samples per microbatch (``--micro-batch-size``)."""
     global_batch_size: int = 8
     """Samples per iteration over all DP replicas (``--global-batch-size``)."""
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """``--rampup-batch-size START INCREMENT SAMPLES`` (Megatron-LM's): the global batch starts at START
+    and grows by INCREMENT every SAMPLES / ((--global-batch-size - START) / INCREMENT) consumed samples
+    until --global-batch-size (trainer/config/rampup.py); so the microbatch count changes between
+    iterations. With --train-samples the iteration count follows the ramp (Megatron-LM's
+    update_train_iters); with --train-iters it is that many iterations."""
     train_iters: int | None = None
     """Iterations to train (``--train-iters``); None: --train-samples // --global-batch-size when
     --train-samples is given, else 10. Exclusive with --train-samples (Megatron-LM's rule)."""
@@ -504,6 +511,13 @@ class OptimConfig:
         p = [f"--{n.replace('_', '-')}={getattr(self, n)} must be >= 1"
              for n in ("micro_batch_size", "global_batch_size") if getattr(self, n) < 1]
         p.extend(self._schedule_problems())
+        if self.rampup_batch_size is not None:
+            object.__setattr__(self, "rampup_batch_size", tuple(self.rampup_batch_size))
+        if self.rampup is not None:
+            # With --train-iters too: Megatron-LM up to core_v0.16 refused that pairing although its own
+            # examples/gpt3/train_gpt3_175b_distributed.sh passes it; later releases accept it (the run is
+            # --train-iters iterations, the ramp still decided by consumed samples), as here.
+            p.extend(self.rampup.problems())
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             p.append(f"--lr={self.lr} / --min-lr={self.min_lr} need 0 <= min-lr <= lr and lr > 0")
         if self.lr_decay_style not in DECAY_STYLES:
@@ -535,9 +549,12 @@ class OptimConfig:
             if fraction is not None and self.lr_warmup_samples:
                 p.append(f"--lr-warmup-fraction={fraction} and --lr-warmup-samples={self.lr_warmup_samples}: "
                          "give only one")
-            if self.global_batch_size >= 1 and 1 <= self.train_samples < self.global_batch_size:
+            # The first iteration's batch: --rampup-batch-size's start, else --global-batch-size.
+            first = self.rampup_batch_size[0] if self.rampup_batch_size else self.global_batch_size
+            if first >= 1 and 1 <= self.train_samples < first:
                 p.append(f"--train-samples={self.train_samples} is less than one iteration of "
-                         f"--global-batch-size={self.global_batch_size}")
+                         + (f"--rampup-batch-size's start {first}" if self.rampup_batch_size else
+                            f"--global-batch-size={self.global_batch_size}"))
         else:
             p.extend(f"--{n.replace('_', '-')}={v} is sample-based: it needs --train-samples"
                      for n, v in (("lr_decay_samples", self.lr_decay_samples),
@@ -558,9 +575,31 @@ class OptimConfig:
         (Megatron-LM's update_train_iters, no batch-size ramp-up), else 10."""
         if self.train_iters is not None:
             return self.train_iters
+        if self.train_samples is not None and self.rampup is not None and not self.rampup.problems():
+            return self.rampup.train_iters(self.train_samples)
         if self.train_samples is not None:
             return self.train_samples // self.global_batch_size
         return DEFAULT_TRAIN_ITERS
+
+    @property
+    def rampup(self) -> BatchRampup | None:
+        """--rampup-batch-size as a calculator (None without it)."""
+        if self.rampup_batch_size is None:
+            return None
+        start, increment, samples = self.rampup_batch_size
+        return BatchRampup(start, increment, samples, self.global_batch_size)
+
+    def batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch size of the iteration after ``consumed_samples`` samples (--rampup-batch-size,
+        else --global-batch-size)."""
+        ramp = self.rampup
+        return ramp.batch_size_at(consumed_samples) if ramp is not None else self.global_batch_size
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Every global batch size the run uses (one without --rampup-batch-size)."""
+        ramp = self.rampup
+        return ramp.sizes() if ramp is not None and not ramp.problems() else (self.global_batch_size,)
 
     @property
     def decay_iters(self) -> int:

@@ -19,17 +19,19 @@ from __future__ import annotations
 from trainer.config import TrainConfig
 
 
-def flops_per_iteration(cfg: TrainConfig, padded_vocab_size: int) -> float:
-    """Megatron-LM's model FLOPs of one iteration (the whole global batch, forward and backward)."""
+def flops_per_iteration(cfg: TrainConfig, padded_vocab_size: int, global_batch_size: int | None = None) -> float:
+    """Megatron-LM's model FLOPs of one iteration (the whole global batch, forward and backward);
+    ``global_batch_size``: the iteration's (--rampup-batch-size), default --global-batch-size."""
     m = cfg.model
     layers, h, s = m.num_layers, m.hidden_size, m.seq_length
     groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
     per_token = (12 * layers * h * m.ffn_size * (1.5 if m.swiglu else 1.0)
                  + 12 * layers * h * h * (1 + groups / m.num_attention_heads + s / (2 * h))
                  + 6 * h * padded_vocab_size)
-    return float(cfg.optim.global_batch_size * s * per_token)
+    return float((global_batch_size or cfg.optim.global_batch_size) * s * per_token)
 
 
-def tflops_per_gpu(cfg: TrainConfig, padded_vocab_size: int, seconds: float, world_size: int) -> float:
+def tflops_per_gpu(cfg: TrainConfig, padded_vocab_size: int, seconds: float, world_size: int,
+                   global_batch_size: int | None = None) -> float:
     """Megatron-LM's ``throughput per GPU (TFLOP/s/GPU)``: model FLOPs / (time x 1e12 x world size)."""
-    return flops_per_iteration(cfg, padded_vocab_size) / (max(seconds, 1e-9) * 1e12 * world_size)
+    return flops_per_iteration(cfg, padded_vocab_size, global_batch_size) / (max(seconds, 1e-9) * 1e12 * world_size)

@@ -89,6 +89,23 @@ class DppContext:
     """dpp-zb (fill_transit): how often this rank asked the transport whether a gradient had landed,
     and the host time those looks took in all (end-of-run log line)."""
     landing_check_s: float = field(default=0.0, init=False)
+    policy_factory: Callable[[int], Policy] | None = None
+    """num_microbatches -> this stage's policy for that many microbatches. Policies are built for one
+    shape; with --rampup-batch-size the microbatch count changes between steps, and each step then
+    runs the policy of its own count (built once per count, kept). None: every step has the count
+    ``policy`` was built for."""
+    policy_microbatches: int = 0
+    """The microbatch count ``policy`` was built for (with policy_factory)."""
+    _policies: dict[int, Policy] = field(default_factory=dict, init=False, repr=False)
+
+    def use_microbatches(self, num_microbatches: int) -> None:
+        """Make ``policy`` the one for ``num_microbatches`` (see policy_factory)."""
+        if self.policy_factory is None or num_microbatches == self.policy_microbatches:
+            return
+        self._policies[self.policy_microbatches] = self.policy
+        if num_microbatches not in self._policies:
+            self._policies[num_microbatches] = self.policy_factory(num_microbatches)
+        self.policy, self.policy_microbatches = self._policies[num_microbatches], num_microbatches
 
 
 def make_forward_backward_func(context: DppContext) -> Callable[..., list]:
@@ -123,6 +140,7 @@ def forward_backward_dpp(
     if dpp_context is None:
         raise ValueError("forward_backward_dpp needs a DppContext: use make_forward_backward_func(context)")
     chunks = list(model) if isinstance(model, list) else [model]
+    dpp_context.use_microbatches(num_microbatches)
     step = _Step(dpp_context, chunks, forward_step_func, data_iterator, num_microbatches,
                  forward_only, collect_non_loss_data)
     return step.run(pg_collection=pg_collection, force_all_reduce=bool(force_all_reduce))

@@ -19,6 +19,7 @@ ranks, when tracing).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -142,11 +143,14 @@ class PipelineRuntime:
             with contextlib.suppress(Exception):
                 self.tracer.close()
 
-    def begin_step(self, iteration: int) -> None:
-        """Tag the coming step's decisions and trace events with ``iteration``."""
+    def begin_step(self, iteration: int, num_microbatches: int | None = None) -> None:
+        """Tag the coming step's decisions and trace events with ``iteration``; ``num_microbatches``:
+        the step's count where --rampup-batch-size makes it differ from the plan's (the trace says so)."""
         self.context.iteration = iteration
         if self.tracer is not None:
             self.tracer.set_iteration(iteration)
+            if num_microbatches is not None:
+                self.tracer.set_microbatches(iteration, num_microbatches)
 
     # ---- opening -------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -178,7 +182,10 @@ class PipelineRuntime:
                                   timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self.microbatch_data,
                                   tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split,
                                   gpu_timer=self._gpu_timer(), microbatch_costs=self.microbatch_costs,
-                                  run_ahead=self._run_ahead())
+                                  run_ahead=self._run_ahead(),
+                                  policy_factory=lambda m: make_policy(name, dataclasses.replace(self.shape, num_microbatches=m),
+                                                                       topo.pp_rank, **schedule.policy_kwargs),
+                                  policy_microbatches=self.shape.num_microbatches)
         self.forward_backward = make_forward_backward_func(self.context)
 
     def _tp_channel(self):

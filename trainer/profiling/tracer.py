@@ -119,6 +119,9 @@ class NullTracer:
     def set_iteration(self, iteration: int) -> None:
         return None
 
+    def set_microbatches(self, iteration: int, num_microbatches: int) -> None:
+        return None
+
     def set_clock_offset(self, offset_us: float) -> None:
         return None
 
@@ -210,6 +213,12 @@ class Tracer:
             for old in sorted(self._by_iteration)[:-self.keep_iterations]:
                 del self._by_iteration[old]
                 self._dropped_iterations += 1
+
+    def set_microbatches(self, iteration: int, num_microbatches: int) -> None:
+        """``iteration`` ran ``num_microbatches``, not the metadata's num_microbatches (--rampup-batch-size):
+        kept in the metadata's ``microbatches_by_iteration`` so the trace checks expect that many."""
+        if num_microbatches != self._metadata["num_microbatches"]:
+            self._metadata.setdefault("microbatches_by_iteration", {})[str(int(iteration))] = int(num_microbatches)
 
     def _record_gc(self, generation: int, start_us: float, end_us: float, collected: int) -> None:
         self.record(f"gc gen{generation}", "gc", start_us, end_us, tid="gc", generation=generation,

@@ -70,6 +70,8 @@ def _schedule_problems(compute: list[dict[str, Any]], metadata: dict[str, Any]) 
     try:
         microbatches = int(metadata["num_microbatches"])
         chunks = int(metadata.get("num_chunks", 1))
+        # --rampup-batch-size: iterations of fewer microbatches, as the tracer recorded them.
+        by_iteration = {int(k): int(v) for k, v in (metadata.get("microbatches_by_iteration") or {}).items()}
     except (KeyError, TypeError, ValueError):
         return ["metadata lacks num_microbatches: cannot check that every microbatch ran"]
     seen: dict[tuple[Any, int], Counter] = defaultdict(Counter)
@@ -80,7 +82,8 @@ def _schedule_problems(compute: list[dict[str, Any]], metadata: dict[str, Any]) 
     for (pid, iteration), counts in sorted(seen.items(), key=lambda item: (str(item[0][0]), item[0][1])):
         split = any(op in ("I", "W") for op, _, _ in counts)
         ops = ("F", "I", "W") if split else ("F", "B")
-        expected = {(op, m, c) for op in ops for m in range(microbatches) for c in range(chunks)}
+        count = by_iteration.get(iteration, microbatches)
+        expected = {(op, m, c) for op in ops for m in range(count) for c in range(chunks)}
         missing = sorted(expected - set(counts))
         extra = sorted(key for key in counts if key not in expected)
         repeated = sorted(key for key, n in counts.items() if n > 1 and key in expected)

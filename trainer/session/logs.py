@@ -81,8 +81,9 @@ class RunLog:
         return float(peak.item())
 
     def iteration(self, iteration: int, consumed_samples: int, losses: dict[str, float], grad_norm, lr: float,
-                  loss_scale: float, seconds: float, padded_vocab_size: int) -> None:
-        """Megatron-LM's iteration line. COLLECTIVE on CUDA (the memory peak): every rank calls it."""
+                  loss_scale: float, seconds: float, padded_vocab_size: int, global_batch_size: int | None = None) -> None:
+        """Megatron-LM's iteration line. COLLECTIVE on CUDA (the memory peak): every rank calls it.
+        ``global_batch_size``: this iteration's (--rampup-batch-size changes it), default --global-batch-size."""
         peak = self._peak_memory_gib()  # every rank takes part, so before the logger check
         skipped, nans = self.skipped_iterations, self.nan_iterations
         self.skipped_iterations = self.nan_iterations = 0
@@ -90,21 +91,22 @@ class RunLog:
             return
         cfg = self.cfg
         memory = f" | peak memory (GiB, max over ranks): {peak:.2f}" if peak is not None else ""
-        tokens = cfg.optim.global_batch_size * cfg.model.seq_length
+        batch = global_batch_size or cfg.optim.global_batch_size
+        tokens = batch * cfg.model.seq_length
         loss_text = " | ".join(f"{k}: {v:.6E}" for k, v in losses.items())
         norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
         throughput = ""
         if cfg.run.log_throughput:  # where Megatron-LM puts it: right after the iteration time
             from trainer.measure.flops import tflops_per_gpu
 
-            tflops = tflops_per_gpu(cfg, padded_vocab_size, seconds, self.plan.world_size)
+            tflops = tflops_per_gpu(cfg, padded_vocab_size, seconds, self.plan.world_size, batch)
             throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
         # Megatron-LM's fields in its order; tokens/s and peak memory are this trainer's additions.
         log.info("iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): %.1f |%s "
                  "learning rate: %.6E | global batch size: %5d | %s | loss scale: %.1f | grad norm: %s | "
                  "number of skipped iterations: %3d | number of nan iterations: %3d | tokens/s: %.0f%s",
                  iteration, cfg.optim.total_iters, consumed_samples, seconds * 1e3,
-                 throughput, lr, cfg.optim.global_batch_size, loss_text, loss_scale, norm, skipped, nans,
+                 throughput, lr, batch, loss_text, loss_scale, norm, skipped, nans,
                  tokens / max(seconds, 1e-9), memory)
 
     def validation(self, iteration: int, consumed_samples: int, losses: dict[str, float]) -> None:

@@ -40,8 +40,11 @@ class MicrobatchFeed:
         self.samples, self.vocab_size = self._sample_source()
         self.prefetcher = MicrobatchPrefetcher(self.host_microbatch, device)
 
-    def begin_step(self) -> None:
-        """A step (training or evaluation) begins: the prefetcher starts on its microbatches."""
+    def begin_step(self, num_microbatches: int | None = None) -> None:
+        """A step (training or evaluation) begins: the prefetcher starts on its microbatches.
+        ``num_microbatches``: this step's count where it changes between steps (--rampup-batch-size)."""
+        if num_microbatches is not None:
+            self.num_microbatches = num_microbatches
         self.prefetcher.begin_step(self.num_microbatches)
 
     # ---- samples ---------------------------------------------------------------------------
