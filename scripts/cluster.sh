@@ -271,11 +271,12 @@ start_slurmdbd() {
     fi
     sacctmgr -i modify qos urgent set Priority=1000 Preempt=normal PreemptMode=requeue >/dev/null \
         || die "sacctmgr could not let QOS urgent preempt QOS normal"
-    # A preempted 'normal' job's tasks get TERM at once and the rest of the job (the batch shell, srun)
-    # only GraceTime later. Without a grace time the whole job gets TERM together, and srun answers its
-    # own TERM by killing the step's tasks with SIGKILL: the ranks' checkpoint on that signal never
-    # happens and the iterations since the last periodic save are lost. Sites that preempt training set
-    # one for the same reason; 60 s is far more than this cluster's small checkpoints take.
+    # A preempted 'normal' job's tasks get TERM at once; the job stays RUNNING for GraceTime, so the
+    # ranks save on the signal and the batch shell requeues the job itself. Without a grace time Slurm
+    # ends the job at once (TERM to every process, SIGKILL KillWait later): the ranks then have only
+    # KillWait to finish their iteration and save. 60 s covers one iteration of the tests' tiny models
+    # (up to ~30 s on a loaded 2-core host) plus its save; sites that preempt training set a grace
+    # time longer than one iteration plus a save of their model, for the same reason.
     sacctmgr -i modify qos normal set GraceTime=60 >/dev/null || die "sacctmgr could not set QOS normal's GraceTime"
 }
 
@@ -352,7 +353,11 @@ cmd_down() {
             log "cancelling jobs: $jobs"
             # shellcheck disable=SC2086  # one argument per job id
             scancel $jobs 2>/dev/null || true
-            for ((i = 0; i < 100; i++)); do
+            # Up to KillWait (slurm.conf) for processes that handle the TERM: the training ranks save
+            # a checkpoint first. Stopping slurmd sooner would leave them running without a job.
+            local kill_wait
+            kill_wait=$(sed -n 's/^KillWait=\([0-9]*\).*/\1/p' "$CONF" | tail -1)
+            for ((i = 0; i < (${kill_wait:-30} + 15) * 5; i++)); do
                 [[ -z $(squeue -h -o %A 2>/dev/null) ]] && break
                 sleep 0.2
             done

@@ -66,9 +66,14 @@ def test_a_save_stalled_on_one_rank_fails_every_rank_and_resume_takes_the_previo
     # No tracker for the unfinished save: it still names iteration 2, and the leftover is not a checkpoint.
     assert (ckpt / TRACKER).read_text().strip() == "2"
     assert not (ckpt / "iter_0000004").exists() and (ckpt / "iter_0000004.tmp").is_dir()
-    # Resume: iteration 2's checkpoint, iterations 3-4 as the failed run trained them, and the save of
-    # iteration 4 replaces the leftover.
+    # What a save cut by SIGKILL at another iteration leaves (Slurm's, KillWait after the TERM the ranks
+    # were saving on): an iteration the resumed run never saves again.
+    (ckpt / "iter_0000003.tmp").mkdir()
+    (ckpt / f"{TRACKER}.tmp123").write_text("3\n")
+    # Resume: iteration 2's checkpoint, iterations 3-4 as the failed run trained them, and the next
+    # save removes every leftover.
     resumed, output = train(tmp_path / "resumed", 2, *LAYOUT, *save, "--load", str(ckpt))
     assert "resuming at iteration 2" in output, output[-3000:]
     assert resumed == {it: loss for it, loss in _losses(stalled_out).items() if it > 2}
     assert_megatron_checkpoint(ckpt, 4)
+    assert sorted(p.name for p in ckpt.iterdir() if ".tmp" in p.name) == []

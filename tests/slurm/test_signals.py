@@ -5,8 +5,6 @@ each job trains TRAIN_ITERS iterations and is interrupted in its own way:
 
 * ``ranks-term``: ``scancel --signal=TERM`` reaches the ranks only. Before: they checkpointed and
   exited 0, and the job ended COMPLETED after a few of its iterations.
-* ``full-term``: ``scancel --full --signal=TERM`` reaches the batch shell, srun and the ranks; srun
-  then kills the ranks at once. Before and now: not COMPLETED (now also: no exit record, so non-zero).
 * ``usr1-start-batch`` / ``usr1-start-ranks``: USR1 to the batch shell before srun runs, or to the
   ranks as soon as their step exists. Before: the ranks had no handler until set-up was done and
   died of it; the batch shell had no trap yet while it probed the node addresses. Now the shell's
@@ -17,14 +15,26 @@ each job trains TRAIN_ITERS iterations and is interrupted in its own way:
 Whatever happens, a job that ends COMPLETED must have logged its last iteration; a requeued one is
 released at once (tests/slurm/test_chain.py's release_when_held) and must then finish for real.
 
-After the first periodic checkpoint (``SAVE_INTERVAL``) two more ways, each losing nothing: the job
-saves on the signal, requeues, resumes and logs the same losses as an uninterrupted run, and leaves no
-unfinished ``iter_*.tmp``:
+After the first periodic checkpoint (``SAVE_INTERVAL``) three more ways. Each job is requeued (sacct's
+history: REQUEUED, then COMPLETED), resumes, logs the same losses as an uninterrupted run and leaves
+no unfinished ``iter_*.tmp``:
 
-* ``ranks-term-after-save``: ``scancel --signal=TERM`` to the steps. Before: the on-signal save died
-  in megatron-core's checkpoint writer, whose helper process the TERM had killed too; FAILED.
 * ``preempted``: a job of QOS ``urgent`` needs both nodes, and Slurm preempts the training job
-  (PreemptMode=REQUEUE, scripts/cluster/slurm.conf.in; QOS normal's GraceTime, scripts/cluster.sh).
+  (PreemptMode=REQUEUE, scripts/cluster/slurm.conf.in; QOS normal's GraceTime, scripts/cluster.sh):
+  TERM to the steps only, as ``scancel --signal=TERM`` sends. Before: the on-signal save died in
+  megatron-core's checkpoint writer, whose helper process the TERM had killed too; FAILED. Now the
+  ranks save on the signal and the batch shell requeues the job.
+* ``requeue``: ``scontrol requeue``. Slurm ends the job itself: TERM to every process of it, the
+  batch shell and srun included, and SIGKILL KillWait seconds later. srun answers its TERM with a
+  SIGKILL of the step that slurmctld refuses for a job it is already ending, so the ranks have
+  KillWait: they save on the signal inside it (the cluster's KillWait is what this case checks) and
+  the job resumes right after the iteration saved. Before (KillWait=5, iterations of up to 30 s
+  here): SIGKILL cut the save short and the iterations since the periodic checkpoint were lost.
+* ``full-term``: ``scancel --full --signal=TERM``. The job keeps running, so srun's SIGKILL of the
+  step goes through within milliseconds of its TERM, before any rank can save (srun's design: it
+  answers TERM by killing its step; no setting changes that). Before: FAILED. Now the batch shell
+  requeues the job and it resumes from the last periodic checkpoint: the iterations after it are run
+  again, with the same losses. docs/workflows.md says which signal keeps what.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from workflows import slurm
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_ITERS = 12
-TIMEOUT_S = 600
+TIMEOUT_S = 600  # for a job to start, and then for each sign of progress (2 cores, the whole suite beside it)
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 
 
@@ -59,9 +69,9 @@ def losses(log: Path) -> dict[int, float]:
     return {int(i): float(loss) for i, loss in LOSS.findall(log.read_text())}
 
 
-def last_iteration(log: Path) -> int:
-    found = [int(i) for i in ITERATION.findall(log.read_text())] if log.exists() else []
-    return max(found, default=0)
+def last_iteration(log: Path | str) -> int:
+    text = log if isinstance(log, str) else log.read_text() if log.exists() else ""
+    return max((int(i) for i in ITERATION.findall(text)), default=0)
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +95,16 @@ def submit_training(out: Path, dataset: Path) -> tuple[str, Path]:
     return job_id, out / f"train_{job_id}.out"
 
 
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_until(predicate, timeout_s: float, what: str, job_id: str = "") -> None:
+    """Poll `predicate`; fail after `timeout_s`, or as soon as job `job_id` has ended, naming its state."""
+    deadline, next_look = time.monotonic() + timeout_s, 0.0
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        now = time.monotonic()
+        assert now < deadline, (f"timed out after {timeout_s:.0f} s waiting for {what}"
+                                + (f" (job {job_id} is {job_state(job_id)})" if job_id else ""))
+        if job_id and now >= next_look:
+            state, next_look = job_state(job_id), now + 5
+            assert state not in slurm.TERMINAL_STATES, f"job {job_id} ended {state} before {what}"
         time.sleep(0.2)
 
 
@@ -97,28 +113,58 @@ def job_state(job_id: str) -> str:
     return records[0].state if records else "PENDING"
 
 
+def wait_until_running(job_id: str) -> None:
+    """The job's turn may take minutes while the rest of the suite holds the nodes: every wait for
+    its progress starts after this one."""
+    wait_until(lambda: job_state(job_id) != "PENDING", TIMEOUT_S, f"job {job_id} to start", job_id)
+
+
 def follow_to_the_end(job_id: str, log: Path) -> tuple[str, int]:
-    """Release the job whenever it is requeued; return its final state and how many restarts it had."""
-    deadline, restarts = time.monotonic() + TIMEOUT_S, 0
+    """Release the job whenever it is requeued; return its final state and how many restarts it had.
+    Fails when neither the job's state nor its log changed for TIMEOUT_S."""
+    restarts, seen = 0, None
+    deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         shown = slurm.run(["scontrol", "show", "job", job_id]) if job_id else ""
         count = re.search(r"Restarts=(\d+)", shown)
         if count and int(count.group(1)) > restarts:
             restarts = int(count.group(1))
-            release_when_held(job_id, timeout_s=120)
+            release_when_held(job_id, timeout_s=TIMEOUT_S)
         state = job_state(job_id)
         if state in slurm.TERMINAL_STATES:
             return state, restarts
+        progress = (state, restarts, log.stat().st_size if log.exists() else 0)
+        if progress != seen:
+            seen, deadline = progress, time.monotonic() + TIMEOUT_S
         time.sleep(1)
-    raise AssertionError(f"job {job_id} did not finish within {TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"job {job_id} ({seen[0]}, {restarts} restart(s)) made no progress for {TIMEOUT_S} s:\n"
+                         f"{log.read_text()[-3000:] if log.exists() else '(no log)'}")
+
+
+def history(job_id: str) -> list[str]:
+    """The state of each run of the job, oldest first (sacct --duplicates)."""
+    return slurm.run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "--format=State"]).split()
+
+
+def kill_wait() -> int:
+    """The cluster's KillWait: the seconds between Slurm's TERM and its SIGKILL when it ends a job."""
+    shown = re.search(r"^KillWait\s*=\s*(\d+)", slurm.run(["scontrol", "show", "config"]), re.M)
+    assert shown, "scontrol show config names no KillWait"
+    return int(shown.group(1))
 
 
 def interrupt_after_a_periodic_save(kind: str, job_id: str, log: Path, out: Path) -> None:
-    wait_until(lambda: log.exists() and PERIODIC_SAVE.search(log.read_text()) is not None
-               and last_iteration(log) > int(PERIODIC_SAVE.search(log.read_text()).group(1)),
-               TIMEOUT_S, "an iteration after the first periodic checkpoint")
-    if kind == "ranks-term-after-save":
-        slurm.run(["scancel", "--signal=TERM", job_id])
+    wait_until_running(job_id)
+
+    def past_the_first_save() -> bool:
+        text = log.read_text() if log.exists() else ""
+        saved = PERIODIC_SAVE.search(text)
+        return saved is not None and last_iteration(text) > int(saved.group(1))
+
+    wait_until(past_the_first_save, TIMEOUT_S, "an iteration after the first periodic checkpoint", job_id)
+    if kind in ("requeue", "full-term"):
+        slurm.run({"requeue": ["scontrol", "requeue"], "full-term": ["scancel", "--full", "--signal=TERM"]}[kind]
+                  + [job_id])
         return
     # Both nodes, whole: only the training job's preemption makes room for it.
     urgent = slurm.run(["sbatch", "--parsable", "--qos=urgent", "--nodes=2", "--exclusive",
@@ -128,23 +174,22 @@ def interrupt_after_a_periodic_save(kind: str, job_id: str, log: Path, out: Path
 
 
 def interrupt(kind: str, job_id: str, log: Path) -> None:
+    wait_until_running(job_id)
     if kind == "usr1-start-batch":  # the batch shell, before srun exists
-        wait_until(lambda: job_state(job_id) == "RUNNING", 120, "the job to run")
         slurm.run(["scancel", "--batch", "--signal=USR1", job_id])
         return
     if kind == "usr1-start-ranks":  # the ranks, as soon as their step exists (still importing torch)
-        wait_until(lambda: log.exists() and "restart 0" in log.read_text(), 120, "the srun line")
+        wait_until(lambda: log.exists() and "restart 0" in log.read_text(), TIMEOUT_S, "the srun line", job_id)
         wait_until(lambda: f"{job_id}." in slurm.run(["squeue", "--steps", "--noheader", "-j", job_id]),
-                   120, "the training step")
+                   TIMEOUT_S, "the training step", job_id)
         slurm.run(["scancel", "--signal=USR1", job_id])
         return
-    wait_until(lambda: last_iteration(log) >= 3, TIMEOUT_S, "iteration 3")
-    command = {"ranks-term": ["scancel", "--signal=TERM"], "full-term": ["scancel", "--full", "--signal=TERM"]}
-    slurm.run([*command[kind], job_id])
+    wait_until(lambda: last_iteration(log) >= 3, TIMEOUT_S, "iteration 3", job_id)
+    slurm.run(["scancel", "--signal=TERM", job_id])  # ranks-term
 
 
-@pytest.mark.timeout(TIMEOUT_S * 2)
-@pytest.mark.parametrize("kind", ["ranks-term", "full-term", "usr1-start-batch", "usr1-start-ranks"])
+@pytest.mark.timeout(TIMEOUT_S * 4)
+@pytest.mark.parametrize("kind", ["ranks-term", "usr1-start-batch", "usr1-start-ranks"])
 def test_an_interrupted_training_job_is_never_completed_early(kind, dataset, tmp_path):
     job_id, log = submit_training(tmp_path / "run", dataset)
     interrupt(kind, job_id, log)
@@ -169,22 +214,28 @@ def uninterrupted_losses(dataset, tmp_path_factory) -> dict[int, float]:
     return found
 
 
-@pytest.mark.timeout(TIMEOUT_S * 3)
-@pytest.mark.parametrize("kind", ["ranks-term-after-save", "preempted"])
-def test_a_signal_after_a_periodic_checkpoint_saves_requeues_and_loses_nothing(kind, dataset, uninterrupted_losses,
-                                                                              tmp_path):
+@pytest.mark.timeout(TIMEOUT_S * 8)
+@pytest.mark.parametrize("kind", ["preempted", "requeue", "full-term"])
+def test_a_signal_after_a_periodic_checkpoint_requeues_and_loses_nothing(kind, dataset, uninterrupted_losses,
+                                                                        tmp_path):
     job_id, log = submit_training(tmp_path / "run", dataset)
     interrupt_after_a_periodic_save(kind, job_id, log, tmp_path)
     state, restarts = follow_to_the_end(job_id, log)
     text = log.read_text()
     assert (state, restarts) == ("COMPLETED", 1), f"{state} after {restarts} restart(s)\n{text[-5000:]}"
+    runs = history(job_id)  # a preempted job requeues itself inside its grace time: REQUEUED as well
+    assert runs == ["REQUEUED", "COMPLETED"], (runs, text[-5000:])
     assert "Traceback" not in text and "BrokenPipeError" not in text, text[-5000:]
-    periodic = int(PERIODIC_SAVE.search(text).group(1))
-    saved = ON_SIGNAL_SAVE.search(text)
-    assert saved and int(saved.group(1)) > periodic, text[-5000:]  # what came after the periodic save is kept
     first_run, _, second_run = text.partition(", restart 1\n")
+    periodic = [int(i) for i in PERIODIC_SAVE.findall(first_run)]
     resumed_at = min(int(i) for i in ITERATION.findall(second_run))
-    assert resumed_at == int(saved.group(1)) + 1, second_run[-3000:]
+    saved = ON_SIGNAL_SAVE.search(first_run)
+    if kind == "full-term":  # srun SIGKILLed the ranks: what came after the last periodic save is run again
+        assert saved is None and "SIGTERM reached srun too" in first_run, first_run[-5000:]
+        assert resumed_at == max(periodic) + 1 <= last_iteration(first_run), (periodic, first_run[-3000:])
+    else:  # saved on the signal, within KillWait for `requeue`: nothing after the periodic save is lost
+        assert saved and int(saved.group(1)) > periodic[0], f"KillWait={kill_wait()}\n{first_run[-5000:]}"
+        assert resumed_at == int(saved.group(1)) + 1, second_run[-3000:]
     leftovers = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.endswith(".tmp"))
     assert leftovers == [], leftovers
     got = losses(log)

@@ -37,9 +37,19 @@ case "${FAKE_RANKS:-done}" in
         for ((i = 0; i < ${ntasks:-1}; i++)); do : > "$MDPP_READY_DIR/rank$i"; done  # as trainer.launch.early_signals
         for _ in $(seq 200); do sleep 0.1; done
         exit 9 ;;
+    killed-on-signal)  # srun got TERM too and SIGKILLed the ranks: no checkpoint, no record
+        echo started > "$FAKE_SRUN_LOG.started"
+        trap 'echo USR1 >> "$FAKE_SRUN_LOG.signals"; exit 137' USR1
+        ntasks=$(printf '%s\n' "$@" | sed -n 's/^--ntasks=//p')
+        for ((i = 0; i < ${ntasks:-1}; i++)); do : > "$MDPP_READY_DIR/rank$i"; done
+        for _ in $(seq 200); do sleep 0.1; done
+        exit 9 ;;
 esac
 """
+# Answers `show job` with FAKE_JOB_STATE (RUNNING unless a test says Slurm is ending the job) and
+# records every other command.
 FAKE_SCONTROL = """#!/bin/bash
+if [[ "$1" == show ]]; then echo "JobId=7 JobName=mdpp-train JobState=${FAKE_JOB_STATE:-RUNNING} Reason=None"; exit 0; fi
 echo "$@" >> "$FAKE_SRUN_LOG.scontrol"
 """
 
@@ -203,24 +213,32 @@ def test_training_job_status_follows_the_exit_record(tmp_path, ranks, status, re
     assert not list((tmp_path / "out").glob(".train-exit-*"))  # the record is removed
 
 
-@pytest.mark.parametrize(("signame", "ranks"), [("USR1", "wait-signal"), ("TERM", "wait-signal"),
-                                               ("USR1", "slow-start")])
-def test_a_signal_to_the_batch_shell_reaches_the_ranks_as_usr1_and_requeues(tmp_path, signame, ranks):
-    """Before: TERM to the shell was only logged and the job ran on to COMPLETED (or ended early as 0).
-    slow-start: the signal comes while the ranks are still starting (no handler yet); forwarded then,
-    USR1 would kill them (seen in a loaded CI run: srun exit 138, job FAILED) -- the script holds it
-    until every rank has marked itself ready."""
+def test_a_job_that_slurm_is_ending_keeps_slurms_decision(tmp_path):
+    """Before: ranks that saved on the TERM of a plain `scancel` made the script `scontrol requeue`
+    its job, which Slurm accepts for a cancelled job too: the cancelled job came back (seen on the
+    local cluster once KillWait gave the ranks time to save). A job that is no longer RUNNING
+    (COMPLETING: scancel, scontrol requeue, preemption, the time limit) is never requeued by the script."""
+    result, _argv = run_sbatch(jobs.TRAIN, tmp_path, FAKE_RANKS="killed-peer", FAKE_JOB_STATE="COMPLETING",
+                               **TRAIN_ENV)
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert "Slurm is ending job 7 itself (JobState=COMPLETING" in result.stderr
+    assert not (tmp_path / "srun.argv.scontrol").exists()
+
+
+def signal_the_batch_shell(tmp_path: Path, signame: str, **env: str) -> subprocess.CompletedProcess:
+    """Run the training file under bash with the fake srun, send `signame` to the shell once srun
+    has started; the finished process."""
     import signal
-    import sys
     import time
 
     bin_dir = tmp_path / "bin"
     run_sbatch(jobs.TRAIN, tmp_path, FAKE_RANKS="done", **TRAIN_ENV)  # writes the fakes
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in jobs.KNOB_NAMES},
-           "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(tmp_path / "srun.argv"),
-           "REPO_DIR": str(REPO), "OUTPUT_DIR": str(tmp_path / "out"), "DATA_PATH": str(tmp_path / "data"),
-           "FAKE_RANKS": ranks, **TRAIN_ENV}
-    proc = subprocess.Popen(["bash", str(REPO / "sbatch" / jobs.TRAIN.filename)], env=env,
+    (tmp_path / "srun.argv.scontrol").unlink(missing_ok=True)
+    full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in jobs.KNOB_NAMES},
+                "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(tmp_path / "srun.argv"),
+                "REPO_DIR": str(REPO), "OUTPUT_DIR": str(tmp_path / "out"), "DATA_PATH": str(tmp_path / "data"),
+                **TRAIN_ENV, **env}
+    proc = subprocess.Popen(["bash", str(REPO / "sbatch" / jobs.TRAIN.filename)], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20
     while not (tmp_path / "srun.argv.started").exists():
@@ -228,9 +246,37 @@ def test_a_signal_to_the_batch_shell_reaches_the_ranks_as_usr1_and_requeues(tmp_
         time.sleep(0.05)
     proc.send_signal(getattr(signal, f"SIG{signame}"))
     out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out + err + sys.executable
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize(("signame", "ranks"), [("USR1", "wait-signal"), ("TERM", "wait-signal"),
+                                               ("USR1", "slow-start")])
+def test_a_signal_to_the_batch_shell_reaches_the_ranks_as_usr1_and_requeues(tmp_path, signame, ranks):
+    """Before: TERM to the shell was only logged and the job ran on to COMPLETED (or ended early as 0).
+    slow-start: the signal comes while the ranks are still starting (no handler yet); forwarded then,
+    USR1 would kill them (seen in a loaded CI run: srun exit 138, job FAILED) -- the script holds it
+    until every rank has marked itself ready."""
+    done = signal_the_batch_shell(tmp_path, signame, FAKE_RANKS=ranks)
+    assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "srun.argv.signals").read_text() == "USR1\n"
     assert (tmp_path / "srun.argv.scontrol").read_text() == "requeue 7\n"
+
+
+@pytest.mark.parametrize(("signame", "job_state", "status", "requeued"), [
+    ("TERM", "RUNNING", 0, True),        # scancel --full --signal=TERM: resume from the last periodic save
+    ("TERM", "COMPLETING", 75, False),   # Slurm is ending the job (scancel, requeue): its decision stands
+    ("USR1", "RUNNING", 137, False),     # srun does not kill on USR1: ranks that died without a record failed
+])
+def test_ranks_killed_after_a_term_to_the_whole_job_requeue_it(tmp_path, signame, job_state, status, requeued):
+    """TERM to the batch shell and srun together (`scancel --full --signal=TERM`): srun SIGKILLs the
+    ranks, which leave no checkpoint and no record. Before: the job ended FAILED; now it is requeued
+    while it still runs, and resumes from its last periodic checkpoint."""
+    done = signal_the_batch_shell(tmp_path, signame, FAKE_RANKS="killed-on-signal", FAKE_JOB_STATE=job_state)
+    assert done.returncode == status, done.stdout + done.stderr
+    scontrol = tmp_path / "srun.argv.scontrol"
+    assert (scontrol.read_text() == "requeue 7\n") if requeued else not scontrol.exists(), done.stderr
+    if requeued:
+        assert "SIGTERM reached srun too" in done.stderr
 
 
 # ---- each run its own folder; resuming another run's checkpoint needs RESUME=1 -------------------

@@ -34,7 +34,7 @@ Saves and loads never hang: each runs under a deadline (trainer/checkpoint/watch
 ``$MDPP_CHECKPOINT_TIMEOUT_S`` or the ``timeout_s`` argument) past which the rank reports the
 iteration, the folder and the phase it waited in (``SAVE_*``/``LOAD_*`` below) and exits 1. An
 unfinished save leaves ``iter_N.tmp/`` and the tracker naming the previous checkpoint, which a
-resume takes; the next save of that iteration removes the leftover.
+resume takes; the next save removes every such leftover.
 
 ``--load DIR``: a missing or empty ``DIR`` starts fresh; anything else must be a tracker naming a
 complete torch_dist checkpoint written by this trainer, and whatever :func:`find_checkpoint` cannot
@@ -97,6 +97,20 @@ def _atomic_write_text(path: Path, text: str) -> None:
 def _is_leftover(name: str) -> bool:
     """What a crashed save leaves (never complete, never read): iter_N.tmp/ and the tracker's tmp file."""
     return name.endswith(".tmp") or name.startswith(TRACKER + ".tmp")
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Rank 0, before a save: remove what unfinished saves left in ``root``, whatever their iteration.
+    A save killed by SIGKILL (Slurm's, KillWait after its TERM, while the ranks saved on that TERM)
+    leaves ``iter_N.tmp/`` for an iteration the resumed run may never save again."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if _is_leftover(entry.name):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def preflight(load: str | None, save: str | None) -> None:
@@ -475,7 +489,7 @@ def _save(root: str, state: TrainState, model: list, optimizer, scheduler, facts
     final = iteration_dir(root, state.iteration)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        _remove_leftovers(Path(root))
         tmp.mkdir(parents=True)
     watchdog.enter(SAVE_START, "barrier: rank 0 prepares the folder")
     dist.barrier()
