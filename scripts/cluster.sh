@@ -32,6 +32,10 @@ MARIADB_PORT=$PORT_BASE
 SLURMDBD_PORT=$((PORT_BASE + 1))
 SLURMCTLD_PORT=$((PORT_BASE + 2))
 SLURMD_PORTS=($((PORT_BASE + 3)) $((PORT_BASE + 4)))
+# Job ids start at a place derived from the same hash: workflows.nodes makes MASTER_PORT 20000 + job id
+# (mod 10000), so two clusters that both numbered their jobs from 1 gave two concurrent jobs one port.
+# 20 starts 500 apart; MDPP_CLUSTER_FIRST_JOB_ID overrides.
+FIRST_JOB_ID=${MDPP_CLUSTER_FIRST_JOB_ID:-$((1 + (path_hash / 800 % 20) * 500))}
 
 MUNGE_SOCKET=$DIR/munge/munged.socket
 MARIADB_SOCKET=$DIR/mariadb/mariadb.sock
@@ -155,6 +159,7 @@ render() { # render TEMPLATE OUTPUT MODE: replace @NAME@ placeholders; the file 
     text=${text//@MARIADB_PORT@/$MARIADB_PORT}
     text=${text//@SLURMD1_PORT@/${SLURMD_PORTS[0]}}
     text=${text//@SLURMD2_PORT@/${SLURMD_PORTS[1]}}
+    text=${text//@FIRST_JOB_ID@/$FIRST_JOB_ID}
     text=${text//@REAL_MEMORY_MB@/$REAL_MEMORY_MB}
     text=${text//@DB_PASSWORD@/$DB_PASSWORD}
     [[ $text != *@[A-Z_]*@* ]] || die "unfilled placeholder left in $1: $(grep -o '@[A-Z_0-9]*@' <<<"$text" | head -1)"
