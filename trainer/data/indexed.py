@@ -30,9 +30,6 @@ def open_indexed_dataset(prefix: str | Path, vocab_size: int | None = None):
             )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from trainer.megatron.jit import import_megatron_core
-
-        import_megatron_core()  # without TorchDynamo/Inductor, which reading token files never needs
         from megatron.core.datasets.indexed_dataset import IndexedDataset
     try:
         dataset = IndexedDataset(prefix)
