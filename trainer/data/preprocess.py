@@ -254,9 +254,6 @@ class _AtomicIndexedDatasetWriter:
     def __init__(self, bin_path: str, idx_path: str, vocab_size: int) -> None:
         with warnings.catch_warnings():  # megatron-core warns about missing TE/Apex on import
             warnings.simplefilter("ignore")
-            from trainer.megatron.jit import import_megatron_core
-
-            import_megatron_core()  # without TorchDynamo/Inductor, which writing a dataset never needs
             from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
         suffix = f".tmp-{os.getpid()}"
         self.final = (bin_path, idx_path)
