@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: setup demo test check lint render cluster-up cluster-down image clean
+.PHONY: setup demo test test-slow check lint render cluster-up cluster-down image clean
 
 setup:
 	@scripts/setup.sh
@@ -12,10 +12,15 @@ demo: setup
 	scripts/cluster.sh up
 	. $${MDPP_CLUSTER_DIR:-.cluster}/env && $(PYTHON) -m workflows.submit gpt --nodes 2 --wait
 
-## Every CPU test tier (unit, dist, slurm) plus the golden sbatch check. CI runs exactly this.
+## Every CPU test tier (unit, dist, slurm) plus the golden sbatch check, less the tests marked slow.
+## CI runs exactly this.
 test: setup
 	$(PYTHON) -m workflows.render --check
-	$(PYTHON) -m pytest -m "not gpu" tests
+	$(PYTHON) -m pytest -m "not gpu and not slow" tests
+
+## The tests marked slow (broad sweeps, long end-to-end runs): what `make test` leaves out.
+test-slow: setup
+	$(PYTHON) -m pytest -m "slow and not gpu" tests
 
 lint:
 	$(PYTHON) -m ruff check trainer workflows tests

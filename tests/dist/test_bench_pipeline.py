@@ -3,7 +3,9 @@
 On CPU the "megatron" lines run our runtime's static policies (labelled so) and the direct
 megatron-core line is listed as not run with its reason; scenario (b) runs every line on the same
 variable-length mock documents (--variable-seq-lengths).
-About 1-2 minutes on a 2-core machine (mostly process start-up), hence slow.
+The full run (three lines, three scenarios) takes 1-2 minutes on a 2-core machine (mostly process
+start-up), hence slow; `make test` runs the one-scenario version below, which keeps every check of a
+single scenario (the schedule-vs-static experiment of tests/dist/test_bench_run.py also runs scenario c).
 """
 
 from __future__ import annotations
@@ -55,3 +57,27 @@ def test_cpu_dry_run_writes_report_and_timelines(tmp_path: Path) -> None:
     # variable lengths are other data: scenario (b)'s first loss differs from (a)'s
     first = [t.split("Losses of the first iterations")[1].splitlines()[4] for t in text.split("## (b)")]
     assert first[0] != first[1]
+
+
+@pytest.mark.timeout(600)
+def test_cpu_dry_run_of_variable_lengths_writes_report_and_timeline(tmp_path: Path) -> None:
+    """Scenario (b) alone, the two lines that run on CPU plus the listed direct-megatron one."""
+    report = tmp_path / "report" / "benchmarks.md"
+    done = subprocess.run([sys.executable, "-m", "trainer.bench.pipeline", *TINY, "--lines",
+                           "megatron-1f1b-best,dpp,direct-megatron", "--scenarios", "b",
+                           "--out", str(tmp_path / "runs"), "--report", str(report)],
+                          cwd=REPO, capture_output=True, text=True, timeout=560)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = report.read_text()
+    assert "`--variable-seq-lengths --mock-seq-len-dist lognormal:0.6 --seq-length-divisible-by 4`" in text
+    assert "direct-megatron**: megatron-core's schedules need CUDA" in text  # listed, not skipped silently
+    assert "CPU stand-in: our runtime's static 1f1b policy" in text
+    for line in ("megatron-1f1b-best", "dpp"):
+        assert (report.parent / f"{report.stem}.timeline-b-{line}.png").stat().st_size > 1000
+    rows = [r for r in text.splitlines() if r.startswith("| dpp |")]
+    assert len(rows) == 1 and "3/1" in rows[0]  # the balanced split (head weighs 2 layers) on 2 stages
+    assert "| 1.000x |" in text  # the best megatron line is its own bar
+    # both lines train the same model (same split) from the same data: equal first-iteration losses
+    losses = text.split("Losses of the first iterations")[1].splitlines()[4]
+    cells = [c.strip() for c in losses.split("|")[2:-1]]
+    assert len(cells) == 2 and cells[0] == cells[1], losses

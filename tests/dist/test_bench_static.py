@@ -51,14 +51,19 @@ def test_cpu_dry_run_states_three_ratios_and_the_split_it_chose(tmp_path: Path) 
     assert len(cells) == 4 and len(set(cells)) == 1, losses
 
 
+@pytest.mark.timeout(300)
+def test_a_distopt_layout_with_sgd_is_refused_before_running(tmp_path: Path) -> None:
+    """Every `make test` (no rank starts): megatron-core's distributed optimizer takes Adam only."""
+    refused = subprocess.run([sys.executable, "-m", "trainer.bench.pipeline", *TINY, "--layouts", "2x1x2+distopt",
+                              "--out", str(tmp_path / "x"), "--report", str(tmp_path / "x.md")],
+                             cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert refused.returncode == 2 and "supports Adam only; pass --optimizer adam (got sgd)" in refused.stderr
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # refused before any line ran
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cpu_dry_run_writes_one_table_per_layout(tmp_path: Path) -> None:
-    # megatron-core's distributed optimizer takes Adam only (the bench refuses +distopt with SGD before running)
-    refused = subprocess.run([sys.executable, "-m", "trainer.bench.pipeline", *TINY, "--layouts", "2x1x2+distopt",
-                              "--out", str(tmp_path / "x"), "--report", str(tmp_path / "x.md")],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "supports Adam only; pass --optimizer adam (got sgd)" in refused.stderr
     text = _bench(tmp_path, "--layouts", "2x1x1,2x1x2+overlap+distopt", "--optimizer", "adam")
     sections = text.split("## Layout ")[1:]
     assert [s.splitlines()[0] for s in sections] == ["pp2xtp1xdp1", "pp2xtp1xdp2+overlap+distopt"]

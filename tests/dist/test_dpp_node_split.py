@@ -35,7 +35,6 @@ def _run(out: Path, nodes: str | None) -> tuple[dict, set]:
     return json.loads((out / "losses_rank3.json").read_text()), edges
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dpp_over_cross_node_links_equals_same_node_links(tmp_path: Path) -> None:
     split, split_edges = _run(tmp_path / "split", "0,0,1,1")

@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.slurm.test_chain import small_corpus
 from workflows import local_chain
 
@@ -39,7 +37,6 @@ def status_of(run_dir: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=60, check=False)
 
 
-@pytest.mark.slow
 def test_a_tiny_gpt_chain_runs_via_local_with_the_slurm_chains_folder_summary_and_status(tmp_path):
     corpus = small_corpus(tmp_path / "corpus.jsonl", documents=60)
     done = submit(tmp_path / "runs", corpus, "local", "--env", f"EXTRA_TRAIN_ARGS=--metrics-dir {tmp_path / 'm'}")

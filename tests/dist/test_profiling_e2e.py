@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.schedule.layers import layers_per_stage
 from trainer.profiling import aggregate
 from trainer.profiling.tracer import trace_file_name
 from trainer.profiling.validate import validate_trace
+from trainer.schedule.layers import layers_per_stage
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = 4
@@ -37,7 +37,6 @@ def train_command(profile_dir: Path, use_dpp: bool = True) -> list[str]:
     ] + (["--use-dpp"] if use_dpp else [])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dpp_run_writes_traces_that_aggregate(tmp_path, capsys):
     profile_dir = tmp_path / "traces"

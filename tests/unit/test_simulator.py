@@ -137,10 +137,19 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
     return runs
 
 
+DEADLOCK_POLICIES = ["gpipe", "1f1b", "interleaved", "zb-h1", "dpp", "dpp-zb"]
+
+
+def test_no_deadlock_over_100_random_draws_per_policy():
+    """Every run of `make test`: the sweep below, a tenth as broad (another seed, so draws the slow
+    tier's sweep does not repeat)."""
+    assert _deadlock_sweep(DEADLOCK_POLICIES, draws=100, seed=2027) == 600
+
+
+@pytest.mark.slow  # the breadth is the point: ~40 s on a 2-core machine; `make test-slow`
 @pytest.mark.timeout(150)
 def test_no_deadlock_over_1000_random_draws_per_policy():
-    names = ["gpipe", "1f1b", "interleaved", "zb-h1", "dpp", "dpp-zb"]
-    assert _deadlock_sweep(names, draws=1000, seed=2026) == 6000
+    assert _deadlock_sweep(DEADLOCK_POLICIES, draws=1000, seed=2026) == 6000
 
 
 # ---- per-hop latency (--hop-latency, CostModel.transfer) ------------------------------------------

@@ -67,6 +67,9 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
     """Set up this rank's run (COLLECTIVE: every rank calls it). ``hooks``: trainer.train.TrainHooks;
     ``consumed_samples``: the training state's count at the time of asking (a resumed run replaces
     the state object after set-up, so the feed must not hold the one it was built with)."""
+    from trainer.megatron.jit import import_megatron_core
+
+    import_megatron_core()  # first: megatron-core's fused kernels then import no TorchDynamo (see there)
     device = init_process_group(launch, cfg.run.device, timeout_s=max(600.0, cfg.parallel.dpp_timeout_s),
                                 backend_choice=cfg.parallel.distributed_backend)
     run_token = agreed_run_token(device=device)
