@@ -23,11 +23,11 @@ import pytest
 
 from tests.dist.grads import GRAD_RTOL, compare_grads, load_rank_grads
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 ITERS = 3
 LOSS_RTOL = 1e-5
-TINY = ["--device", "cpu", "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
+TINY = [*model_flags(layers=None), "--make-vocab-size-divisible-by", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--dpp-timeout", "120"]
 # A Llama-family GPT (the AWS Llama-2 line's architecture flags): RMSNorm, SwiGLU (gated fc1, whose TP

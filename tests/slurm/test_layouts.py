@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_chain import small_corpus
+from tests.corpus import small_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.slurm.test_chain import CHAIN_TIMEOUT_S, REPO, small_corpus
+from tests.corpus import small_corpus
+from tests.slurm.test_chain import CHAIN_TIMEOUT_S, REPO
 
 
 def run_module(*args: str, timeout: float) -> subprocess.CompletedProcess:
