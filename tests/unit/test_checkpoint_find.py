@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint.state import FORMAT, TRACKER, CheckpointError, find_checkpoint, preflight
+from trainer.checkpoint.find import FORMAT, TRACKER, CheckpointError, find_checkpoint, preflight
 
 TORCH_DIST = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
               "common_backend": "torch", "common_backend_version": 1}

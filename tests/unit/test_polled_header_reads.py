@@ -13,7 +13,8 @@ import torch
 
 from trainer.transport.base import Header
 from trainer.transport.channels import Inbox
-from trainer.transport.dist_links import DistProgress, PolledGroupReceiver
+from trainer.transport.dist_links import PolledGroupReceiver
+from trainer.transport.dist_progress import DistProgress
 from trainer.transport.edge_groups import EdgeGroup
 from trainer.transport.wire import HEADER_BYTES, encode, pack
 
