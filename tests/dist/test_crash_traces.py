@@ -1,5 +1,5 @@
 """A crashed training run leaves the traces it had, tagged with one run id, and they aggregate
-(issue 15, item 5; the flush on crash is TrainingSession.flush_traces, called from main's handler)."""
+(the flush on crash is TrainingSession.flush_traces, called from main's handler)."""
 
 from __future__ import annotations
 

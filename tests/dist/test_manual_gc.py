@@ -1,4 +1,4 @@
-"""``--manual-gc`` (issue 17): the collections of a real 2-rank run are exactly Megatron-LM's schedule.
+"""``--manual-gc``: the collections of a real 2-rank run are exactly Megatron-LM's schedule.
 
 Each rank runs ``trainer.train.main`` under this module's harness (``python -m tests.dist.test_manual_gc
 --out DIR -- <trainer flags>``), which records every garbage collection through ``gc.callbacks`` as

@@ -1,4 +1,4 @@
-"""Command lines users arrive with run to completion under torchrun (issue 17 part 5), on CPU with tiny
+"""Command lines users arrive with run to completion under torchrun, on CPU with tiny
 sizes and the shipped corpus:
 
 - the AWS test case's ``pretrain_gpt.py`` line (aws-samples/awsome-distributed-training,

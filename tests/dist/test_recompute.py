@@ -1,4 +1,4 @@
-"""Activation recompute (``--recompute-*``, issue 17) really recomputes on CPU, and changes no number.
+"""Activation recompute (``--recompute-*``) really recomputes on CPU, and changes no number.
 
 One process, megatron-core's local spec, dropout ON: megatron's ``CheckpointFunction`` restores the
 CPU generator before re-running a forward (the CUDA half is shimmed out on CPU), so recomputed

@@ -1,4 +1,4 @@
-"""A resumed run must match its checkpoint's seed, LR schedule, batch and model (issue 15, item 2).
+"""A resumed run must match its checkpoint's seed, LR schedule, batch and model.
 
 Before: --load took whatever the folder held; a second experiment with another seed and learning
 rate silently continued the first one's optimizer and scheduler state.

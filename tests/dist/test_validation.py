@@ -1,4 +1,4 @@
-"""``--split`` / ``--eval-interval`` / ``--eval-iters`` (issue 17): validation through the DPP runtime's
+"""``--split`` / ``--eval-interval`` / ``--eval-iters``: validation through the DPP runtime's
 forward-only steps prints Megatron-LM's validation lines with the values a single-process reference
 (plain sequential loop, same weights, see tests/dist/train_harness.py) prints."""
 

@@ -1,5 +1,5 @@
 """On 4 GPUs: DPP training over NCCL links (ranks split 2+2 into "nodes") equals the same run over
-same-node links (issue 11, part 2). Skipped with fewer than 4 GPUs. Run on a 4-GPU machine with::
+same-node links. Skipped with fewer than 4 GPUs. Run on a 4-GPU machine with::
 
     python -m pytest -m gpu tests/gpu/test_dpp_nccl_split.py -s
 

@@ -59,7 +59,7 @@ def test_an_ops_gpu_span_opens_after_its_input_was_produced(tmp_path) -> None:
     is the op's run, not its wait: over the same-node GPU transport, no forward on stage 1 opens
     before stage 0's forward of that microbatch ended, no backward on stage 0 before stage 1's, and
     the critical path finds no wait inside an op span. (Before, stage 1's spans opened at once and
-    held the whole wait: the eleventh session's 4-GPU traces summed ~11% more op time than the step.)"""
+    held the whole wait: 4-GPU traces taken that way summed ~11% more op time than the step.)"""
     from tests.dist.launch import check_ok, launch
     from trainer.profiling.critical_path import analyse, collect_spans
     from trainer.profiling.loading import load_rank_traces

@@ -1,4 +1,4 @@
-"""``--load`` of a folder the trainer cannot resume from fails, naming the path (issue 17, part 3).
+"""``--load`` of a folder the trainer cannot resume from fails, naming the path.
 
 Before: a Megatron checkpoint given to --load was silently ignored ("resuming at iteration 0").
 find_checkpoint reads files only (it runs before any process group); the folders here are built by

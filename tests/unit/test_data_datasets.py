@@ -201,7 +201,7 @@ def test_bert_bad_arguments(gpt2_corpus, bert_prefix, bert_tokenizer):
         BertSampleDataset(gpt2_corpus, 64, bert_tokenizer, seed=0)
 
 
-# ---- issue 15, item 4: a .bin that does not match its .idx is named when opened, not mid-training ----
+# ---- a .bin that does not match its .idx is named when opened, not mid-training -----------------
 @pytest.mark.parametrize("change", [-2, 4], ids=["short", "long"])
 def test_bin_size_is_checked_against_the_index_when_opened(gpt2_corpus, bert_prefix, bert_tokenizer, tmp_path,
                                                            change):

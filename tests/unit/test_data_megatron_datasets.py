@@ -1,4 +1,4 @@
-"""Data through megatron-core's dataset builder (trainer/data/megatron_datasets.py, issue 17 part 4):
+"""Data through megatron-core's dataset builder (trainer/data/megatron_datasets.py):
 --data-path blends, --split of documents, the index cache, and GPT and BERT samples as the trainer
 reads them.
 

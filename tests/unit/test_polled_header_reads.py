@@ -1,7 +1,7 @@
 """A polled header line has two readers: the consumer (``try_receive``) and any thread pumping the
 rank's progress (``post_announced``, e.g. a sender waiting for credit). CI once saw "message 36 from
-rank 1 arrived when 35 was due" because two unserialised reads appended their chunks out of order
-(tenth session). This test forces that interleaving: the first read has taken its bytes off the
+rank 1 arrived when 35 was due" because two unserialised reads appended their chunks out of order.
+This test forces that interleaving: the first read has taken its bytes off the
 line and is held there until a second thread has started its own read -- which must wait, so the
 headers still decode in order."""
 
