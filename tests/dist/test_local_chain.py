@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.corpus import small_corpus
+from tests.slurm.test_chain import small_corpus
 from workflows import local_chain
 
 REPO = Path(__file__).resolve().parents[2]
