@@ -1,9 +1,9 @@
 """The model part of a test's training command line, written once: where it runs and the model's sizes.
 
 Tests of every tier train small megatron-core models. A test names only the sizes that differ from the
-tiny CPU model below (2 layers, hidden 32, 4 heads, 16 tokens, vocabulary 128: seconds per iteration on
-one core) and appends its own batch, schedule and run flags. The flags are Megatron-LM's, in the order
-they were written by hand before; the trainer's parser does not depend on the order.
+tiny CPU model below (2 layers, hidden 32, 4 heads, 16 tokens, vocabulary 128) and appends its own
+batch, schedule and run flags. The flags are Megatron-LM's; the trainer's parser does not depend on
+their order.
 """
 
 from __future__ import annotations
