@@ -1,4 +1,5 @@
-"""Shared fixtures: no leaked shared-memory segments of this test run, GPU tests skipped without CUDA."""
+"""Shared fixtures: no leaked shared-memory segments of this test run, GPU tests skipped without CUDA, the
+shipped corpus cut and tokenized once per test run."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.corpus import preprocess_gpt2, small_corpus
 from tests.shm_tag import TAG, our_segments
 from trainer.launch.run_token import RUN_TAG_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 LEAK_GRACE_S = 3.0
+CORPUS_SLICE_DOCUMENTS = 150  # 390 KB of text: 50 x 8 samples of 32 tokens without repeating, seconds to tokenize
 
 # Before any test, forked rank or launched rank exists: every run token drawn from here on (this
 # process and everything it starts inherits the environment) begins with this run's tag.
@@ -44,6 +47,21 @@ def no_leaked_shared_memory():
         except FileNotFoundError:
             pass
     assert not leaked, f"test leaked shared-memory segments: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def corpus_slice(tmp_path_factory) -> Path:
+    """The first 150 documents of the shipped corpus as JSON lines (read-only: tests share it)."""
+    return small_corpus(tmp_path_factory.mktemp("corpus-slice") / "slice.jsonl", CORPUS_SLICE_DOCUMENTS)
+
+
+@pytest.fixture(scope="session")
+def gpt2_corpus(corpus_slice: Path, tmp_path_factory) -> str:
+    """``corpus_slice`` tokenized with GPT-2 BPE and ``--append-eod``: the ``--data-path`` prefix.
+
+    Tests may add files beside it (megatron-core caches its sample indices under the prefix, one name
+    per dataset configuration), never change the dataset itself."""
+    return preprocess_gpt2(corpus_slice, tmp_path_factory.mktemp("gpt2-corpus") / "gpt2")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer.checkpoint.state import FORMAT, read_common_state
+from trainer.checkpoint.find import FORMAT, read_common_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import REPO
+from tests.model_flags import model_flags
 
-TINY = ["--device", "cpu", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2", "--num-microbatches", "4",
+TINY = [*model_flags(layers=4, mock_data=False), "--micro-batch-size", "2", "--num-microbatches", "4",
         "--pipeline-parallel", "2", "--train-iters", "4", "--no-bf16", "--extra", "--dpp-timeout 120"]
 
 

@@ -17,10 +17,10 @@ import pytest
 
 from tests.dist.checkpoints import TRACKER, assert_megatron_checkpoint
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 LOSS_RTOL = 1e-5  # as tests/dist/test_dpp_equivalence.py
-ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8",
+ARGS = [*model_flags(layers=4), "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr", "3e-3", "--lr-warmup-iters", "2", "--lr-decay-iters", "8", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--transport", "gloo", "--log-interval", "1", "--train-iters", "6"]
 

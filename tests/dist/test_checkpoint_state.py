@@ -1,4 +1,4 @@
-"""What a same-layout resume restores besides the weights (issue 17, part 3): the RNG streams (dropout
+"""What a same-layout resume restores besides the weights: the RNG streams (dropout
 on: the resumed run draws the same masks, so its losses equal the straight run's exactly), and a
 checkpoint saved before the first step (a signal during start-up) resumes like a fresh start, with
 the plain and the distributed optimizer (torch's Adam keeps no state before its first step)."""

@@ -1,5 +1,5 @@
 """A crashed training run leaves the traces it had, tagged with one run id, and they aggregate
-(issue 15, item 5; the flush on crash is TrainingSession.flush_traces, called from main's handler)."""
+(the flush on crash is TrainingSession.flush_traces, called from main's handler)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.dist.launch import launch
+from tests.model_flags import model_flags
 from trainer.profiling import aggregate
 from trainer.profiling.tracer import trace_file_name
 
@@ -18,8 +19,7 @@ STAGES, CRASH_RANK, CRASH_AFTER, ITERATIONS = 2, 1, 2, 6
 def test_a_crashed_run_leaves_its_traces_and_they_aggregate(tmp_path, capsys):
     traces = tmp_path / "traces"
     args = ["tests.dist.crash_harness", str(CRASH_RANK), str(CRASH_AFTER), "--",
-            "--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "32", "--pipeline-model-parallel-size", str(STAGES),
+            *model_flags(seq=32, vocab=None), "--pipeline-model-parallel-size", str(STAGES),
             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(ITERATIONS),
             "--use-dpp", "--dpp-timeout", "30", "--profile-dir", str(traces)]
     results = launch(args, STAGES, timeout_s=240)

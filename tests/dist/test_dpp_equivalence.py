@@ -23,11 +23,11 @@ import pytest
 
 from tests.dist.grads import GRAD_RTOL, compare_grads, load_rank_grads
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 ITERS = 3
 LOSS_RTOL = 1e-5
-TINY = ["--device", "cpu", "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
+TINY = [*model_flags(layers=None), "--make-vocab-size-divisible-by", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--dpp-timeout", "120"]
 # A Llama-family GPT (the AWS Llama-2 line's architecture flags): RMSNorm, SwiGLU (gated fc1, whose TP
@@ -76,7 +76,7 @@ LAYOUTS = {
 LAYOUTS["gpt-pp2-uneven"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
                                          "5", "--decoder-last-pipeline-num-layers", "3"])
 UNEVEN = {"gpt-pp2-uneven": {0: set(range(5)), 1: set(range(5, 8))}}
-# Activation recompute (issue 17): full recompute of every layer re-runs each forward inside the DPP
+# Activation recompute: full recompute of every layer re-runs each forward inside the DPP
 # runtime's backward (and, under dpp-zb, inside I); the reference recomputes nothing.
 LAYOUTS["gpt-pp2-recompute"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                                             "--recompute-method", "uniform", "--recompute-num-layers", "1"])
@@ -92,7 +92,7 @@ LAYOUTS["gpt-pp2-vp2-dp2-overlap"] = ("gpt", 4, ["--pipeline-model-parallel-size
 LAYOUTS["gpt-pp2-dp2-overlap-distopt"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP,
                                                       "--use-distributed-optimizer", *GLOO])
 OVERLAPPED = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-overlap-distopt"}
-# --sequence-parallel (issue 17): activations between stages are each TP rank's [seq/TP, mbs, h]
+# --sequence-parallel: activations between stages are each TP rank's [seq/TP, mbs, h]
 # (every TP rank has its own links); layer-norm gradients are all-reduced over TP by finalize_model_grads.
 # Under dpp-zb the column-parallel linears' deferred weight GEMMs keep the TP-gathered input until W
 # (default), or keep the local shard and gather it again in W (--dpp-sp-wgrad-input regather).
@@ -143,7 +143,7 @@ CASES = ([_case(layout, "dpp", layout) for layout in LAYOUTS if layout not in SP
                                    ("gpt-pp2-uneven", "zb-h1"))])
 
 
-# --variable-seq-lengths (issue 13): mock documents of log-normal length, microbatches cut to their
+# --variable-seq-lengths: mock documents of log-normal length, microbatches cut to their
 # longest sample rounded up to 4 tokens (lengths 4..16 here, several per step), GPT's loss averaged
 # per token (megatron-core's calculate_per_token_loss). Its own references: the data differ.
 VARLEN = ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length-divisible-by", "4"]
@@ -185,7 +185,7 @@ def test_dpp_variable_lengths_match_single_process_reference(layout: str, policy
     _check_layout(layout, varlen_references[model], TINY + MODELS[model] + flags + VARLEN + schedule, tmp_path)
 
 
-# dpp-zb asks the links whether a gradient's payload has landed (StageLinks.landed, issue 14): a landed
+# dpp-zb asks the links whether a gradient's payload has landed (StageLinks.landed): a landed
 # gradient's I goes before a travelling one's, and while every ready gradient travels a deferred W
 # runs. CPU payloads are always there, so the harness makes the links answer "not yet" to each
 # odd microbatch's gradient's first two looks (--landing-delay, a stand-in for GPU copies in flight): the order of the

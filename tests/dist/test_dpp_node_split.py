@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 LOSS_RTOL = 1e-5
-ARGS = ["--device", "cpu", "--mock-data", "--model", "gpt", "--num-layers", "4", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "128",
-        "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+ARGS = [*model_flags(model="gpt", layers=4), "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3",
         "--pipeline-model-parallel-size", "4", "--use-dpp", "--transport", "auto", "--dpp-timeout", "120"]
 EDGE = re.compile(r"(next|prev):(\d+)->(\d+):(\w+)")

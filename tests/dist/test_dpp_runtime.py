@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from trainer.launch.topology import Topology
 from trainer.pipeline import DppContext, DppStallError, forward_backward_dpp, make_forward_backward_func
 from trainer.pipeline.tp_decision import decode, encode
 from trainer.schedule.core import Action, Op, PipelineShape
 from trainer.schedule.registry import make_policy
-from trainer.launch.topology import Topology
 from trainer.transport.base import StageLinks, TransportTimeout
 
 

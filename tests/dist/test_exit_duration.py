@@ -11,10 +11,10 @@ import pytest
 
 from tests.dist.checkpoints import TRACKER, assert_megatron_checkpoint
 from tests.dist.launch import launch
+from tests.model_flags import model_flags
 from trainer.train import EXIT_STOPPED
 
-ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+ARGS = [*model_flags(), "--micro-batch-size", "1", "--global-batch-size", "2",
         "--pipeline-model-parallel-size", "2", "--train-iters", "1000000", "--log-interval", "1000"]
 
 

@@ -1,4 +1,4 @@
-"""``--manual-gc`` (issue 17): the collections of a real 2-rank run are exactly Megatron-LM's schedule.
+"""``--manual-gc``: the collections of a real 2-rank run are exactly Megatron-LM's schedule.
 
 Each rank runs ``trainer.train.main`` under this module's harness (``python -m tests.dist.test_manual_gc
 --out DIR -- <trainer flags>``), which records every garbage collection through ``gc.callbacks`` as
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
-ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "1",
+ARGS = [*model_flags(), "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "1",
         "--global-batch-size", "4", "--train-iters", "4", "--pipeline-model-parallel-size", "2", "--use-dpp",
         "--eval-interval", "2", "--eval-iters", "1", "--split", "90,10,0", "--dpp-timeout", "120"]
 

@@ -1,4 +1,4 @@
-"""Command lines users arrive with run to completion under torchrun (issue 17 part 5), on CPU with tiny
+"""Command lines users arrive with run to completion under torchrun, on CPU with tiny
 sizes and the shipped corpus:
 
 - the AWS test case's ``pretrain_gpt.py`` line (aws-samples/awsome-distributed-training,
@@ -17,7 +17,6 @@ beside the data as Megatron-LM does) and print Megatron-LM's validation lines.
 
 from __future__ import annotations
 
-import lzma
 import os
 import re
 import subprocess
@@ -33,19 +32,6 @@ from trainer.launch.ports import free_port
 VOCAB, MERGES = str(REPO / "datasets/gpt2/vocab.json"), str(REPO / "datasets/gpt2/merges.txt")
 ITERATION = re.compile(r"iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """150 documents of the shipped corpus, preprocessed as the AWS case does (GPT-2 BPE, --append-eod)."""
-    folder = tmp_path_factory.mktemp("corpus")
-    jsonl = folder / "my-gpt2.jsonl"
-    with lzma.open(REPO / "datasets" / "python-docs.jsonl.xz", "rt") as src:
-        jsonl.write_text("".join(line for _, line in zip(range(150), src, strict=False)))
-    subprocess.run([sys.executable, "-m", "trainer.preprocess", "--input", str(jsonl), "--output-prefix",
-                    str(folder / "my-gpt2"), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB,
-                    "--merge-file", MERGES, "--append-eod"], check=True, cwd=REPO, capture_output=True, timeout=300)
-    return str(folder / "my-gpt2_text_document")
 
 
 def _torchrun(nproc: int, args: list[str], *, nodes: int = 1, node_rank: int = 0, port: int | None = None
@@ -85,7 +71,7 @@ def _check_run(text: str, iterations: int, samples_per_iteration: int, validated
 
 
 @pytest.mark.timeout(900)
-def test_aws_test_case_pretrain_gpt_line(corpus: str) -> None:
+def test_aws_test_case_pretrain_gpt_line(gpt2_corpus: str) -> None:
     line = [
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -93,19 +79,19 @@ def test_aws_test_case_pretrain_gpt_line(corpus: str) -> None:
         "--train-samples", "24", "--lr-decay-samples", "20", "--lr-warmup-samples", "4",
         "--lr", "6.0e-5", "--min-lr", "6.0e-6", "--lr-decay-style", "cosine", "--log-interval", "1",
         "--eval-iters", "2", "--eval-interval", "3",
-        "--data-path", corpus, "--vocab-file", VOCAB, "--merge-file", MERGES, "--split", "98,2,0",
+        "--data-path", gpt2_corpus, "--vocab-file", VOCAB, "--merge-file", MERGES, "--split", "98,2,0",
         "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
         "--init-method-std", "0.006", "--fp16", "--recompute-activations",
     ]
     text = _finish([_torchrun(2, ["--device", "cpu", *line])], timeout_s=800)
     _check_run(text, iterations=6, samples_per_iteration=4, validated_at=[3, 6])
     # megatron-core's indices, cached where Megatron-LM caches them without --data-cache-path.
-    cached = {p.name.split("-", 1)[1] for p in (Path(corpus) / "cache" / "GPTDataset_indices").iterdir()}
+    cached = {p.name.split("-", 1)[1] for p in (Path(gpt2_corpus) / "cache" / "GPTDataset_indices").iterdir()}
     assert {"GPTDataset-train-sample_index.npy", "GPTDataset-valid-sample_index.npy"} <= cached, cached
 
 
 @pytest.mark.timeout(900)
-def test_prototype_example_line_on_two_nodes(corpus: str, tmp_path: Path) -> None:
+def test_prototype_example_line_on_two_nodes(gpt2_corpus: str, tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     checkpoints, tensorboard = tmp_path / "mcore_ckpt", tmp_path / "tb_logs"
@@ -125,7 +111,7 @@ def test_prototype_example_line_on_two_nodes(corpus: str, tmp_path: Path) -> Non
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--num-layers-per-virtual-pipeline-stage", "2",
         # DATA_ARGS
-        "--data-path", corpus, "--vocab-file", VOCAB, "--merge-file", MERGES, "--split", "949,50,1",
+        "--data-path", gpt2_corpus, "--vocab-file", VOCAB, "--merge-file", MERGES, "--split", "949,50,1",
         # EVAL_AND_LOGGING_ARGS
         "--log-interval", "1", "--save-interval", "50", "--eval-interval", "2", "--save", str(checkpoints),
         "--load", str(checkpoints), "--eval-iters", "1", "--tensorboard-dir", str(tensorboard),
@@ -144,7 +130,7 @@ def test_prototype_example_line_on_two_nodes(corpus: str, tmp_path: Path) -> Non
 
 
 @pytest.fixture(scope="module")
-def llama_corpus(tmp_path_factory) -> tuple[str, str]:
+def llama_corpus(corpus_slice: Path, tmp_path_factory) -> tuple[str, str]:
     """(data prefix, tokenizer.model): a SentencePiece model trained on the shipped corpus, and 150
     documents preprocessed with it as the AWS case's Llama-2 preprocessing does (Llama2Tokenizer,
     --append-eod)."""
@@ -153,10 +139,7 @@ def llama_corpus(tmp_path_factory) -> tuple[str, str]:
     folder = tmp_path_factory.mktemp("llama-corpus")
     model = train_sentencepiece(list(corpus_texts(REPO / "datasets" / "python-docs.jsonl.xz", 400)),
                                 folder / "llama2", vocab_size=1000)
-    jsonl = folder / "llama2.jsonl"
-    with lzma.open(REPO / "datasets" / "python-docs.jsonl.xz", "rt") as src:
-        jsonl.write_text("".join(line for _, line in zip(range(150), src, strict=False)))
-    subprocess.run([sys.executable, "-m", "trainer.preprocess", "--input", str(jsonl), "--output-prefix",
+    subprocess.run([sys.executable, "-m", "trainer.preprocess", "--input", str(corpus_slice), "--output-prefix",
                     str(folder / "my-llama2"), "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(model),
                     "--append-eod", "--workers", "2"], check=True, cwd=REPO, capture_output=True, timeout=300)
     return str(folder / "my-llama2_text_document"), str(model)

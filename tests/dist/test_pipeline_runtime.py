@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.model_flags import model_flags
 from tests.shm_tag import tagged
 from trainer.config import parse_config
 from trainer.launch.local_ranks import check_all_ok, run_processes
-from trainer.pipeline.runtime import PipelineRuntime
 from trainer.launch.topology import Topology
+from trainer.pipeline.runtime import PipelineRuntime
 
-ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
+ARGS = [*model_flags(), "--micro-batch-size", "1", "--global-batch-size", "4",
         "--use-dpp", "--train-iters", "1", "--transport", "shm"]
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "tp2": ["--tensor-model-parallel-size", "2"]}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.model_flags import model_flags
 from trainer.profiling import aggregate
 from trainer.profiling.tracer import trace_file_name
 from trainer.profiling.validate import validate_trace
@@ -21,17 +22,16 @@ ITERATIONS = 2
 MICROBATCHES = 8
 
 
-# A lopsided split, 5/1/1/1 layers: the aggregation must name stage 0 the slowest and move layers off it.
-SPLIT = ["--num-layers", "8", "--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "1"]
+# A lopsided split of 8 layers, 5/1/1/1: the aggregation must name stage 0 the slowest and move layers off it.
+SPLIT = ["--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "1"]
 
 
 def train_command(profile_dir: Path, use_dpp: bool = True) -> list[str]:
     """torchrun on 4 CPU processes, one pipeline stage each, a tiny GPT on mock data."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={STAGES}",
-        "-m", "trainer.train", "--device", "cpu", "--mock-data", *SPLIT,
-        "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--pipeline-model-parallel-size", str(STAGES),
+        "-m", "trainer.train", *model_flags(layers=8, hidden=64, seq=64, vocab=None), *SPLIT,
+        "--pipeline-model-parallel-size", str(STAGES),
         "--micro-batch-size", "1", "--global-batch-size", str(MICROBATCHES),
         "--train-iters", str(ITERATIONS), "--profile-dir", str(profile_dir),
     ] + (["--use-dpp"] if use_dpp else [])

@@ -1,4 +1,4 @@
-"""Activation recompute (``--recompute-*``, issue 17) really recomputes on CPU, and changes no number.
+"""Activation recompute (``--recompute-*``) really recomputes on CPU, and changes no number.
 
 One process, megatron-core's local spec, dropout ON: megatron's ``CheckpointFunction`` restores the
 CPU generator before re-running a forward (the CUDA half is shimmed out on CPU), so recomputed
@@ -20,6 +20,7 @@ from tests.dist.launch import REPO, free_port
 SCRIPT = r"""
 import json, sys
 from megatron.core.tensor_parallel import random as tp_random
+from tests.model_flags import model_flags
 from trainer.train import TrainHooks, main
 
 calls, losses = {"n": 0}, []
@@ -28,8 +29,7 @@ def counting(ctx, *args, **kwargs):
     calls["n"] += 1
     return original(ctx, *args, **kwargs)
 tp_random.CheckpointFunction.forward = staticmethod(counting)
-base = ("--device cpu --mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-        "--vocab-size 128 --global-batch-size 8 --micro-batch-size 2 --train-iters 2 --log-interval 100").split()
+base = model_flags() + "--global-batch-size 8 --micro-batch-size 2 --train-iters 2 --log-interval 100".split()
 result = {}
 for name, flags in json.loads(sys.argv[1]).items():
     calls["n"], losses = 0, []

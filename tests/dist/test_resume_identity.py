@@ -1,4 +1,4 @@
-"""A resumed run must match its checkpoint's seed, LR schedule, batch and model (issue 15, item 2).
+"""A resumed run must match its checkpoint's seed, LR schedule, batch and model.
 
 Before: --load took whatever the folder held; a second experiment with another seed and learning
 rate silently continued the first one's optimizer and scheduler state.
@@ -13,9 +13,9 @@ import pytest
 
 from tests.dist.checkpoints import TRACKER
 from tests.dist.launch import launch
+from tests.model_flags import model_flags
 
-ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4"]
+ARGS = [*model_flags(), "--micro-batch-size", "2", "--global-batch-size", "4"]
 
 
 def train(ckpt: Path, *extra: str):

@@ -19,12 +19,12 @@ import time
 import pytest
 
 from tests.dist.launch import start
+from tests.model_flags import model_flags
 from tests.shm_tag import TAG
 from trainer.names import is_segment_of
 
 TIMEOUT_S = 20  # --dpp-timeout: how long the survivor waits for a peer that never arrives
-ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "32", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+ARGS = [*model_flags(seq=32, vocab=None), "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--train-iters", "1", "--use-dpp", "--transport", "shm",
         "--dpp-timeout", str(TIMEOUT_S)]
 

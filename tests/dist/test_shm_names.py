@@ -18,9 +18,10 @@ import pytest
 import torch.distributed as dist
 
 from tests.dist.launch import check_ok, free_port, launch
+from tests.model_flags import model_flags
 from tests.shm_tag import TAG
-from trainer.names import doorbell_name, ring_name
 from trainer.launch.run_token import token_prefix
+from trainer.names import doorbell_name, ring_name
 from trainer.transport.factory import _agreed_job_id
 
 SHM = Path("/dev/shm")
@@ -37,8 +38,7 @@ def _old_names() -> list[str]:
 
 
 def _train(profile_dir: Path) -> str:
-    args = ["trainer.train", "--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "32", "--pipeline-model-parallel-size", "2",
+    args = ["trainer.train", *model_flags(seq=32, vocab=None), "--pipeline-model-parallel-size", "2",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--use-dpp",
             "--transport", "shm", "--dpp-timeout", "60", "--profile-dir", str(profile_dir)]
     results = launch(args, 2, timeout_s=200, extra_env=NONE_ENV)

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 ITERS = 10
 BF16_RTOL = 2e-2
 """Per-iteration loss agreement between the two schedules: bf16 rounding of different reduction
 orders (DPP and 1F1B accumulate weight gradients in different microbatch orders)."""
-GPT_16L = ["--device", "cuda", "--mock-data", "--num-layers", "16", "--hidden-size", "2048",
-           "--num-attention-heads", "16", "--seq-length", "1024", "--max-position-embeddings", "1024",
-           "--vocab-size", "50257", "--micro-batch-size", "2", "--global-batch-size", "64",
+GPT_16L = [*model_flags(device="cuda", layers=16, hidden=2048, heads=16, seq=1024, max_position=1024, vocab=50257),
+           "--micro-batch-size", "2", "--global-batch-size", "64",
            "--pipeline-model-parallel-size", "4", "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "2",
            "--train-iters", str(ITERS), "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234"]
 
@@ -74,9 +74,8 @@ def test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus(tmp_path: Path, mega
         assert dpp[it] == pytest.approx(value, rel=BF16_RTOL), f"{policy}, iteration {it}"
 
 
-GPT_8L_ONE_GPU = ["--device", "cuda", "--mock-data", "--num-layers", "8", "--hidden-size", "1024",
-                  "--num-attention-heads", "16", "--seq-length", "1024", "--max-position-embeddings", "1024",
-                  "--vocab-size", "50257", "--micro-batch-size", "2", "--global-batch-size", "32",
+GPT_8L_ONE_GPU = [*model_flags(device="cuda", layers=8, hidden=1024, heads=16, seq=1024, max_position=1024,
+                              vocab=50257), "--micro-batch-size", "2", "--global-batch-size", "32",
                   "--pipeline-model-parallel-size", "2", "--bf16", "--lr", "1e-4", "--train-iters", "5",
                   "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
                   "--distributed-backend", "gloo"]

@@ -11,10 +11,9 @@ import sys
 import pytest
 
 from tests.dist.launch import REPO, free_port
+from tests.model_flags import model_flags
 
-TINY = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2",
-        "--train-iters", "2"]
+TINY = [*model_flags(), "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", "2"]
 
 
 def _iteration_lines(flags: list[str], script: str | None = None) -> list[str]:

@@ -13,10 +13,10 @@ import pytest
 
 from tests.dist.checkpoints import assert_megatron_checkpoint
 from tests.dist.launch import start
+from tests.model_flags import model_flags
 
 EXIT_STOPPED = 75
-ARGS = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+ARGS = [*model_flags(), "--micro-batch-size", "2", "--global-batch-size", "4",
         "--pipeline-model-parallel-size", "2", "--use-dpp", "--train-iters", "100000"]
 
 

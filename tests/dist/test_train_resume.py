@@ -8,38 +8,18 @@ dropout masks drawn from one generator would differ even without a restart (docs
 from __future__ import annotations
 
 import json
-import lzma
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.dist.checkpoints import assert_megatron_checkpoint
-from tests.dist.launch import REPO, check_ok, launch
-
-CORPUS_LINES = 150  # about 1 MB of text: enough for 50 x 8 samples of 32 tokens without repeating
-
-
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("sample-data")
-    jsonl = folder / "sample.jsonl"
-    with lzma.open(REPO / "datasets" / "python-docs.jsonl.xz", "rt") as src:
-        jsonl.write_text("".join(line for _, line in zip(range(CORPUS_LINES), src, strict=False)))
-    subprocess.run([sys.executable, "-m", "trainer.preprocess", "--input", str(jsonl),
-                    "--output-prefix", str(folder / "docs"), "--tokenizer-type", "GPT2BPETokenizer",
-                    "--vocab-file", str(REPO / "datasets/gpt2/vocab.json"),
-                    "--merge-file", str(REPO / "datasets/gpt2/merges.txt"), "--append-eod"],
-                   check=True, cwd=REPO, capture_output=True, timeout=300)
-    return str(folder / "docs_text_document")
-
+from tests.corpus import GPT2_FILES
+from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 def _train(out: Path, data: str, iters: int, *extra: str) -> dict[int, float]:
-    args = ["--device", "cpu", "--data-path", data, "--tokenizer-type", "GPT2BPETokenizer",
-            "--vocab-file", str(REPO / "datasets/gpt2/vocab.json"),
-            "--merge-file", str(REPO / "datasets/gpt2/merges.txt"),
-            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    args = [*model_flags(hidden=64, seq=32, vocab=None, mock_data=False), "--data-path", data,
+            "--tokenizer-type", "GPT2BPETokenizer", *GPT2_FILES,
             "--micro-batch-size", "2", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
             "--use-dpp", "--lr", "3e-3", "--lr-warmup-iters", "5", "--lr-decay-iters", "50",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(iters),
@@ -52,24 +32,23 @@ def _train(out: Path, data: str, iters: int, *extra: str) -> dict[int, float]:
 
 
 @pytest.mark.timeout(1500)
-def test_loss_drops_and_resume_reproduces_straight_run(sample_data: str, tmp_path: Path) -> None:
-    straight = _train(tmp_path / "straight", sample_data, 50)
+def test_loss_drops_and_resume_reproduces_straight_run(gpt2_corpus: str, tmp_path: Path) -> None:
+    straight = _train(tmp_path / "straight", gpt2_corpus, 50)
     assert sorted(straight) == list(range(1, 51))
     first, last = sum(straight[i] for i in range(1, 6)) / 5, sum(straight[i] for i in range(46, 51)) / 5
     assert last < first - 1.0, f"loss did not drop: first five {first:.3f}, last five {last:.3f}"
 
     ckpt = tmp_path / "ckpt"
-    part1 = _train(tmp_path / "part1", sample_data, 20, "--save", str(ckpt), "--save-interval", "20")
+    part1 = _train(tmp_path / "part1", gpt2_corpus, 20, "--save", str(ckpt), "--save-interval", "20")
     assert_megatron_checkpoint(ckpt, 20)
-    part2 = _train(tmp_path / "part2", sample_data, 50, "--load", str(ckpt))
+    part2 = _train(tmp_path / "part2", gpt2_corpus, 50, "--load", str(ckpt))
     assert sorted(part2) == list(range(21, 51))  # resumed at 20, not from scratch
     assert {**part1, **part2} == straight  # exact: same samples, same weights, same optimizer state
 
 
 @pytest.mark.timeout(360)
 def test_load_of_missing_directory_starts_fresh(tmp_path: Path) -> None:
-    args = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+    args = [*model_flags(), "--micro-batch-size", "2", "--global-batch-size", "4",
             "--train-iters", "2", "--load", str(tmp_path / "nothing-here")]
     check_ok(launch(["tests.dist.train_harness", "--out", str(tmp_path), "--", *args], 1, timeout_s=300))
     assert sorted(json.loads((tmp_path / "losses_rank0.json").read_text())) == ["1", "2"]

@@ -1,9 +1,9 @@
-"""Issue 3 "Must show" (CPU) for every CPU transport: each scenario runs on real processes.
+"""What every CPU transport must do (order, credits, close, a dead peer named, bounded waits), each on real processes.
 
 Each test spawns its ranks through ``trainer.launch.local_ranks.run_processes`` (a forkserver with torch preloaded,
 gloo rendezvous on a free port) and is parametrised over the transports: "gloo" (a process group per
 directed edge) and "shm" (the C++ shared-memory ring). conftest.py fails any test that leaves
-a segment of its own (/dev/shm/mdpp-<tag>*) behind, which covers the "no leaked segments" bullet for every scenario here.
+a segment of its own (/dev/shm/mdpp-<tag>*) behind, so no scenario here leaks one either.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The gloo/NCCL channel protocol on CPU (gloo payloads run the same code as NCCL ones, issue 11).
+"""The gloo/NCCL channel protocol on CPU (gloo payloads run the same code as NCCL ones).
 
 Header protocol (the header travels on the host channel, the payload receive is posted only after
 it), timeouts that name the peer and what was awaited, randomized send orders across edges (many

@@ -1,4 +1,4 @@
-"""``--split`` / ``--eval-interval`` / ``--eval-iters`` (issue 17): validation through the DPP runtime's
+"""``--split`` / ``--eval-interval`` / ``--eval-iters``: validation through the DPP runtime's
 forward-only steps prints Megatron-LM's validation lines with the values a single-process reference
 (plain sequential loop, same weights, see tests/dist/train_harness.py) prints."""
 
@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 RTOL = 1e-5
-TINY = ["--device", "cpu", "--mock-data", "--model", "gpt", "--num-layers", "4", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by",
-        "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--hidden-dropout", "0",
+TINY = [*model_flags(model="gpt", layers=4), "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--lr", "1e-3", "--dpp-timeout", "120",
         "--split", "8,1,1", "--eval-interval", "2", "--eval-iters", "2"]
 VALIDATION = re.compile(r"trainer\.train:  validation loss at iteration (\d+) \| lm loss value: (\S+) \| "

@@ -17,13 +17,12 @@ import torch
 
 from tests.dist.checkpoints import TRACKER, assert_megatron_checkpoint
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import GPU_SMALL, model_flags
 
 pytestmark = pytest.mark.gpu
 
 LOSS_RTOL = 1e-5
-GPT = ["--device", "cuda", "--mock-data", "--num-layers", "4", "--hidden-size", "256",
-       "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
-       "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+GPT = [*model_flags(**GPU_SMALL), "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
        "--lr-warmup-iters", "2", "--lr-decay-iters", "8", "--train-iters", "6", "--hidden-dropout", "0",
        "--attention-dropout", "0", "--seed", "1234", "--dpp-timeout", "60", "--log-interval", "1"]
 PP2 = ["--pipeline-model-parallel-size", "2", "--use-dpp", "--dpp-eager"]

@@ -1,5 +1,5 @@
 """On 4 GPUs: DPP training over NCCL links (ranks split 2+2 into "nodes") equals the same run over
-same-node links (issue 11, part 2). Skipped with fewer than 4 GPUs. Run on a 4-GPU machine with::
+same-node links. Skipped with fewer than 4 GPUs. Run on a 4-GPU machine with::
 
     python -m pytest -m gpu tests/gpu/test_dpp_nccl_split.py -s
 
@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 pytestmark = pytest.mark.gpu
 
 ITERS = 5
 BF16_RTOL = 2e-2
-GPT = ["--device", "cuda", "--mock-data", "--num-layers", "8", "--hidden-size", "1024",
-       "--num-attention-heads", "16", "--seq-length", "1024", "--max-position-embeddings", "1024",
-       "--vocab-size", "50257", "--micro-batch-size", "2", "--global-batch-size", "32",
+GPT = [*model_flags(device="cuda", layers=8, hidden=1024, heads=16, seq=1024, max_position=1024, vocab=50257),
+       "--micro-batch-size", "2", "--global-batch-size", "32",
        "--pipeline-model-parallel-size", "4", "--bf16", "--lr", "1e-4", "--train-iters", str(ITERS),
        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--use-dpp",
        "--dpp-eager", "--transport", "auto", "--dpp-timeout", "60"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model_flags import model_flags
 from trainer.profiling.gpu_spans import GpuOpTimer
 from trainer.profiling.tracer import now_us
 
@@ -41,9 +42,8 @@ def test_gpu_spans_time_each_op_on_the_host_clock() -> None:
 
 # Stage 0 holds 5 of 6 layers, so stage 1's host queues each forward (its activation's header came
 # when stage 0 *queued* the producing forward) long before the activation exists on its GPU.
-SKEWED = ["--device", "cuda", "--mock-data", "--num-layers", "6", "--decoder-first-pipeline-num-layers", "5",
-          "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "512",
-          "--max-position-embeddings", "512", "--vocab-size", "1000", "--micro-batch-size", "2",
+SKEWED = [*model_flags(device="cuda", layers=6, hidden=1024, heads=8, seq=512, max_position=512, vocab=1000),
+          "--decoder-first-pipeline-num-layers", "5", "--micro-batch-size", "2",
           "--global-batch-size", "16", "--pipeline-model-parallel-size", "2", "--lr", "1e-4", "--train-iters", "3",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--use-dpp", "--dpp-policy", "dpp",
           "--dpp-eager", "--dpp-timeout", "60", "--log-interval", "1"]
@@ -59,7 +59,7 @@ def test_an_ops_gpu_span_opens_after_its_input_was_produced(tmp_path) -> None:
     is the op's run, not its wait: over the same-node GPU transport, no forward on stage 1 opens
     before stage 0's forward of that microbatch ended, no backward on stage 0 before stage 1's, and
     the critical path finds no wait inside an op span. (Before, stage 1's spans opened at once and
-    held the whole wait: the eleventh session's 4-GPU traces summed ~11% more op time than the step.)"""
+    held the whole wait: 4-GPU traces taken that way summed ~11% more op time than the step.)"""
     from tests.dist.launch import check_ok, launch
     from trainer.profiling.critical_path import analyse, collect_spans
     from trainer.profiling.loading import load_rank_traces

@@ -2,7 +2,7 @@
 distribution, and the same seed replays the same sequence.
 
 One process, one GPU: megatron's graph-safe RNG tracker (as trainer.train seeds it with graphs) and the
-capture helper of trainer.pipeline.cuda_graphs, which registers the tracker's states with each graph.
+capture helper of trainer.pipeline.graph_rng, which registers the tracker's states with each graph.
 The captured function draws as a transformer layer does: attention dropout inside the tracker's fork
 (the TP-region state) and hidden dropout from the default generator.
 
@@ -24,7 +24,7 @@ def _masks(seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Te
     """(each replay's (TP-region mask, default-generator mask), an eager TP-region mask drawn after)."""
     from megatron.core import tensor_parallel
 
-    from trainer.pipeline.cuda_graphs import _graph
+    from trainer.pipeline.graph_rng import capture
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, tp_rank=0, ep_rank=0,
                                                     etp_rank=0, force_reset_rng=True)
@@ -41,7 +41,7 @@ def _masks(seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Te
         layer()  # warm-up, eagerly, as capture_slot's is
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with _graph(graph, None, stream, draws=True):
+    with capture(graph, None, stream, draws=True):
         attention, hidden = layer()
     masks = []
     for _ in range(REPLAYS):

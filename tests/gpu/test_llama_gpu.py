@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import check_ok, launch
+from tests.model_flags import model_flags
 
 pytestmark = pytest.mark.gpu
 
 ITERS = 5
 BF16_RTOL = 2e-2
-LLAMA = ["--device", "cuda", "--mock-data", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
-         "--group-query-attention", "--num-query-groups", "4", "--seq-length", "1024",
-         "--max-position-embeddings", "1024", "--vocab-size", "32000", "--micro-batch-size", "2",
+LLAMA = [*model_flags(device="cuda", layers=8, hidden=1024, heads=16, seq=1024, max_position=1024, vocab=32000),
+         "--group-query-attention", "--num-query-groups", "4", "--micro-batch-size", "2",
          "--global-batch-size", "16", "--pipeline-model-parallel-size", "2", "--bf16", "--lr", "1e-4",
          "--train-iters", str(ITERS), "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
          "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",

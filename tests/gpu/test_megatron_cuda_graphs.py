@@ -22,14 +22,13 @@ import pytest
 import torch
 
 from tests.gpu.same_run import assert_same_grads, assert_same_losses, grad_dumps, train
+from tests.model_flags import GPU_SMALL, model_flags
 
 pytestmark = pytest.mark.gpu
 
 ITERS = 4
 M = 4
-GPT = ["--device", "cuda", "--mock-data", "--num-layers", "4", "--hidden-size", "256",
-       "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
-       "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", str(2 * M),
+GPT = [*model_flags(**GPU_SMALL), "--micro-batch-size", "2", "--global-batch-size", str(2 * M),
        "--lr", "1e-3", "--train-iters", str(ITERS), "--hidden-dropout", "0", "--attention-dropout", "0",
        "--seed", "1234", "--log-interval", "1"]
 CREATED = re.compile(r"stage (\d+): megatron-core CUDA graphs created for (\d+) of (\d+) layer runner")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.gpu.same_run import assert_same_grads, assert_same_losses, train
+from tests.model_flags import GPU_SMALL, model_flags
 from trainer.config.plan import TP_GRAPHS_ENV
 
 
@@ -32,9 +33,7 @@ pytestmark = pytest.mark.gpu
 
 ITERS = 3
 M = 8
-GPT = ["--device", "cuda", "--mock-data", "--num-layers", "4", "--hidden-size", "256",
-       "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
-       "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", str(2 * M),
+GPT = [*model_flags(**GPU_SMALL), "--micro-batch-size", "2", "--global-batch-size", str(2 * M),
        "--lr", "1e-3", "--train-iters", str(ITERS), "--hidden-dropout", "0", "--attention-dropout", "0",
        "--seed", "1234", "--use-dpp", "--dpp-timeout", "60", "--log-interval", "1",
        "--distributed-backend", "nccl"]

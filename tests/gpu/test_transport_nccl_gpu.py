@@ -1,4 +1,4 @@
-"""The NCCL channels on real GPUs (issue 11, part 2): bounded, never hanging. Needs 2 GPUs::
+"""The NCCL channels on real GPUs: bounded, never hanging. Needs 2 GPUs::
 
     python -m pytest -m gpu tests/gpu/test_transport_nccl_gpu.py -v
 

@@ -24,7 +24,6 @@ resumes and keeps CI from idling.
 from __future__ import annotations
 
 import json
-import lzma
 import os
 import re
 import subprocess
@@ -36,11 +35,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.corpus import small_corpus
 from workflows import chain, slurm
 
 REPO = Path(__file__).resolve().parents[2]
 CHAIN_TIMEOUT_S = 900  # one chain alone takes ~1 min here; six at once on 2 cores ~6 min (CI: 2 cores, no other load)
-CORPUS_DOCUMENTS = 300
 INTERRUPT_AFTER = 8  # iterations logged before an interruption: past the first checkpoint (5)
 INTERRUPTIONS = {
     "requeue": ["scontrol", "requeue"],
@@ -71,15 +70,6 @@ class SubmitResult:
     def states(self) -> dict[str, str]:
         records = {r.job_id: r.state for r in slurm.query(job_ids=list(self.job_ids.values()))}
         return {step: records.get(job_id, "MISSING") for step, job_id in self.job_ids.items()}
-
-
-def small_corpus(path: Path, documents: int = CORPUS_DOCUMENTS) -> Path:
-    """The first ``documents`` lines of the shipped corpus, uncompressed."""
-    with lzma.open(REPO / "datasets" / "python-docs.jsonl.xz", "rt") as src:
-        lines = [next(src) for _ in range(documents)]
-    assert all(json.loads(line)["text"] for line in lines)
-    path.write_text("".join(lines))
-    return path
 
 
 def start_submit(runs_dir: Path, corpus: Path, *args: str) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""Layouts with several ranks per node start on the real cluster (issue 15, item 3).
+"""Layouts with several ranks per node start on the real cluster.
 
 Before: the training allocation asked for one task per node, and `srun --ntasks=2` on one node
 was refused ("More processors requested than permitted"): `submit gpt --nodes 1` always failed.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_chain import small_corpus
+from tests.corpus import small_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""`workflows.submit` refuses, before submitting, what the real cluster cannot run (issue 15, item 4).
+"""`workflows.submit` refuses, before submitting, what the real cluster cannot run.
 
 Before: `--nodes 4` on this two-node partition submitted a chain that pended forever, and an
 `--image` pointing nowhere was submitted anyway.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_chain import small_corpus
+from tests.corpus import small_corpus
 from workflows import slurm
 
 REPO = Path(__file__).resolve().parents[2]

@@ -49,7 +49,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_chain import release_when_held, small_corpus
+from tests.corpus import small_corpus
+from tests.slurm.test_chain import release_when_held
 from workflows import slurm
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""`workflows.status` on the real cluster (issue 15, item 5): any id gives that job's chain or an error.
+"""`workflows.status` on the real cluster: any id gives that job's chain or an error.
 
 Before: `workflows.status 0` showed an unrelated job as a COMPLETED chain (`sacct -j 0` lists every
 job), and a chain's training job cancelled by its failed preprocessing was left out (sacct with a

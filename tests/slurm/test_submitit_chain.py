@@ -9,7 +9,8 @@ import re
 import subprocess
 import sys
 
-from tests.slurm.test_chain import REPO, finish_submit, small_corpus, start_submit
+from tests.corpus import small_corpus
+from tests.slurm.test_chain import REPO, finish_submit, start_submit
 
 SHORT = ["--train-iters", "4"]
 

@@ -1,4 +1,4 @@
-"""`python -m workflows.submit --sweep` on the real local cluster (issue 16, part 3): one
+"""`python -m workflows.submit --sweep` on the real local cluster: one
 preprocessing job, the training runs as one job array, one aggregation per run, and
 `workflows.status` showing the sweep as a table from any of its ids."""
 
@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.slurm.test_chain import CHAIN_TIMEOUT_S, REPO, small_corpus
+from tests.corpus import small_corpus
+from tests.slurm.test_chain import CHAIN_TIMEOUT_S, REPO
 
 
 def run_module(*args: str, timeout: float) -> subprocess.CompletedProcess:

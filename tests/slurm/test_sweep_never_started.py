@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.slurm.test_chain import REPO, small_corpus
+from tests.corpus import small_corpus
+from tests.slurm.test_chain import REPO
 from workflows import slurm, sweep
 
 WAIT_TIMEOUT_S = 600  # --wait's own bound; the test requires far less (RETURN_WITHIN_S)

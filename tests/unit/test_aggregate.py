@@ -76,7 +76,7 @@ def test_uniform_1f1b_bubble_matches_theory(stages, microbatches):
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(4, 8), (4, 32), (3, 5), (8, 8)])
 def test_simulator_trace_bubble_matches_theory(stages, microbatches):
-    """The schedule engine's own 1F1B policy and trace export (issue 2), through our summary."""
+    """The schedule engine's own 1F1B policy and trace export, through our summary."""
     import numpy as np
 
     from trainer.schedule.core import PipelineShape
@@ -261,7 +261,7 @@ def test_peak_inflight_is_replayed_when_not_reported():
     assert [s.peak_inflight for s in summary.stages] == [4, 3, 2, 1]
 
 
-# ---- issue 15, item 5: a folder mixing two runs is refused ---------------------------------------
+# ---- a folder mixing two runs is refused -------------------------------------------------------
 def test_a_folder_mixing_two_runs_is_refused_naming_each_run(tmp_path, capsys):
     run = tmp_path / "run"
     _write_run(run, run_id="101.0-aaaa0001")

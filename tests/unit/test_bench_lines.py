@@ -18,7 +18,7 @@ from trainer.config import parse_config
 
 
 def test_balanced_split_moves_layers_off_the_head_stage() -> None:
-    assert balanced_split(16, 4, 1, 2.0) == (5, 3)  # issue 12's measured best on 4 x H200
+    assert balanced_split(16, 4, 1, 2.0) == (5, 3)  # the benchmark model's split measured best on 4 x H200
     assert balanced_split(16, 4, 2, 2.0) is None  # with v=2 no valid split beats even
     assert balanced_split(16, 4, 1, 0.0) is None
     assert balanced_split(8, 1, 1, 2.0) is None

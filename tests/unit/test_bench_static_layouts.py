@@ -20,7 +20,7 @@ def _line(name: str, ms: float, gib: float | None, busy: tuple[float, ...] = (),
 
 
 def test_headline_states_the_three_ratios_of_the_fastest_dpp_line_within_memory() -> None:
-    # issue-33-like figures: megatron 810.7 eager, dpp-zb-graphs 474.0 at 1.155x (over the bound),
+    # figures like the 4 x H100 measurement's: megatron 810.7 eager, dpp-zb-graphs 474.0 at 1.155x (over the bound),
     # dpp-zb-graphs-rs2 511.5 at 1.037x; the graphed static 1F1B 490 ms; busy 449/346/346/395.
     results = [_line("megatron-1f1b-best", 810.7, 11.67, (452, 345, 345, 394)),
                _line("dpp-zb-graphs", 474.0, 13.48, (449, 346, 346, 395)),

@@ -1,4 +1,4 @@
-"""``--load`` of a folder the trainer cannot resume from fails, naming the path (issue 17, part 3).
+"""``--load`` of a folder the trainer cannot resume from fails, naming the path.
 
 Before: a Megatron checkpoint given to --load was silently ignored ("resuming at iteration 0").
 find_checkpoint reads files only (it runs before any process group); the folders here are built by
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint.state import FORMAT, TRACKER, CheckpointError, find_checkpoint, preflight
+from trainer.checkpoint.find import FORMAT, TRACKER, CheckpointError, find_checkpoint, preflight
 
 TORCH_DIST = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
               "common_backend": "torch", "common_backend_version": 1}

@@ -1,4 +1,4 @@
-"""Every command line parses through the one parser class, trainer.cli.OneLineParser (issue 19): bad
+"""Every command line parses through the one parser class, trainer.cli.OneLineParser: bad
 input is one stderr line ``<prog>: error: ...`` naming the program, exit status 2, and ``main(argv)``
 returns the int the ``__main__`` block exits with. A new ``main`` on a raw argparse parser fails here."""
 

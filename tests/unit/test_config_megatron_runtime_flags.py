@@ -1,4 +1,4 @@
-"""Issue 17's Megatron-LM flags --manual-gc*, --overlap-grad-reduce, --attention-backend / --use-flash-attn:
+"""Megatron-LM's flags --manual-gc*, --overlap-grad-reduce, --attention-backend / --use-flash-attn:
 parsed with Megatron-LM's names and defaults, refused where they would be ignored or cannot run, and
 handed to megatron-core (CPU, no process group)."""
 

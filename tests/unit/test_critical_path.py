@@ -53,7 +53,7 @@ def test_a_backward_whose_gradient_was_there_before_a_w_started_is_counted() -> 
 
 def test_a_wait_inside_an_op_span_is_not_op_time() -> None:
     """An op whose GPU span opened before its input existed (the stream's wait for the payload queued
-    inside the span, as in the eleventh session's traces): op time is only the part after its
+    inside the span, as 4-GPU traces once showed): op time is only the part after its
     producer ended, the rest is reported as a wait, and op time plus gaps is still the span."""
     # stage 1's F0 span opens at 0.2 while stage 0's F0 ends at 1 (off the path); F1's opens at 2,
     # when s0:F1 ends.

@@ -396,10 +396,10 @@ def test_capture_skips_megatrons_rng_save_and_restore_and_puts_it_back() -> None
     recompute (a capture forbids both); inside the bypass those are no-ops, outside megatron's own."""
     from megatron.core.tensor_parallel import random as tp_random
 
-    from trainer.pipeline.cuda_graphs import _rng_state_bypassed
+    from trainer.pipeline.graph_rng import rng_state_bypassed
 
     originals = (tp_random._get_all_rng_states, tp_random._set_all_rng_states, tp_random.CudaRNGStatesTracker.fork)
-    with _rng_state_bypassed():
+    with rng_state_bypassed():
         assert tp_random._get_all_rng_states() == (None, None, None)
         assert tp_random._set_all_rng_states(None, None, None) is None
         with tp_random.get_cuda_rng_tracker().fork():  # no tracker state is needed: nothing is drawn
@@ -572,7 +572,7 @@ def test_every_graph_registers_the_graph_safe_trackers_states(monkeypatch) -> No
     tracker nothing is registered, and megatron's RNG save/restore is bypassed instead."""
     from megatron.core.tensor_parallel import random as tp_random
 
-    from trainer.pipeline import cuda_graphs
+    from trainer.pipeline import graph_rng
 
     class Tracker:
         use_cudagraphable_rng = True
@@ -581,15 +581,15 @@ def test_every_graph_registers_the_graph_safe_trackers_states(monkeypatch) -> No
     monkeypatch.setattr(tp_random, "get_cuda_rng_tracker", lambda: Tracker())
     monkeypatch.setattr(tp_random, "get_all_rng_states", lambda: states)
     graph = _FakeGraph()
-    cuda_graphs._register_generators(graph)
+    graph_rng.register_generators(graph)
     assert graph.registered == list(states.values())
     originals = (tp_random._get_all_rng_states, tp_random._set_all_rng_states, tp_random.CudaRNGStatesTracker.fork)
-    with cuda_graphs._rng_state_bypassed():  # graph-safe: megatron's own save/restore stays
+    with graph_rng.rng_state_bypassed():  # graph-safe: megatron's own save/restore stays
         assert (tp_random._get_all_rng_states, tp_random._set_all_rng_states,
                 tp_random.CudaRNGStatesTracker.fork) == originals
     Tracker.use_cudagraphable_rng = False
     graph = _FakeGraph()
-    cuda_graphs._register_generators(graph)
+    graph_rng.register_generators(graph)
     assert graph.registered == []
 
 
@@ -598,15 +598,15 @@ def test_only_a_block_with_dropout_registers_generators() -> None:
     block's TransformerConfig has dropout."""
     from types import SimpleNamespace
 
-    from trainer.pipeline.cuda_graphs import _draws_random
+    from trainer.pipeline.graph_rng import draws_random
 
     def call(hidden, attention):
         return SimpleNamespace(decoder=SimpleNamespace(config=SimpleNamespace(hidden_dropout=hidden,
                                                                               attention_dropout=attention)))
 
-    assert not _draws_random(call(0.0, 0.0))
-    assert _draws_random(call(0.1, 0.0)) and _draws_random(call(0.0, 0.1))
-    assert not _draws_random(SimpleNamespace(decoder=torch.nn.Linear(1, 1)))  # no config: nothing drawn
+    assert not draws_random(call(0.0, 0.0))
+    assert draws_random(call(0.1, 0.0)) and draws_random(call(0.0, 0.1))
+    assert not draws_random(SimpleNamespace(decoder=torch.nn.Linear(1, 1)))  # no config: nothing drawn
 
 
 def test_checkpoints_save_graph_safe_rng_states_as_tensors(monkeypatch) -> None:

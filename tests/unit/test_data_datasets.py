@@ -3,44 +3,26 @@
 from __future__ import annotations
 
 import json
-import lzma
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.corpus import DATASETS, GPT2_FILES
 from trainer.data.bert_dataset import NOT_PREDICTED, BertSampleDataset, build_sentence_groups
 from trainer.data.gpt_dataset import GPTSampleDataset
 from trainer.data.indexed import collate_samples, open_indexed_dataset
 from trainer.data.preprocess import main as preprocess_main
 from trainer.data.tokenizer import build_tokenizer
 
-DATASETS = Path(__file__).resolve().parents[2] / "datasets"
-GPT2 = ["--vocab-file", str(DATASETS / "gpt2" / "vocab.json"), "--merge-file", str(DATASETS / "gpt2" / "merges.txt")]
 BERT_VOCAB = DATASETS / "bert" / "vocab.txt"
 
 
+# corpus_slice (the first 150 documents of the shipped corpus) and gpt2_corpus (the same tokenized with
+# GPT-2 BPE) are tests/conftest.py's.
 @pytest.fixture(scope="module")
-def corpus_slice(tmp_path_factory) -> Path:
-    """The first 150 documents of the shipped corpus (enough for hundreds of samples, fast to tokenize)."""
-    with lzma.open(DATASETS / "python-docs.jsonl.xz", "rt", encoding="utf-8") as f:
-        lines = [next(f) for _ in range(150)]
-    path = tmp_path_factory.mktemp("corpus") / "slice.jsonl"
-    path.write_text("".join(lines))
-    return path
-
-
-@pytest.fixture(scope="module")
-def gpt_prefix(corpus_slice) -> str:
-    prefix = corpus_slice.parent / "gpt"
-    assert preprocess_main(["--input", str(corpus_slice), "--output-prefix", str(prefix), "--tokenizer-type",
-                            "GPT2BPETokenizer", *GPT2, "--append-eod"]) == 0
-    return f"{prefix}_text_document"
-
-
-@pytest.fixture(scope="module")
-def bert_prefix(corpus_slice) -> str:
-    prefix = corpus_slice.parent / "bert"
+def bert_prefix(corpus_slice, tmp_path_factory) -> str:
+    prefix = tmp_path_factory.mktemp("bert") / "bert"
     assert preprocess_main(["--input", str(corpus_slice), "--output-prefix", str(prefix), "--tokenizer-type",
                             "BertWordPieceLowerCase", "--vocab-file", str(BERT_VOCAB), "--split-sentences"]) == 0
     return f"{prefix}_text_sentence"
@@ -56,8 +38,8 @@ def _same(a: dict, b: dict) -> bool:
 
 
 # ---- GPT --------------------------------------------------------------------------------------------
-def test_gpt_sample_shapes_and_shift(gpt_prefix):
-    dataset = GPTSampleDataset(gpt_prefix, seq_length=64, seed=3)
+def test_gpt_sample_shapes_and_shift(gpt2_corpus):
+    dataset = GPTSampleDataset(gpt2_corpus, seq_length=64, seed=3)
     sample = dataset[7]
     assert {k: (v.shape, v.dtype) for k, v in sample.items()} == {
         "tokens": ((64,), np.int64), "labels": ((64,), np.int64),
@@ -68,19 +50,19 @@ def test_gpt_sample_shapes_and_shift(gpt_prefix):
     assert tuple(batch["tokens"].shape) == (2, 64) and str(batch["loss_mask"].dtype) == "torch.float32"
 
 
-def test_gpt_samples_are_a_function_of_index_and_seed(gpt_prefix):
-    first, again = GPTSampleDataset(gpt_prefix, 64, seed=3), GPTSampleDataset(gpt_prefix, 64, seed=3)
+def test_gpt_samples_are_a_function_of_index_and_seed(gpt2_corpus):
+    first, again = GPTSampleDataset(gpt2_corpus, 64, seed=3), GPTSampleDataset(gpt2_corpus, 64, seed=3)
     indices = [0, 5, len(first) - 1, 17, 5]
     forward = [first[i] for i in indices]
     backward = [again[i] for i in reversed(indices)][::-1]  # another instance, another access order
     assert all(_same(a, b) for a, b in zip(forward, backward, strict=True))
-    other_seed = GPTSampleDataset(gpt_prefix, 64, seed=4)
+    other_seed = GPTSampleDataset(gpt2_corpus, 64, seed=4)
     assert not all(_same(first[i], other_seed[i]) for i in range(5))
 
 
-def test_gpt_epoch_tiles_the_token_stream(gpt_prefix):
-    dataset = GPTSampleDataset(gpt_prefix, 64, seed=0)
-    indexed = open_indexed_dataset(gpt_prefix)  # its arrays are views of its mmap: keep it alive
+def test_gpt_epoch_tiles_the_token_stream(gpt2_corpus):
+    dataset = GPTSampleDataset(gpt2_corpus, 64, seed=0)
+    indexed = open_indexed_dataset(gpt2_corpus)  # its arrays are views of its mmap: keep it alive
     all_tokens = np.concatenate(list(indexed))
     epoch_inputs = np.concatenate([dataset[i]["tokens"] for i in range(dataset.samples_per_epoch)])
     assert len(epoch_inputs) == dataset.samples_per_epoch * 64 == (len(all_tokens) - 1) // 64 * 64
@@ -93,7 +75,7 @@ def test_gpt_sample_is_a_window_of_the_documents(tmp_path):
     src = tmp_path / "two.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     assert preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "two"), "--tokenizer-type",
-                            "GPT2BPETokenizer", *GPT2]) == 0
+                            "GPT2BPETokenizer", *GPT2_FILES]) == 0
     ids = [np.array(d, dtype=np.int64) for d in open_indexed_dataset(tmp_path / "two_text_document")]
     streams = [np.concatenate(ids), np.concatenate(ids[::-1])]
     dataset = GPTSampleDataset(tmp_path / "two_text_document", seq_length=9, seed=1, num_samples=40)
@@ -103,20 +85,20 @@ def test_gpt_sample_is_a_window_of_the_documents(tmp_path):
         assert any(any(np.array_equal(window, s[k:k + 10]) for k in range(0, len(s) - 9, 9)) for s in streams), i
 
 
-def test_gpt_bad_arguments(gpt_prefix, tmp_path):
+def test_gpt_bad_arguments(gpt2_corpus, tmp_path):
     with pytest.raises(ValueError, match=r"seq_length=0 must be >= 1; num_samples=0"):
-        GPTSampleDataset(gpt_prefix, 0, seed=0, num_samples=0)
+        GPTSampleDataset(gpt2_corpus, 0, seed=0, num_samples=0)
     with pytest.raises(ValueError, match=r"fewer than seq_length \+ 1 = 10000001"):
-        GPTSampleDataset(gpt_prefix, 10_000_000, seed=0)
+        GPTSampleDataset(gpt2_corpus, 10_000_000, seed=0)
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nothing.idx")):
         GPTSampleDataset(tmp_path / "nothing", 8, seed=0)
     with pytest.raises(IndexError, match="outside"):
-        GPTSampleDataset(gpt_prefix, 64, seed=0, num_samples=3)[3]
+        GPTSampleDataset(gpt2_corpus, 64, seed=0, num_samples=3)[3]
 
 
 # GPT-2 has no pad token; pad = eod is what Megatron does for GPT-2 too, and pretraining samples are never padded.
 @pytest.mark.filterwarnings("ignore:The pad token id in the tokenizer collides")
-def test_megatron_cores_own_gpt_dataset_reads_our_files(gpt_prefix, corpus_slice, tmp_path):
+def test_megatron_cores_own_gpt_dataset_reads_our_files(gpt2_corpus, corpus_slice, tmp_path):
     """Interoperability: megatron-core's GPTDataset (index building included) runs on our output, offline."""
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import Split
@@ -131,9 +113,9 @@ def test_megatron_cores_own_gpt_dataset_reads_our_files(gpt_prefix, corpus_slice
     config = GPTDatasetConfig(
         random_seed=1, sequence_length=32, tokenizer=MegatronTokenizerView(), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, path_to_cache=str(tmp_path), split="100,0,0",
-        blend=([gpt_prefix], None), allow_ambiguous_pad_tokens=True)
-    indexed = open_indexed_dataset(gpt_prefix)
-    dataset = GPTDataset(indexed, gpt_prefix, np.arange(len(indexed), dtype=np.int32), 50, Split.train, config)
+        blend=([gpt2_corpus], None), allow_ambiguous_pad_tokens=True)
+    indexed = open_indexed_dataset(gpt2_corpus)
+    dataset = GPTDataset(indexed, gpt2_corpus, np.arange(len(indexed), dtype=np.int32), 50, Split.train, config)
     sample = dataset[0]
     assert tuple(sample["tokens"].shape) == (32,) and np.array_equal(sample["tokens"][1:], sample["labels"][:-1])
     corpus = "\n".join(json.loads(line)["text"] for line in corpus_slice.read_text().splitlines())
@@ -212,20 +194,20 @@ def test_bert_without_binary_head_has_one_segment(bert_prefix, bert_tokenizer):
         assert np.sum(s["text"][:real] == bert_tokenizer.sep) == 1 and not s["types"].any() and s["is_random"] == 0
 
 
-def test_bert_bad_arguments(gpt_prefix, bert_prefix, bert_tokenizer):
+def test_bert_bad_arguments(gpt2_corpus, bert_prefix, bert_tokenizer):
     with pytest.raises(ValueError, match=r"seq_length=4 must be >= 5.*masked_lm_prob=0.0 must be in \(0, 1\)"):
         BertSampleDataset(bert_prefix, 4, bert_tokenizer, seed=0, masked_lm_prob=0.0)
     with pytest.raises(ValueError, match="--split-sentences"):  # one sequence per document: no pairs
-        BertSampleDataset(gpt_prefix, 64, bert_tokenizer, seed=0)
+        BertSampleDataset(gpt2_corpus, 64, bert_tokenizer, seed=0)
 
 
-# ---- issue 15, item 4: a .bin that does not match its .idx is named when opened, not mid-training ----
+# ---- a .bin that does not match its .idx is named when opened, not mid-training -----------------
 @pytest.mark.parametrize("change", [-2, 4], ids=["short", "long"])
-def test_bin_size_is_checked_against_the_index_when_opened(gpt_prefix, bert_prefix, bert_tokenizer, tmp_path,
+def test_bin_size_is_checked_against_the_index_when_opened(gpt2_corpus, bert_prefix, bert_tokenizer, tmp_path,
                                                            change):
     import shutil
 
-    for source, name in ((gpt_prefix, "gpt"), (bert_prefix, "bert")):
+    for source, name in ((gpt2_corpus, "gpt"), (bert_prefix, "bert")):
         copy = tmp_path / name
         shutil.copy(source + ".idx", f"{copy}.idx")
         data = Path(source + ".bin").read_bytes()

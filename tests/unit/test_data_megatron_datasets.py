@@ -1,4 +1,4 @@
-"""Data through megatron-core's dataset builder (trainer/data/megatron_datasets.py, issue 17 part 4):
+"""Data through megatron-core's dataset builder (trainer/data/megatron_datasets.py):
 --data-path blends, --split of documents, the index cache, and GPT and BERT samples as the trainer
 reads them.
 
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from tests.corpus import DATASETS, small_corpus
 from trainer.data.megatron_datasets import (
     Blend,
     MegatronSamples,
@@ -184,16 +185,12 @@ def test_indices_are_cached_and_read_back(corpora, tmp_path) -> None:
 @pytest.fixture(scope="module")
 def bert_corpus(tmp_path_factory):
     """80 documents of the shipped corpus, sentence-split and WordPiece-tokenized (python -m trainer.preprocess)."""
-    import lzma
-
     from trainer.data.preprocess import main as preprocess_main
     from trainer.data.tokenizer import build_tokenizer
 
-    datasets = Path(__file__).resolve().parents[2] / "datasets"
     folder = tmp_path_factory.mktemp("bert")
-    with lzma.open(datasets / "python-docs.jsonl.xz", "rt", encoding="utf-8") as f:
-        (folder / "slice.jsonl").write_text("".join(next(f) for _ in range(80)))
-    vocab = datasets / "bert" / "vocab.txt"
+    small_corpus(folder / "slice.jsonl", 80)
+    vocab = DATASETS / "bert" / "vocab.txt"
     assert preprocess_main(["--input", str(folder / "slice.jsonl"), "--output-prefix", str(folder / "bert"),
                             "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab),
                             "--split-sentences"]) == 0

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import lzma
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from tests.corpus import preprocess_gpt2, small_corpus
 from trainer.config import ConfigError, parse_config
 from trainer.data.gpt_dataset import GPTDocumentDataset
 from trainer.data.indexed import open_indexed_dataset
-from trainer.data.preprocess import main as preprocess_main
 from trainer.data.varlen import (
     LENGTH_KEY,
     Bucketing,
@@ -21,8 +18,6 @@ from trainer.data.varlen import (
     parse_length_distribution,
 )
 from trainer.model.batches import BatchPlan, host_batch, mock_sample_source
-
-DATASETS = Path(__file__).resolve().parents[2] / "datasets"
 
 
 def test_bucket_length_rounds_up_and_caps() -> None:
@@ -91,14 +86,8 @@ def test_fixed_path_unchanged_without_lengths() -> None:
 
 @pytest.fixture(scope="module")
 def gpt_prefix(tmp_path_factory) -> str:
-    with lzma.open(DATASETS / "python-docs.jsonl.xz", "rt", encoding="utf-8") as f:
-        lines = [next(f) for _ in range(40)]
     folder = tmp_path_factory.mktemp("varlen-corpus")
-    (folder / "slice.jsonl").write_text("".join(lines))
-    assert preprocess_main(["--input", str(folder / "slice.jsonl"), "--output-prefix", str(folder / "gpt"),
-                            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(DATASETS / "gpt2" / "vocab.json"),
-                            "--merge-file", str(DATASETS / "gpt2" / "merges.txt"), "--append-eod"]) == 0
-    return str(folder / "gpt_text_document")
+    return preprocess_gpt2(small_corpus(folder / "slice.jsonl", 40), folder / "gpt")
 
 
 def test_gpt_document_samples_cover_each_document_once_per_epoch(gpt_prefix: str) -> None:

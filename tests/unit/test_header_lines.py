@@ -158,7 +158,7 @@ class _FakeReceiver:
 
 
 def test_header_bell_wakes_on_a_header_and_never_busy_waits_on_an_ended_line():
-    from trainer.transport.dist_links import HeaderBell
+    from trainer.transport.dist_progress import HeaderBell
 
     mine, theirs = socket.socketpair()
     receiver = _FakeReceiver(mine)

@@ -96,8 +96,8 @@ def test_cli_runs_host_ahead_and_names_bad_values(capsys: pytest.CaptureFixture[
 
 
 def _gpu_calibrated(jitter: float = 0.0):
-    """The 4xH100-calibrated issue-12 costs (docs/schedules.md) with the GPU's I/W split (I 1.48,
-    W 0.76 per forward: graphed dpp-zb on 2xH200, eleventh session) instead of I = W."""
+    """The benchmark model's 4xH100-calibrated costs (docs/schedules.md) with the GPU's I/W split (I 1.48,
+    W 0.76 per forward, measured with graphed dpp-zb on 2xH200) instead of I = W."""
     from trainer.schedule.simulate import _initial_split, _parse_costs, _parser
     parser = _parser()
     args = parser.parse_args(["--pp", "4", "--vp", "1", "--microbatches", "32", "--layers", "16", "--split", "5,4,4,3",
@@ -149,7 +149,7 @@ def test_data_aware_needs_host_ahead_on_the_cli(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.timeout(300)
 def test_dpp_zb_deciding_on_landed_gradients_never_deadlocks_over_1000_draws() -> None:
-    """Issue 14's invariants for the fill_transit rule, which only acts where arrival is not landing
+    """The schedule's invariants under the fill_transit rule, which only acts where arrival is not landing
     (host-time decisions, data-aware): over 1000 random shapes, costs, options and host latencies no
     stage deadlocks (DeadlockError), every op runs once and only when ready (StageState asserts), and
     no stage holds more activations than its cap."""

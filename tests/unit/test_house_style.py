@@ -1,4 +1,4 @@
-"""House-style rules that keep one name for one thing across the code (issue 19)."""
+"""House-style rules that keep one name for one thing across the code."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_module_loggers_are_named_log():
     assert not offenders, f"module loggers are named `log`: {offenders}"
 
 
-# Files that may join their problems by hand: none (issue 19). (trainer/config/ raises its own
+# Files that may join their problems by hand: none. (trainer/config/ raises its own
 # one-problem-per-line ConfigError.)
 PROBLEMS_BY_HAND_PENDING: set[str] = set()
 

@@ -1,7 +1,7 @@
 """A polled header line has two readers: the consumer (``try_receive``) and any thread pumping the
 rank's progress (``post_announced``, e.g. a sender waiting for credit). CI once saw "message 36 from
-rank 1 arrived when 35 was due" because two unserialised reads appended their chunks out of order
-(tenth session). This test forces that interleaving: the first read has taken its bytes off the
+rank 1 arrived when 35 was due" because two unserialised reads appended their chunks out of order.
+This test forces that interleaving: the first read has taken its bytes off the
 line and is held there until a second thread has started its own read -- which must wait, so the
 headers still decode in order."""
 
@@ -13,7 +13,8 @@ import torch
 
 from trainer.transport.base import Header
 from trainer.transport.channels import Inbox
-from trainer.transport.dist_links import DistProgress, PolledGroupReceiver
+from trainer.transport.dist_links import PolledGroupReceiver
+from trainer.transport.dist_progress import DistProgress
 from trainer.transport.edge_groups import EdgeGroup
 from trainer.transport.wire import HEADER_BYTES, encode, pack
 

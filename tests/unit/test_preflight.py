@@ -1,4 +1,4 @@
-"""workflows.preflight: image paths and partition limits checked before submitting (issue 15, item 4)."""
+"""workflows.preflight: image paths and partition limits checked before submitting."""
 
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ def test_several_json_keys_stay_aligned_and_empty_lines_are_skipped(tmp_path):
     assert [tokenizer.detokenize(d) for d in titles] == ["One"]
 
 
-# ---- issue 15, item 4: inputs that cannot work fail here, naming the file --------------------------
+# ---- inputs that cannot work fail here, naming the file -------------------------------------------
 @pytest.mark.parametrize("content", ["", "\n\n   \n\t\n", '{"text": ""}\n\n{"text": ""}\n'],
                          ids=["empty", "blank-only", "empty-texts"])
 def test_a_corpus_with_no_document_is_an_error_not_an_empty_dataset(tmp_path, capsys, content):
@@ -196,7 +196,7 @@ def test_a_truncated_compressed_corpus_is_one_line_naming_the_file(tmp_path, cap
     assert _leftovers(tmp_path, "out") == []
 
 
-# ---- issue 15, item 6: a write error leaves no temporary file behind -------------------------------
+# ---- a write error leaves no temporary file behind ------------------------------------------------
 def _limit_file_size() -> None:  # in the child: writes past 64 KiB fail with EFBIG, as on a full disk
     import resource
     import signal

@@ -1,4 +1,4 @@
-"""The prototype's flags with the prototype's meaning (issue 17 part 2): --num-gpus per node,
+"""The prototype's flags with the prototype's meaning: --num-gpus per node,
 --node-ips per rank (or per node, detected), --multi-node needing nodes and cross-node links, and
 --workload an integer (elements per shared-memory copy), the run name moving to --run-name."""
 

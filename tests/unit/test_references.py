@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOP = ("trainer", "workflows", "tests", "scripts", "csrc", "docs", "sbatch", "containers", "datasets")
 ROOT_FILES = ("README.md", "setup.py", "Makefile", "pyproject.toml")
 SUFFIXES = {".py", ".md", ".sh", ".cpp", ".h", ".j2", ".toml", ".sbatch", ".cfg"}
-# Not yet pointed at docs/: files being edited by another change at the time (issue 19 names them).
+# Not yet pointed at docs/: files another change is editing at the time (none now).
 DESIGN_CARD_PENDING: set[str] = set()
 
 _PATH = re.compile(r"(?<![\w/.$-])((?:README\.md|(?:" + "|".join(TOP) + r")/[\w./*-]*[\w*])(?:#[\w-]+)?)")

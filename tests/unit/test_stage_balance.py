@@ -1,5 +1,5 @@
-"""A persistent slow stage, read from measured stage times, and the layer re-split that fixes it
-(trainer/schedule/stage_balance.py; issue 14: "reported, with the layer re-split that fixes it")."""
+"""A persistent slow stage, read from measured stage times, is reported with the layer re-split that
+fixes it (trainer/schedule/stage_balance.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_the_fitted_model_reproduces_every_measured_stage_time() -> None:
 
 
 def test_a_heavy_head_is_found_and_the_split_of_the_true_costs_recommended() -> None:
-    """The issue-12 shape: 16 layers, head = 2 layers, embedding 0.2, split evenly; the measured
+    """The benchmark model's shape: 16 layers, head = 2 layers, embedding 0.2, split evenly; the measured
     times are exactly that model's, so the fit finds it and the re-split is the true optimum."""
     true = LayerCosts(16, layer=24.0, embedding=4.8, head=48.0)
     balance = stage_balance([_times(true, [4, 4, 4, 4])], [4, 4, 4, 4])

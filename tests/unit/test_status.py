@@ -1,4 +1,4 @@
-"""workflows.status with sacct's answers canned (issue 15, item 5): right for any id."""
+"""workflows.status with sacct's answers canned: right for any id."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""--sweep parsing and validation, the runs it makes and the status table (issue 16, part 3); no
+"""--sweep parsing and validation, the runs it makes and the status table; no
 cluster needed: nothing is submitted, sacct's answers are canned."""
 
 from __future__ import annotations

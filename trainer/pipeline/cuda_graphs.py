@@ -55,18 +55,7 @@ default global mode would turn into a capture error. Under sequence parallelism 
 output are the rank's shard of the sequence ([s / TP, b, h]); the attention masks stay full length.
 A TP group on gloo cannot be captured (its collectives run on the host), so the config asks for NCCL.
 
-Dropout (p > 0): every replay draws fresh masks. megatron's RNG tracker is created graph-safe
-(``use_cudagraphable_rng``: each tracker state is a generator object the tracker swaps in, rather than
-a state tensor it copies), and each forward graph registers every tracker state besides the default
-generator torch registers itself (:func:`_register_generators`, as megatron-core's own graphed
-layers do; only with dropout > 0, as a registered generator costs two small kernels per replay). A
-registered generator hands the capture a device-side seed and offset, and each replay advances the
-generator's offset by what the graph draws, so a replay draws what an eager op at that point of the
-generator's sequence would:
-the same distribution, a different mask every replay, and the same run again from the same seed (the
-order of forwards on a stage decides the sequence). Not bit-equal to an eager run: a graph consumes
-its offsets in whole-graph steps. Recompute with dropout is refused: megatron's checkpoint keeps a
-graph-safe state by reference, so the recomputed attention would draw a new mask, not the forward's.
+Dropout (p > 0): every replay draws fresh masks (trainer/pipeline/graph_rng.py says how).
 
 BERT: its block is ``encoder``, not ``decoder``, and its attention mask ([b, 1, s, s], from each
 microbatch's padding) changes between microbatches, so a BERT slot owns a mask buffer per length that
@@ -91,6 +80,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.pipeline.graph_rng import capture, draws_random, rng_state_bypassed
 from trainer.pipeline.split_backward import SplitBackward, StaticOperandStore, WeightGradStore
 
 log = logging.getLogger(__name__)
@@ -118,45 +108,10 @@ def free_captured_graphs() -> int:
     return len(left)
 
 
-def _register_generators(graph: torch.cuda.CUDAGraph) -> None:
-    """Before a capture: register every state of megatron's graph-safe RNG tracker with ``graph``
-    (torch registers the default generator by itself at capture start, not the tracker's states, and a
-    dropout that draws from an unregistered state inside a capture fails). Each replay then advances
-    each generator by what the graph draws: fresh masks every replay. Without a graph-safe tracker
-    there is nothing to register (the CPU tests' stand-ins; with graphs on CUDA trainer.train always
-    seeds the graph-safe one)."""
-    from megatron.core.tensor_parallel import random as tp_random
-
-    tracker = tp_random.get_cuda_rng_tracker()
-    if not tp_random.is_graph_safe_cuda_rng_tracker(tracker):
-        return
-    for state in tp_random.get_all_rng_states().values():
-        graph.register_generator_state(state)
-
-
-def _graph_safe_rng() -> bool:
-    """Whether megatron's RNG tracker is the graph-safe one (trainer.train seeds it so with graphs)."""
-    from megatron.core.tensor_parallel import random as tp_random
-
-    return tp_random.is_graph_safe_cuda_rng_tracker(tp_random.get_cuda_rng_tracker())
-
-
-def _graph(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, draws: bool = False):
-    """One capture in thread-local capture mode (see the module docstring, tensor parallelism);
-    ``draws``: the captured code draws random numbers (dropout), so the tracker's generators are
-    registered first. Only then: a registered generator costs two small kernels per replay (its seed
-    and offset written for the graph), whether or not the graph draws from it."""
-    if draws:
-        _register_generators(graph)
+def _capture(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, draws: bool = False):
+    """graph_rng.capture, with ``graph`` remembered so that tear-down frees it whatever holds it."""
     _CAPTURED.add(graph)
-    return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
-
-
-def _draws_random(call: torch.nn.Module) -> bool:
-    """Whether the block's forward draws random numbers: dropout > 0 in its TransformerConfig. (Its
-    backward never draws: recompute with dropout is refused, and a dropout's backward reuses its mask.)"""
-    config = getattr(call.decoder, "config", None)
-    return config is not None and (config.hidden_dropout > 0 or config.attention_dropout > 0)
+    return capture(graph, pool, stream, draws=draws)
 
 
 class _BlockCall(torch.nn.Module):
@@ -256,31 +211,6 @@ class GraphShapes:
     def rows(self, length: int) -> int:
         """The block input's first dimension at a sequence length (this rank's shard of it)."""
         return length // self.sequence_shards
-
-
-@contextlib.contextmanager
-def _rng_state_bypassed() -> Iterator[None]:
-    """megatron saves and restores the CUDA generator's state around attention dropout (its RNG
-    tracker's fork) and around a recomputed block (selective recompute's checkpoint saves every RNG
-    state in the forward and restores it for the recompute in the backward). Reading or setting a
-    generator's state is not allowed while a graph is being captured. Without the graph-safe tracker
-    dropout is 0 (the config's rule) and nothing random is drawn in between, so for warm-up and capture
-    the fork is skipped and the checkpoint's save/restore is a no-op (replays never run Python). With
-    the graph-safe tracker (trainer.train seeds it so with graphs) nothing is bypassed."""
-    from megatron.core.tensor_parallel import random as tp_random
-
-    if _graph_safe_rng():  # its fork and save/restore swap generator objects: legal while capturing
-        yield
-        return
-    saved = (tp_random.CudaRNGStatesTracker.fork, tp_random._get_all_rng_states, tp_random._set_all_rng_states)
-    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    tp_random._get_all_rng_states = lambda: (None, None, None)
-    tp_random._set_all_rng_states = lambda *states: None
-    try:
-        yield
-    finally:
-        (tp_random.CudaRNGStatesTracker.fork, tp_random._get_all_rng_states,
-         tp_random._set_all_rng_states) = saved
 
 
 @dataclass
@@ -414,7 +344,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         grad_out = grad_buf[:shapes.rows(length)]
         mask = masks[length].clone() if shapes.mask_varies else masks[length]
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with _graph(fwd, pool, stream, draws=_draws_random(call)):
+        with _capture(fwd, pool, stream, draws=draws_random(call)):
             out = call(x, mask)
         # Leaves' .grad must start empty, so autograd hands each new gradient to the hook (no copy).
         stale = [p for p in params if p.grad is not None]
@@ -423,7 +353,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         store = StaticOperandStore(grad_buffers) if split is not None else None
         with (split.capture_into(store, f"CUDA graph capture at length {length}") if split is not None
               else contextlib.nullcontext()):
-            with _graph(bwd, backward_pool, stream):
+            with _capture(bwd, backward_pool, stream):
                 out.backward(grad_out)
         _check_grads_went_to_main_grad(params, f"the backward graph at length {length}")
         wgt = None
@@ -432,7 +362,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
                 raise RuntimeError(f"split backward with CUDA graphs: the backward at length {length} deferred "
                                    f"{len(store)} weight GEMM(s), the warm-up {len(grad_buffers)}")
             wgt = torch.cuda.CUDAGraph()
-            with _graph(wgt, backward_pool, stream):
+            with _capture(wgt, backward_pool, stream):
                 store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
             _check_grads_went_to_main_grad(params, f"the W graph at length {length}")
         pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt, grad_buffers,
@@ -503,7 +433,7 @@ class ChunkGraphs:
         self.recomputes: list[bool | None] = [None] * slots
         if recompute_slots:
             self.recomputes = [i >= slots - recompute_slots for i in range(slots)]
-        with _rng_state_bypassed():
+        with rng_state_bypassed():
             if capture is None:
                 operands = None
                 for mode in sorted(set(self.recomputes), key=str):  # both code paths warm, if both are captured

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _CLOSE_AFTER_FAILURE_S = 1.0
 # How long a Python waiter that finds nothing looks again before sleeping: the consumer on its inbox
-# (_wait_on_inbox below) and dist_links.HeaderBell on its header lines -- the one constant for both.
+# (_wait_on_inbox below) and dist_progress.HeaderBell on its header lines -- the one constant for both.
 # On the Firecracker GPU hosts waking a thread whose vCPU halted costs ~75 us, and a header usually
 # lands within tens of microseconds of the consumer running dry. The C++ side has its own copy of the
 # same value (kSpinS in csrc/shm_ring.cpp, the shared-memory rings and their doorbell); it does not

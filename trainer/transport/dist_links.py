@@ -6,11 +6,12 @@ and a two-rank payload group (gloo for CPU payloads, NCCL for CUDA payloads).
 
 Protocol of one message: the sender writes the header on the header line, then posts the payload
 send. On the receiver the headers are read in order -- by the consumer itself when the rank
-receives only on header lines (:class:`PolledGroupReceiver`, sleeping on :class:`HeaderBell`), else
+receives only on header lines (:class:`PolledGroupReceiver`, sleeping on
+:class:`~trainer.transport.dist_progress.HeaderBell`), else
 by a *header thread* per line that hands each arrival to the rank's inbox -- and each becomes an
 *announced* message; header reads never touch NCCL. The payload receive is posted
 by the rank's own consumer thread -- when it takes the message out (``on_delivered``), or earlier
-while it waits for anything else (:meth:`DistProgress.pump`) -- so:
+while it waits for anything else (``DistProgress.pump``, trainer/transport/dist_progress.py) -- so:
 
 - no NCCL receive is posted before its sender has posted the matching send (no receive kernel
   spinning on the GPU for a message that may never come);
@@ -33,11 +34,9 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import select
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,175 +44,21 @@ import torch
 import torch.distributed as dist
 
 from trainer.transport.base import Header, Message, TransportError, TransportTimeout
-from trainer.transport.channels import SPIN_S, ChannelFailure, Delivery, Inbox
+from trainer.transport.channels import ChannelFailure, Delivery, Inbox
+from trainer.transport.dist_progress import (
+    MAX_PAUSE_S,
+    DistProgress,
+    FailedDone,
+    GlooWatcher,
+    NcclDone,
+    await_done,
+    describe_error,
+)
 from trainer.transport.edge_groups import PAYLOAD_TAG, EdgeGroup
 from trainer.transport.tensors import BufferPool, as_bytes, check_matches, empty_bytes, from_bytes
 from trainer.transport.wire import HEADER_BYTES, Frame, decode, encode, pack, unpack
 
 log = logging.getLogger(__name__)
-
-_MAX_PAUSE_S = 1e-3  # longest sleep between two looks at an unfinished operation
-
-
-# ---- completion of one posted operation -------------------------------------------------------------
-class _GlooDone:
-    """Completion flag of a gloo work, raised by a :class:`GlooWatcher`."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self.error: Exception | None = None
-
-    def done(self) -> bool:
-        if not self._event.is_set():
-            return False
-        if self.error is not None:
-            raise self.error
-        return True
-
-    def pause(self, seconds: float) -> None:
-        self._event.wait(seconds)  # wakes at once when the work completes
-
-    def set(self, error: Exception | None) -> None:
-        self.error = error
-        self._event.set()
-
-
-class _NcclDone:
-    """Completion of an NCCL work: its CUDA event, queried without blocking the host."""
-
-    def __init__(self, work: dist.Work) -> None:
-        self.work = work
-
-    def done(self) -> bool:
-        if not self.work.is_completed():
-            return False
-        self.work.wait()  # raises the work's error, if any (orders the current stream, no host wait)
-        return True
-
-    def pause(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-
-def _await(dones: list, deadline: float, pump: Callable[[], None]) -> bool:
-    """True once every completion in ``dones`` is done; False at ``deadline``. Calls ``pump()``
-    between looks, pausing 20 us .. 1 ms (no core spins)."""
-    pause = 20e-6
-    for item in dones:
-        while not item.done():
-            if time.monotonic() >= deadline:
-                return False
-            pump()
-            item.pause(pause)
-            pause = min(pause * 2, _MAX_PAUSE_S)
-    return True
-
-
-class GlooWatcher:
-    """Completion flags for gloo works of one channel end.
-
-    gloo's ``Work.is_completed()`` stays False until someone waits on the work, and a gloo wait that
-    times out closes the connection; so a daemon thread waits the works in posting order and raises
-    one flag per work, which the consumer can look at without blocking.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def watch(self, work: dist.Work) -> _GlooDone:
-        done = _GlooDone()
-        self._queue.put((work, done))
-        return done
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            work, done = item
-            try:
-                work.wait()
-                done.set(None)
-            except Exception as exc:  # the connection failed: this and every later work report it
-                done.set(exc)
-
-
-class DistProgress:
-    """The gloo/NCCL receivers of one rank and the lock under which the rank issues its operations.
-
-    :meth:`pump` posts the payload receives of announced messages (up to the credits of each
-    channel); every wait in this module calls it, so a rank blocked in a send still lets its peers'
-    sends complete.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self._receivers: list[ProcessGroupReceiver] = []
-
-    def add(self, receiver: ProcessGroupReceiver) -> None:
-        with self.lock:
-            self._receivers.append(receiver)
-
-    def remove(self, receiver: ProcessGroupReceiver) -> None:
-        with self.lock:
-            if receiver in self._receivers:
-                self._receivers.remove(receiver)
-
-    def pump(self) -> None:
-        with self.lock:
-            for receiver in self._receivers:
-                receiver.post_announced()
-
-
-class HeaderBell:
-    """The doorbell (see ``channels.Doorbell``) of a rank whose incoming channels are all polled
-    header lines: ``wait`` returns once a line that may still deliver has bytes (or has ended),
-    after a spin of non-blocking looks (``channels.SPIN_S``, 100 us), like the shared-memory rings'
-    doorbell. There is no counter: a look at readiness never misses an arrival, so ``seq`` stays 0."""
-
-    seq = 0
-
-    def __init__(self, receivers: list[ProcessGroupReceiver]) -> None:
-        self._receivers = receivers
-        self._watch()
-
-    def ring(self) -> None:
-        """Nothing to ring: arrivals show as readable lines."""
-
-    def _watch(self) -> None:
-        """Register the lines that may still deliver (an ended line stays readable: not it)."""
-        self._poller = select.poll()
-        self._watched = {}
-        for receiver in self._receivers:
-            if receiver.reading:
-                fd = receiver.line.fileno()
-                self._poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
-                self._watched[fd] = receiver
-
-    def _poll(self, timeout_ms: float) -> bool:
-        # Lines only ever stop reading, so the watched set is a superset of the live one and misses
-        # no arrival; it is rebuilt only when a line that stopped reading shows up as ready, so a
-        # look that finds nothing costs one poll call.
-        while self._watched:
-            ready = self._poller.poll(timeout_ms)
-            if all(self._watched[fd].reading for fd, _ in ready):
-                return bool(ready)
-            self._watch()
-        time.sleep(timeout_ms / 1e3)
-        return False
-
-    def wait(self, seen: int, timeout_s: float) -> bool:
-        spin_until = time.monotonic() + min(timeout_s, SPIN_S)
-        while time.monotonic() < spin_until:
-            if self._poll(0):
-                return True
-        return self._poll(max(timeout_s, 0.0) * 1e3)
-
-
-def _describe(exc: Exception) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else repr(exc)
 
 
 # ---- sending ----------------------------------------------------------------------------------------
@@ -270,7 +115,7 @@ class ProcessGroupSender:
                     work = dist.isend(payload, dst=self.peer, group=self._edge.payload, tag=PAYLOAD_TAG)
             except RuntimeError as exc:  # gloo refuses to post on a connection the peer closed
                 raise self._dead(exc) from exc
-            dones.append(_NcclDone(work) if self._watcher is None else self._watcher.watch(work))
+            dones.append(NcclDone(work) if self._watcher is None else self._watcher.watch(work))
             keep.append(payload)
         self._pending.append(_InFlight(self._sequence, what, dones, keep))
 
@@ -281,7 +126,7 @@ class ProcessGroupSender:
             deadline = time.monotonic() + timeout_s
             while len(self._pending) > limit:
                 oldest = self._pending[0]
-                if not _await(oldest.dones, deadline, self._progress.pump):
+                if not await_done(oldest.dones, deadline, self._progress.pump):
                     raise TransportTimeout(
                         f"rank {self.rank}: send of message {oldest.sequence} ({oldest.what}) to rank "
                         f"{self.peer} ({self.direction} channel) did not complete within {timeout_s:.1f}s: "
@@ -296,7 +141,7 @@ class ProcessGroupSender:
     def _dead(self, exc: Exception) -> TransportError:
         return TransportError(
             f"rank {self.rank}: send to rank {self.peer} ({self.direction} channel) failed, peer rank "
-            f"{self.peer} is probably dead: {_describe(exc)}"
+            f"{self.peer} is probably dead: {describe_error(exc)}"
         )
 
     def close(self, timeout_s: float) -> None:
@@ -422,7 +267,7 @@ class ProcessGroupReceiver:
             self._ended.set()
         except Exception as exc:  # a corrupt header: one clear error naming the channel
             self._failure = TransportError(
-                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed: {_describe(exc)}")
+                f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed: {describe_error(exc)}")
             self._ended.set()
 
     # ---- header thread (socket reads only) ------------------------------------------------------------
@@ -437,7 +282,7 @@ class ProcessGroupReceiver:
         except Exception as exc:  # report, never die silently: the consumer's next poll raises it
             self._report(TransportError(
                 f"rank {self.rank}: receiving from rank {self.peer} ({self.direction} channel) failed, "
-                f"peer rank {self.peer} is probably dead: {_describe(exc)}"))
+                f"peer rank {self.peer} is probably dead: {describe_error(exc)}"))
         finally:
             self._ended.set()
 
@@ -467,9 +312,9 @@ class ProcessGroupReceiver:
                 try:
                     work = dist.irecv(arrival.buffer, src=self.peer, group=self._edge.payload, tag=PAYLOAD_TAG)
                 except RuntimeError as exc:
-                    arrival.done = _Failed(exc)
+                    arrival.done = FailedDone(exc)
                     continue
-                arrival.done = _NcclDone(work) if self._watcher is None else self._watcher.watch(work)
+                arrival.done = NcclDone(work) if self._watcher is None else self._watcher.watch(work)
 
     def on_delivered(self, message: Message) -> None:
         """In the consumer's thread, as ``poll``/``wait_any`` hands ``message`` out."""
@@ -482,7 +327,7 @@ class ProcessGroupReceiver:
                     f"({self.direction} channel) delivered out of order"
                 )
             self._posted.popleft()
-        if isinstance(arrival.done, _NcclDone):  # the stream that first reads it waits (see Message)
+        if isinstance(arrival.done, NcclDone):  # the stream that first reads it waits (see Message)
             message.wait_when_used(arrival.done.work.wait)
         else:
             self._complete(arrival, self._timeout_s)
@@ -492,7 +337,7 @@ class ProcessGroupReceiver:
     def landed(self, message: Message) -> bool:
         """An NCCL payload is on this GPU once its receive's work completed (an event query)."""
         done = getattr(message.token.handle, "done", None)
-        return not isinstance(done, _NcclDone) or done.work.is_completed()
+        return not isinstance(done, NcclDone) or done.work.is_completed()
 
     def _complete(self, arrival: _Arrival, timeout_s: float) -> None:
         """CPU: wait until the payload is in (bounded). CUDA: the current stream waits for it."""
@@ -501,10 +346,10 @@ class ProcessGroupReceiver:
         what = (f"the payload of message {arrival.frame.sequence} ({arrival.frame.nbytes} bytes) from rank "
                 f"{self.peer} ({self.direction} channel)")  # fmt: skip
         try:
-            if isinstance(arrival.done, _NcclDone):
+            if isinstance(arrival.done, NcclDone):
                 arrival.done.work.wait()  # stream-ordered: the host does not wait
                 return
-            if not _await([arrival.done], time.monotonic() + timeout_s, self._pump_or_fail):
+            if not await_done([arrival.done], time.monotonic() + timeout_s, self._pump_or_fail):
                 raise TransportTimeout(
                     f"rank {self.rank}: {what} did not arrive within {timeout_s:.1f}s of its header"
                 )
@@ -513,7 +358,7 @@ class ProcessGroupReceiver:
         except Exception as exc:
             raise TransportError(
                 f"rank {self.rank}: receiving {what} failed, peer rank {self.peer} is probably dead: "
-                f"{_describe(exc)}"
+                f"{describe_error(exc)}"
             ) from exc
 
     def _pump_or_fail(self) -> None:
@@ -575,9 +420,9 @@ class ProcessGroupReceiver:
                         f"within {timeout_s:.1f}s"
                     )
                 if self.polled:
-                    select.select([self._edge.header], [], [], _MAX_PAUSE_S)  # until more arrives
+                    select.select([self._edge.header], [], [], MAX_PAUSE_S)  # until more arrives
                 else:
-                    self._ended.wait(_MAX_PAUSE_S)
+                    self._ended.wait(MAX_PAUSE_S)
         finally:
             self._progress.remove(self)
             if self._watcher is not None:
@@ -609,17 +454,3 @@ class PolledGroupReceiver(ProcessGroupReceiver):
         self._read_headers()
         if self._failure is not None and not self._ready and not self._closing:
             raise self._failure
-
-
-class _Failed:
-    """Completion of an operation that could not even be posted."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-    def done(self) -> bool:
-        raise self.error
-
-    def pause(self, seconds: float) -> None:  # pragma: no cover - done() raises first
-        time.sleep(seconds)
-

@@ -28,13 +28,8 @@ from trainer.names import TRANSPORTS, job_name_part
 from trainer.problems import raise_if_any
 from trainer.transport.base import Direction, StageLinks
 from trainer.transport.channels import ChannelStageLinks, Inbox, RecvChannel, SendChannel
-from trainer.transport.dist_links import (
-    DistProgress,
-    HeaderBell,
-    PolledGroupReceiver,
-    ProcessGroupReceiver,
-    ProcessGroupSender,
-)
+from trainer.transport.dist_links import PolledGroupReceiver, ProcessGroupReceiver, ProcessGroupSender
+from trainer.transport.dist_progress import DistProgress, HeaderBell
 from trainer.transport.edge_groups import build_edge_groups
 
 log = logging.getLogger(__name__)
