@@ -11,6 +11,7 @@
 
 from trainer.config.layout import layout_problems
 from trainer.config.llama import llama_identity, llama_layout_problems
+from trainer.config.optim import DECAY_STYLES, DEFAULT_TRAIN_ITERS, OptimConfig
 from trainer.config.parser import build_parser, field_docs, parse_config, unsupported_flag_problems
 from trainer.config.plan import (
     LayerPlan,
@@ -24,12 +25,9 @@ from trainer.config.plan import (
 )
 from trainer.config.sections import (
     ATTENTION_BACKENDS,
-    DECAY_STYLES,
-    DEFAULT_TRAIN_ITERS,
     DPP_POLICIES,
     ConfigError,
     ModelConfig,
-    OptimConfig,
     ParallelConfig,
 )
 from trainer.config.training import CheckpointConfig, DataConfig, RunConfig, TrainConfig

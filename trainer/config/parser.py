@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 from trainer.cli import OneLineParser
 from trainer.config.layout import layout_problems
-from trainer.config.sections import ConfigError, ModelConfig, OptimConfig, ParallelConfig, _check
+from trainer.config.optim import OptimConfig
+from trainer.config.sections import ConfigError, ModelConfig, ParallelConfig, _check
 from trainer.config.training import CheckpointConfig, DataConfig, RunConfig, TrainConfig
 from trainer.megatron.flags import MEGATRON_LM_FLAGS
 

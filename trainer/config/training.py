@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainer.config.sections import ModelConfig, OptimConfig, ParallelConfig, _check
+from trainer.config.optim import OptimConfig
+from trainer.config.sections import ModelConfig, ParallelConfig, _check
 from trainer.data.megatron_datasets import parse_blend
 from trainer.data.split import MEGATRON_DEFAULT_SPLIT, parse_split
 from trainer.data.varlen import parse_length_distribution
