@@ -1,4 +1,4 @@
-"""A checkpoint saved under one TP x PP layout resumes under another (issue 17, part 3).
+"""A checkpoint saved under one TP x PP layout resumes under another.
 
 Checkpoints are megatron-core torch_dist checkpoints of ``sharded_state_dict``s, whose keys are global
 (a layer at its global number, a TP shard at its offset in the full matrix): each test trains a run

@@ -1,4 +1,4 @@
-"""Sweeps on the real local cluster, the harder paths (issue 16): a sweep split over several job
+"""Sweeps on the real local cluster, the harder paths: a sweep split over several job
 arrays, an array task requeued in mid-training, and a failed array task's report.
 
 The module's three sweeps are submitted together (`submit --sweep ... --wait`, each in its own runs
