@@ -1,4 +1,4 @@
-"""The simulator, and the issue's "must show" properties of every schedule.
+"""The simulator, and the properties every schedule must show.
 
 Costs are in units of one stage's forward. Figures asserted here are printed, with the commands
 that produce them, in docs/schedules.md.
