@@ -27,7 +27,6 @@ Unset (always, outside tests) it costs one dictionary lookup per phase.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import os
 import sys
@@ -35,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from trainer.launch.exit_deadline import EXIT_CODE, ExitDeadline
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ DEFAULT_TIMEOUT_S = 1800.0
 jobs, below Slurm time limits. Raise it through $MDPP_CHECKPOINT_TIMEOUT_S for very large models on
 slow file systems."""
 STALL_ENV = "MDPP_TEST_CHECKPOINT_STALL"
-EXIT_CODE = 1  # trainer.train's "failure"
 _REPORT_WAIT_S = 5.0  # how long flushing the log may take before the exit goes ahead without it
 
 
@@ -69,24 +69,18 @@ def checkpoint_timeout_s(explicit: float | None = None) -> float:
     return value
 
 
-class Watchdog:
+class Watchdog(ExitDeadline):
     """One save or load under a deadline (a context manager; see the module's docstring)."""
 
     def __init__(self, action: str, rank: int, folder: Path, iteration: int | None,
                  timeout_s: float | None = None) -> None:
-        self.action, self.rank, self.folder, self.iteration = action, rank, folder, iteration
-        self.timeout_s = checkpoint_timeout_s(timeout_s)
-        self.phase, self.detail = "starting", ""
-        self._started = self._phase_started = time.monotonic()
-        self._finished = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name=f"checkpoint-{action}-watchdog", daemon=True)
-
-    def __enter__(self) -> Watchdog:
-        self._thread.start()
-        return self
+        super().__init__(rank, checkpoint_timeout_s(timeout_s), f"checkpoint {action}",
+                         thread_name=f"checkpoint-{action}-watchdog")
+        self.action, self.folder, self.iteration = action, folder, iteration
+        self.detail = ""
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        self._finished.set()
+        self._done.set()
         self._thread.join()  # returns at once: the event ends its wait
         if exc is not None:
             # E.g. a collective's own timeout (the process group's, max(600 s, --dpp-timeout) in
@@ -100,7 +94,8 @@ class Watchdog:
 
     def enter(self, phase: str, detail: str = "") -> None:
         """This rank now works (or waits) in ``phase``; ``detail`` says on what, for the report."""
-        self.phase, self.detail, self._phase_started = phase, detail, time.monotonic()
+        super().enter(phase)
+        self.detail = detail
         _stall_if_asked(self.rank, self.action, self.iteration, phase)
 
     def report(self) -> str:
@@ -112,16 +107,9 @@ class Watchdog:
                 f"of {now - self._started:.1f} s. No tracker is written for an unfinished save (a resume "
                 f"takes the previous checkpoint). Exiting with status {EXIT_CODE}.")
 
-    def _watch(self) -> None:
-        if self._finished.wait(self.timeout_s):
-            return
-        message = self.report()
-        with contextlib.suppress(OSError):
-            os.write(2, f"\n[rank {self.rank}] ERROR {message}\n".encode())  # first: needs no lock
-            faulthandler.dump_traceback(file=2, all_threads=True)
+    def after_report(self, message: str) -> None:
         _bounded(lambda: (log.error("%s", message), sys.stdout.flush(), sys.stderr.flush()), _REPORT_WAIT_S)
         _bounded(_kill_child_processes, _REPORT_WAIT_S)
-        os._exit(EXIT_CODE)
 
 
 def _bounded(work: Callable[[], object], timeout_s: float) -> None:

@@ -1,4 +1,5 @@
-"""A deadline on one tear-down wait that cannot be interrupted (destroying the process groups).
+"""A deadline on one wait that cannot be interrupted: destroying the process groups here, a checkpoint
+save or load in trainer/checkpoint/watchdog.py (its :class:`Watchdog` is this with its own report).
 
 Why: ``destroy_process_group`` finalises and destroys each NCCL communicator without a deadline, and
 ``ncclCommDestroy`` waits for the communicator's in-flight work and for every CUDA graph that captured
@@ -27,13 +28,14 @@ class ExitDeadline:
     """``with ExitDeadline(rank, timeout_s, what):`` -- :meth:`enter` names each phase; past
     ``timeout_s`` (whole block) the process reports and exits. ``exit`` is swappable for tests."""
 
-    def __init__(self, rank: int, timeout_s: float, what: str, exit=os._exit, stderr_fd: int = 2) -> None:
+    def __init__(self, rank: int, timeout_s: float, what: str, exit=os._exit, stderr_fd: int = 2,
+                 thread_name: str = "exit-deadline") -> None:
         self.rank, self.timeout_s, self.what = rank, timeout_s, what
         self.phase = "starting"
         self._exit, self._fd = exit, stderr_fd
         self._started = self._phase_started = time.monotonic()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="exit-deadline", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name=thread_name, daemon=True)
 
     def __enter__(self) -> ExitDeadline:
         self._thread.start()
@@ -52,10 +54,16 @@ class ExitDeadline:
                 f"{now - self._phase_started:.1f} s in '{self.phase}'. Exiting with status {EXIT_CODE} "
                 "(stacks below)")
 
+    def after_report(self, message: str) -> None:
+        """What to do between the report and the exit (nothing here; trainer/checkpoint/watchdog.py
+        logs and kills the rank's child processes). Must not block: the exit waits for it."""
+
     def _watch(self) -> None:
         if self._done.wait(self.timeout_s):
             return
+        message = self.report()
         with contextlib.suppress(OSError):
-            os.write(self._fd, f"\n[rank {self.rank}] ERROR {self.report()}\n".encode())  # needs no lock
+            os.write(self._fd, f"\n[rank {self.rank}] ERROR {message}\n".encode())  # needs no lock
             faulthandler.dump_traceback(file=self._fd, all_threads=True)
+        self.after_report(message)
         self._exit(EXIT_CODE)
