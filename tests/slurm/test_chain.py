@@ -126,15 +126,28 @@ def wait_for_iteration(log: Path, iteration: int, timeout_s: float, job_id: str 
                          f"{text[-3000:]}\n{shown}")
 
 
+def wait_until(predicate, timeout_s: float, what: str, job_id: str = "") -> None:
+    """Poll `predicate`; fail after `timeout_s`, or as soon as job `job_id` has ended, naming its state."""
+    deadline, next_look = time.monotonic() + timeout_s, 0.0
+    while not predicate():
+        now = time.monotonic()
+        assert now < deadline, (f"timed out after {timeout_s:.0f} s waiting for {what}"
+                                + (f" (job {job_id} is {job_state(job_id)})" if job_id else ""))
+        if job_id and now >= next_look:
+            state, next_look = job_state(job_id), now + 5
+            assert state not in slurm.TERMINAL_STATES, f"job {job_id} ended {state} before {what}"
+        time.sleep(0.2)
+
+
+def job_state(job_id: str) -> str:
+    records = slurm.query(job_ids=[job_id])
+    return records[0].state if records else "PENDING"
+
+
 def wait_until_started(job_id: str, timeout_s: float) -> None:
-    """Wait for the job to leave PENDING: with six chains on two cores, its turn may take minutes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        shown = slurm.call(["scontrol", "show", "job", job_id]).stdout
-        if "JobState=PENDING" not in shown:
-            return
-        time.sleep(1)
-    raise AssertionError(f"job {job_id} still PENDING after {timeout_s:.0f} s:\n{shown}")
+    """Wait for the job to leave PENDING: with six chains (or the rest of the suite) on two cores, its
+    turn may take minutes, so a wait for its progress starts after this one."""
+    wait_until(lambda: job_state(job_id) != "PENDING", timeout_s, f"job {job_id} to start", job_id)
 
 
 def release_when_held(job_id: str, timeout_s: float) -> None:

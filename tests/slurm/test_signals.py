@@ -50,7 +50,7 @@ from pathlib import Path
 import pytest
 
 from tests.corpus import small_corpus
-from tests.slurm.test_chain import release_when_held
+from tests.slurm.test_chain import job_state, release_when_held, wait_until, wait_until_started
 from workflows import slurm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,28 +96,10 @@ def submit_training(out: Path, dataset: Path) -> tuple[str, Path]:
     return job_id, out / f"train_{job_id}.out"
 
 
-def wait_until(predicate, timeout_s: float, what: str, job_id: str = "") -> None:
-    """Poll `predicate`; fail after `timeout_s`, or as soon as job `job_id` has ended, naming its state."""
-    deadline, next_look = time.monotonic() + timeout_s, 0.0
-    while not predicate():
-        now = time.monotonic()
-        assert now < deadline, (f"timed out after {timeout_s:.0f} s waiting for {what}"
-                                + (f" (job {job_id} is {job_state(job_id)})" if job_id else ""))
-        if job_id and now >= next_look:
-            state, next_look = job_state(job_id), now + 5
-            assert state not in slurm.TERMINAL_STATES, f"job {job_id} ended {state} before {what}"
-        time.sleep(0.2)
-
-
-def job_state(job_id: str) -> str:
-    records = slurm.query(job_ids=[job_id])
-    return records[0].state if records else "PENDING"
-
-
 def wait_until_running(job_id: str) -> None:
     """The job's turn may take minutes while the rest of the suite holds the nodes: every wait for
     its progress starts after this one."""
-    wait_until(lambda: job_state(job_id) != "PENDING", TIMEOUT_S, f"job {job_id} to start", job_id)
+    wait_until_started(job_id, TIMEOUT_S)
 
 
 def follow_to_the_end(job_id: str, log: Path) -> tuple[str, int]:
