@@ -24,9 +24,14 @@ class Model:
     vocab_size: int = 50257
     architecture: tuple[str, ...] = ()
     """Trainer flags of the block beyond GPT's (the Llama family's), passed to every line (``--extra``)."""
+    transformer_impl: str = "local"
+    """``--transformer-impl`` of every line: ``local`` (megatron-core's own layers) or
+    ``transformer_engine`` (its Transformer Engine spec; CUDA with TE installed only)."""
 
     def describe(self) -> str:
         kind = f"Llama-style GPT ({' '.join(self.architecture)})" if self.architecture else "GPT"
+        if self.transformer_impl != "local":
+            kind += f" with --transformer-impl {self.transformer_impl}"
         return (f"{kind} {self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, "
                 f"seq {self.seq_length}, vocab {self.vocab_size}, mbs {self.micro_batch_size}, "
                 f"M={self.num_microbatches}, {'bf16' if self.bf16 else 'fp32'}, {self.train_iters} iterations")
@@ -36,7 +41,9 @@ class Model:
                 "--num-attention-heads", str(self.num_attention_heads), "--seq-length", str(self.seq_length),
                 "--vocab-size", str(self.vocab_size), "--micro-batch-size", str(self.micro_batch_size),
                 "--num-microbatches", str(self.num_microbatches), "--train-iters", str(self.train_iters)]
-        args += ["--extra", shlex.join(self.architecture)] if self.architecture else []
+        # Explicit even for local layers: "auto" would pick Transformer Engine wherever it is installed.
+        extra = [*self.architecture, "--transformer-impl", self.transformer_impl]
+        args += ["--extra", shlex.join(extra)]
         return args + ([] if self.bf16 else ["--no-bf16"])
 
 
@@ -57,6 +64,8 @@ MODELS = {
     # heads; 4:1 keeps GQA's saving at 16), and SwiGLU's three matrices at 2.6875 h = 5504 (Llama-2's
     # ratio, 11008 / 4096), about the parameters of GPT's two at 4 h.
     "llama16-h2048": Model("llama16-h2048", 16, 2048, 16, 1024, 2, 32, 10, architecture=llama_block(4, 5504)),
+    # The benchmark model with megatron-core's Transformer Engine layer spec (scripts/te builds TE).
+    "gpt16-h2048-te": Model("gpt16-h2048-te", 16, 2048, 16, 1024, 2, 32, 10, transformer_impl="transformer_engine"),
     # CPU dry runs: the same command path in seconds.
     "tiny": Model("tiny", 4, 32, 4, 16, 2, 4, 4, bf16=False, vocab_size=128),
     "tiny-llama": Model("tiny-llama", 4, 32, 4, 16, 2, 4, 4, bf16=False, vocab_size=128,
@@ -115,6 +124,15 @@ EXPERIMENTS = {e.name: e for e in (
         "eager 1F1B against `--use-dpp` alone, PP=4.",
         "pipeline", 4, model="llama16-h2048", cpu_model="tiny-llama",
         lines=("megatron-1f1b-best", "dpp-default"),
+        args=("--threads", "4", "--line-timeout", "120")),
+    Experiment(
+        "transformer-engine",
+        "How does DPP compare with megatron-core when both use Transformer Engine's layers? Megatron-core's "
+        "eager 1F1B and its own per-layer CUDA graphs (the GPU-bound megatron bar) against DPP eager and "
+        "with its slot graphs, all on megatron-core's TE layer spec (bf16, no FP8). Split backward is not "
+        "offered with TE's layers, so the dpp-zb lines are absent.",
+        "pipeline", 4, model="gpt16-h2048-te",
+        lines=("megatron-1f1b-best", "megatron-1f1b-graphs", "dpp", "1f1b-graphs", "dpp-graphs"),
         args=("--threads", "4", "--line-timeout", "120")),
     Experiment(
         "transport",
