@@ -6,7 +6,7 @@
 #   1. probe --free / --keep (nccl_graph_destroy_probe.py): does destroying a group wait for a live CUDA
 #      graph that captured its all-reduce, on this NCCL? (--keep is expected to hit its deadline)
 #   2. tests/gpu/test_tp_cuda_graphs.py::...[tp2]: eager vs graphed TP=2, every forward replayed, every
-#      rank logs the graphs it freed and exits 0 (MDPP_TP_GRAPHS=1 is set by the test)
+#      rank logs the graphs it freed and exits 0
 #   3. the same with --sequence-parallel ([tp2-sp]), if time is left
 # Diagnostics in the ranks: NCCL_DEBUG=WARN, torch's c10d lifecycle lines (TORCH_CPP_LOG_LEVEL=INFO:
 # "destroying NCCL communicators", "Destroy complete"), the flight recorder dumped on a collective

@@ -21,13 +21,6 @@ import torch
 
 from tests.gpu.same_run import assert_same_grads, assert_same_losses, train
 from tests.model_flags import GPU_SMALL, model_flags
-from trainer.config.plan import TP_GRAPHS_ENV
-
-
-@pytest.fixture(autouse=True)
-def _tp_graphs_allowed(monkeypatch) -> None:
-    """The config refuses graphs with TP > 1 until this file passes on GPUs; the ranks inherit this."""
-    monkeypatch.setenv(TP_GRAPHS_ENV, "1")
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,6 @@ import torch
 
 from trainer.bench.lines import BenchConfig, NotRun, plan
 from trainer.config import ConfigError, parse_config, resolve_plan
-from trainer.config.plan import TP_GRAPHS_ENV
 from trainer.pipeline.cuda_graphs import ChunkGraphs, GraphShapes, Replay, _BlockCall
 
 S, B, H, V = 6, 2, 4, 11
@@ -247,18 +246,14 @@ GOOD = ["--mock-data", "--num-layers", "4", "--hidden-size", "16", "--num-attent
         "--hidden-dropout", "0", "--attention-dropout", "0", "--dpp-cuda-graphs"]
 
 
-def test_graphs_config_is_accepted_where_it_can_run(monkeypatch) -> None:
+def test_graphs_config_is_accepted_where_it_can_run() -> None:
     assert parse_config(GOOD, world_size=2).parallel.dpp_cuda_graphs
     varlen = parse_config(GOOD + ["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.5",
                                  "--seq-length-divisible-by", "4"], world_size=2)
     assert varlen.parallel.dpp_cuda_graphs and varlen.data.variable_seq_lengths
     split = parse_config(GOOD + ["--dpp-policy", "dpp-zb"], world_size=2)  # F, I and W graphs per slot
     assert split.parallel.dpp_cuda_graphs and split.parallel.dpp_policy == "dpp-zb"
-    # TP collectives captured into the graphs (NCCL: the default backend on CUDA), with and without SP:
-    # refused until their GPU test passes, unless MDPP_TP_GRAPHS=1 (what that test sets)
-    with pytest.raises(ConfigError, match="graphs that capture the TP collectives are not verified"):
-        parse_config(GOOD + ["--tensor-model-parallel-size", "2"], world_size=4)
-    monkeypatch.setenv(TP_GRAPHS_ENV, "1")
+    # TP collectives captured into the graphs (NCCL: the default backend on CUDA), with and without SP
     tp = parse_config(GOOD + ["--tensor-model-parallel-size", "2"], world_size=4)
     assert tp.parallel.dpp_cuda_graphs and tp.parallel.tensor_model_parallel_size == 2
     sp = parse_config(GOOD + ["--tensor-model-parallel-size", "2", "--sequence-parallel",

@@ -120,9 +120,6 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
     --dpp-eager turns them off; a layout the graph checks block runs eagerly and says why (no error),
     while --dpp-cuda-graphs on that layout stays an error."""
     from trainer.config import ConfigError
-    from trainer.config.plan import TP_GRAPHS_ENV
-
-    monkeypatch.delenv(TP_GRAPHS_ENV, raising=False)
     auto = _plan([*CUDA_PP2, "--use-dpp"]).schedule
     assert (auto.cuda_graphs, auto.policy, auto.split_backward, auto.max_queued_ops) == (True, "dpp-zb", True, 1)
     assert auto.graphs_reason == AUTO_GRAPHS and auto.log_text.endswith(AUTO_GRAPHS)
@@ -135,11 +132,14 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
                    "--dpp-recompute-slots", "1"]).schedule
     assert slots.cuda_graphs and slots.recompute_slots_of(0) == 1
     blocked = {
-        "tp2": (["--tensor-model-parallel-size", "2"], 4, "graphs that capture the TP collectives are not verified"),
         "varlen": (["--variable-seq-lengths", "--mock-seq-len-dist", "lognormal:0.6", "--seq-length", "1024",
                     "--seq-length-divisible-by", "16", "--max-position-embeddings", "1024"], 2, "at most 32 sequence lengths"),
         "recompute+dropout": (["--recompute-activations"], 2, "no recompute with dropout"),
     }
+    # Tensor parallelism, with and without sequence parallelism: the TP collectives are captured in the graphs.
+    for sp in ([], ["--sequence-parallel"]):
+        tp2 = _plan([*CUDA_PP2, "--use-dpp", "--tensor-model-parallel-size", "2", *sp], 4).schedule
+        assert (tp2.cuda_graphs, tp2.policy, tp2.split_backward) == (True, "dpp-zb", True), sp
     for name, (extra, world, why) in blocked.items():
         schedule = _plan([*CUDA_PP2, "--use-dpp", *extra], world).schedule
         assert not schedule.cuda_graphs and schedule.policy == "dpp", name

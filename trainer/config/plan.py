@@ -19,7 +19,6 @@ Where a change goes (docs/house.md):
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,10 +35,6 @@ MEGATRON: Engine = "megatron-core"
 """megatron-core's ``get_forward_backward_func()`` (1F1B, interleaved 1F1B) runs the pipeline."""
 RUNTIME: Engine = "runtime"
 """This project's pipeline runtime (trainer/pipeline/) runs it, driven by a policy of trainer/schedule/."""
-
-TP_GRAPHS_ENV = "MDPP_TP_GRAPHS"
-"""Set to 1, lets --dpp-cuda-graphs run with TP > 1 (tests/gpu/test_tp_cuda_graphs.py sets it): refused
-otherwise until that test passes on GPUs."""
 
 DEFAULT_LINK_CREDITS = 4
 """Receive slots per channel when no policy needs more (trainer.transport.factory.LinkOptions' default)."""
@@ -385,10 +380,6 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         f"--distributed-backend nccl with --tensor-model-parallel-size {par.tensor_model_parallel_size} (the TP "
         "collectives are captured into the graphs; gloo's run on the host)":
             par.tensor_model_parallel_size == 1 or par.distributed_backend != "gloo",
-        f"--tensor-model-parallel-size 1 (got {par.tensor_model_parallel_size}): graphs that capture the TP "
-        "collectives are not verified on GPUs yet (on 2xH200 the TP=2 test trained, then hung in the process "
-        f"groups' tear-down); {TP_GRAPHS_ENV}=1 lifts this refusal to test them (docs/training.md)":
-            par.tensor_model_parallel_size == 1 or os.environ.get(TP_GRAPHS_ENV) == "1",
         f"no recompute with dropout (got --hidden-dropout {m.hidden_dropout} --attention-dropout "
         f"{m.attention_dropout}): megatron's checkpoint keeps the graph-safe RNG state by reference, so a "
         "recomputed attention would draw a different dropout mask than its forward; set both dropouts to 0 or "
