@@ -27,6 +27,10 @@ def model_flags(*, layers: int | None = 2, hidden: int = 32, heads: int = 4, seq
     such flag (the benchmark's); ``layers=None`` for one that adds ``--num-layers`` per model.
     """
     flags = ["--device", device]
+    if device == "cuda":
+        # megatron-core's local layers, named: "auto" picks Transformer Engine's wherever it is installed,
+        # and the GPU tests test the local path (tests/gpu/test_te_gpu.py appends its own choice).
+        flags += ["--transformer-impl", "local"]
     if mock_data:
         flags.append("--mock-data")
     if model is not None:

@@ -207,6 +207,8 @@ class TrainingSession:
             self.hooks.after_backward(state.iteration, run.model)
         lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used (logged like Megatron)
         success, grad_norm, _ = run.optimizer.step()
+        # megatron-core returns a float, or (0.19, a CUDA run whose groups are gloo's) a one-element tensor
+        grad_norm = None if grad_norm is None else float(grad_norm)
         if success:
             run.scheduler.step(increment=batch)  # the LR schedule counts samples, as Megatron-LM's
         state.iteration += 1

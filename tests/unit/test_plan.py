@@ -170,7 +170,13 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
     with_te = [a for a in CUDA_PP2 if a not in ("--transformer-impl", "local")]
     te_default = _plan([*with_te, "--use-dpp"]).schedule
     assert not te_default.cuda_graphs and "Transformer Engine's layers" in te_default.graphs_reason
-    assert _plan([*with_te, *GRAPHS]).schedule.cuda_graphs
+    assert _plan([*with_te, *GRAPHS]).schedule.cuda_graphs  # fp32: TE's unfused attention captures
+    # bf16: capturing TE's fused attention failed on GPUs; megatron-core's own graphs need TE's RNG tracker
+    with pytest.raises(ConfigError, match="fp32 with Transformer Engine's layers"):
+        _plan([*with_te, *GRAPHS, "--bf16"])
+    with pytest.raises(ConfigError, match="--cuda-graph-impl local needs megatron-core's local layers"):
+        _plan([*with_te, "--cuda-graph-impl", "local"])
+    assert not _plan([*with_te, "--use-dpp", "--bf16"]).schedule.cuda_graphs  # the default: eager, no error
 
 
 def test_the_plan_holds_the_layer_split_and_the_links() -> None:

@@ -232,7 +232,7 @@ def auto_graph_problems(cfg: TrainConfig) -> list[str]:
     p = _cuda_graph_problems(asked) + _recompute_slot_problems(asked)
     if cfg.run.device == "cuda" and uses_transformer_engine_spec(cfg, installed("transformer_engine")):
         p.append("the default picks graphs with megatron-core's local layers only (--transformer-impl local): "
-                 "Transformer Engine's layers under the slot graphs are not verified on GPUs; "
+                 "Transformer Engine's layers under the slot graphs are verified in fp32 only; "
                  "--dpp-cuda-graphs asks for them anyway")
     return p
 
@@ -392,6 +392,15 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         "raise --seq-length-divisible-by)":
             not cfg.data.variable_seq_lengths
             or -(-m.seq_length // cfg.data.seq_length_divisible_by) <= MAX_GRAPHED_LENGTHS,
+        # Measured on 2xH200 (TE 2.18, bf16): capturing TE's cuDNN fused attention failed with "Attempt to
+        # increase offset for a CUDA generator not in capture mode" (its kernel draws philox offsets from a
+        # generator state the slot graph has not registered); in fp32 TE runs its unfused attention, which
+        # captured and replayed equal to eager (tests/gpu/test_te_gpu.py).
+        "fp32 with Transformer Engine's layers (not --bf16/--fp16: capturing TE's fused attention fails, its "
+        "philox generator state is not registered with the slot graphs; docs/transformer_engine.md), or "
+        "--transformer-impl local":
+            not (cfg.run.device == "cuda" and (cfg.optim.bf16 or cfg.optim.fp16)
+                 and uses_transformer_engine_spec(cfg, installed("transformer_engine"))),
     }
     return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
 
@@ -432,6 +441,12 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
         "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
             not cfg.data.variable_seq_lengths,
         f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,
+        # Measured on 2xH200 (TE 2.18): TE's attention, capturing under megatron-core's graphs, asserts
+        # "Unsupported RNG states tracker" -- it needs TE's own tracker (Megatron-LM's --te-rng-tracker),
+        # which this trainer does not offer yet.
+        "megatron-core's local layers (--transformer-impl local): with Transformer Engine's, TE's attention "
+        "needs TE's RNG tracker under graph capture (Megatron-LM's --te-rng-tracker), not offered here":
+            not (cfg.run.device == "cuda" and uses_transformer_engine_spec(cfg, installed("transformer_engine"))),
         # At PP > 1 graph creation asserted (fwd_buffer_reuse_ref_count == 0 in _create_cudagraphs) while
         # the trainer passed every microbatch the same cached causal-mask tensor; GPT's forward step now
         # passes no mask under these graphs (trainer.model.steps.causal_mask_from_attention,
