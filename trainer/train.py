@@ -213,7 +213,7 @@ class TrainingSession:
         state.consumed_samples += batch
         reduced = self._reduce_losses(losses)
         run.log.step_done(success, reduced)
-        run.measure.after_step(step, time.perf_counter() - start, reduced)
+        run.measure.after_step(step, time.perf_counter() - start, reduced, batch)
         if self.hooks.after_step is not None:
             self.hooks.after_step(state.iteration, reduced)
         loss_scale = float(run.optimizer.get_loss_scale())  # 1.0 unless --fp16's dynamic scaler

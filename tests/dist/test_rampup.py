@@ -92,8 +92,12 @@ def test_ramp_starting_below_the_pipeline_depth_matches_reference(tmp_path: Path
     for name, flags in (("1f1b", []), ("dpp", ["--use-dpp", "--dpp-policy", "dpp"]),
                         ("dpp-zb", ["--use-dpp", "--dpp-policy", "dpp-zb"])):
         out = tmp_path / name
-        results = _run(out, 4, 12, [*PP4, *flags], ["--load-init", str(ref / "init.pt"), "--dump-grads", str(ITERS)],
-                       base=BELOW_PP)
+        results = _run(out, 4, 12, [*PP4, *flags, "--metrics-dir", str(out / "metrics")],
+                       ["--load-init", str(ref / "init.pt"), "--dump-grads", str(ITERS)], base=BELOW_PP)
+        for rank in range(4):  # --metrics-dir counts each iteration's own batch
+            records = json.loads((out / "metrics" / f"metrics_rank{rank:05d}.json").read_text())["iterations"]
+            assert [(r["global_batch_size"], r["num_microbatches"], r["tokens"]) for r in records] == \
+                [(2, 2, 32), (4, 4, 64), (6, 6, 96)]
         sizes = [int(s) for s in re.findall(r"global batch size:\s+(\d+)", results[3].output)]
         assert sizes == [2, 4, 6], results[3].output[-3000:]
         for it, value in expected.items():
