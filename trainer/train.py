@@ -137,7 +137,8 @@ class TrainingSession:
                                 "vp": t.virtual_pipeline},
                         padded_vocab_size=self.built.padded_vocab_size,
                         use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
-                        identity=run_identity(self.cfg))
+                        identity=run_identity(self.cfg),
+                        precision="fp16" if self.cfg.optim.fp16 else "bf16" if self.cfg.optim.bf16 else "fp32")
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> int:
