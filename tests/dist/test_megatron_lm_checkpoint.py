@@ -12,6 +12,8 @@ optimizer's sharded state, the LR scheduler, its 'rng_state' object, Megatron-LM
   own checkpoint with --no-load-optim --no-load-rng, and the log says what the checkpoint did not hold.
 - An optimizer state this run cannot take (another --optimizer) is refused, naming the folder and what
   differs, before any shard is read.
+- The distributed optimizer over DP=2 in Megatron-LM's default form (dp_reshardable): resumes under the
+  same layout to the straight run's losses; under PP=2 x DP=1 it is refused, naming the pipeline size.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from tests.dist.test_checkpoint_layouts import ARGS, LOSS_RTOL, train
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-def _write(theirs: Path, *extra: str, ours: Path | None = None, harness: tuple[str, ...] = ()) -> None:
+def _write(theirs: Path, *extra: str, ours: Path | None = None, harness: tuple[str, ...] = (), world: int = 1) -> None:
     """Train 6 iterations, writing the Megatron-LM checkpoint after 3 (and this trainer's at 3 and 6 into ``ours``)."""
     save = ["--save", str(ours), "--save-interval", "3"] if ours is not None else []
     check_ok(launch(["tests.dist.megatron_lm_save_harness", "--out", str(theirs), "--at", "3", *harness, "--",
-                     *ARGS, *extra, *save], 1, timeout_s=420))
+                     *ARGS, *extra, *save], world, timeout_s=420))
     assert (theirs / TRACKER).read_text().strip() == "3"
 
 
@@ -80,3 +82,22 @@ def test_megatron_lm_weights_only_checkpoint_loads_its_weights_and_iteration(tmp
     assert (f"{theirs / 'iter_0000003'} is a Megatron-LM checkpoint: loading its model weights; not its optimizer "
             "and LR scheduler state (saved with --no-save-optim) and RNG states (saved with --no-save-rng)") in output, \
         output[-3000:]
+
+
+@pytest.mark.timeout(1200)
+def test_megatron_lm_distributed_optimizer_state_resumes_under_its_own_layout(tmp_path: Path) -> None:
+    theirs, dist_opt = tmp_path / "megatron-lm", ("--use-distributed-optimizer",)
+    straight, _ = train(tmp_path / "straight", 2, *dist_opt)  # DP=2
+    _write(theirs, *dist_opt, world=2)
+    resumed, output = train(tmp_path / "resumed", 2, *dist_opt, "--load", str(theirs))
+    assert sorted(resumed) == [4, 5, 6]
+    for it in (4, 5, 6):
+        assert resumed[it] == pytest.approx(straight[it], rel=LOSS_RTOL), (it, resumed[it], straight[it])
+    assert "loading its model weights, optimizer and LR scheduler state, RNG states" in output, output[-3000:]
+    refused = launch(["trainer.train", *ARGS, *dist_opt, "--pipeline-model-parallel-size", "2", "--load", str(theirs)],
+                     2, timeout_s=300)
+    text = refused[0].output + refused[1].output
+    assert any(r.returncode != 0 for r in refused) and "iteration        4/" not in text
+    assert (f"{theirs / 'iter_0000003'}: this Megatron-LM checkpoint's optimizer state does not fit this run's "
+            "optimizer (--pipeline-model-parallel-size: checkpoint 1, this run 2 (the distributed optimizer's "
+            "'dp_reshardable' state loads under its own TP x PP layout only") in text, text[-3000:]

@@ -578,7 +578,10 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
 
     if loads_optimizer:
         _zero_steps_where_unsaved(optimizer, loaded["optimizer"])
-        with torch_adam_distributed_optimizer_load(optimizer):
+        # no_grad: megatron-core 0.16 copies a dp_reshardable state (Megatron-LM's default form) into the
+        # fp32 main parameters outside no_grad; in an fp32 run those are views of the model's parameters,
+        # and the in-place copy then fails ("a view of a leaf Variable that requires grad").
+        with torch.no_grad(), torch_adam_distributed_optimizer_load(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
         if options is not None and (options.override_opt_param_scheduler or options.use_checkpoint_opt_param_scheduler):
             # megatron-core's own switches, read by its load_state_dict: this run's values, or the
