@@ -137,7 +137,8 @@ class TrainingSession:
                                 "vp": t.virtual_pipeline},
                         padded_vocab_size=self.built.padded_vocab_size,
                         use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
-                        identity=run_identity(self.cfg))
+                        identity=run_identity(self.cfg),
+                        precision="fp16" if self.cfg.optim.fp16 else "bf16" if self.cfg.optim.bf16 else "fp32")
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -215,7 +216,7 @@ class TrainingSession:
         state.consumed_samples += batch
         reduced = self._reduce_losses(losses)
         run.log.step_done(success, reduced)
-        run.measure.after_step(step, time.perf_counter() - start, reduced)
+        run.measure.after_step(step, time.perf_counter() - start, reduced, batch)
         if self.hooks.after_step is not None:
             self.hooks.after_step(state.iteration, reduced)
         loss_scale = float(run.optimizer.get_loss_scale())  # 1.0 unless --fp16's dynamic scaler

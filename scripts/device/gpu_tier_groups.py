@@ -33,7 +33,7 @@ GROUPS: dict[str, list[str]] = {
     # part 3: first 10 losses of every DPP policy against megatron-core's 1F1B, the benchmark model gpt16-h2048, 4 GPUs
     "D": [f"{_TRAIN}::test_dpp_first_ten_losses_match_megatron_1f1b_on_4_gpus"],
     # part 5: graphed dpp-zb with the runtime-launched overlapped DP reduction, PP=2 x DP=2 on 4 GPUs;
-    # then --rampup-batch-size under megatron-core's 1F1B, eager and graphed dpp-zb (2 GPUs)
+    # then --rampup-batch-size under megatron-core's 1F1B, eager and graphed dpp-zb (2 GPUs; PP=4 from 2 microbatches on 4)
     "L": [f"{_G}/test_dpp_cuda_graphs.py::test_graphed_dpp_zb_with_overlapped_dp_reduction_equals_eager",
           f"{_G}/test_rampup_gpu.py"],
     # part 4: graphs with dropout, BERT, TP (pairs: TP=2 on one stage), megatron-core's graphs at PP=1 and 2;

@@ -7,6 +7,9 @@ sizes and the shipped corpus:
 - the AWS test case's Llama-2 line (same repository, megatron-lm/slurm/llama2/pretrain-llama2.sbatch,
   its llama2-70b preset): every flag it passes with a tokenizer the project trains
   (trainer/data/train_tokenizer.py, a SentencePiece model like Llama-2's), sizes shrunk;
+- Megatron-LM's own ``examples/gpt3/train_gpt3_175b_distributed.sh``: every flag it passes, its
+  ``--rampup-batch-size`` included, sizes shrunk (TP 8 -> 1, PP 16 -> 4) so that the ramp starts below
+  the pipeline depth as the original does under DP > 1;
 - the prototype's example (MegatronDPP's examples/gpt3/train_gpt3_175b_distributed.sh) as its multi-node
   form runs it: two torchrun "nodes" of 2 ranks on this host, ``--node-ips`` one address per rank,
   ``--num-gpus`` per node, ``--multi-node``, ``--workload`` the prototype's integer; sizes shrunk.
@@ -127,6 +130,43 @@ def test_prototype_example_line_on_two_nodes(gpt2_corpus: str, tmp_path: Path) -
     events.Reload()
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]
     assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4]
+
+
+@pytest.mark.timeout(900)
+def test_megatron_lm_gpt3_175b_example_line(gpt2_corpus: str, tmp_path: Path) -> None:
+    """96 -> 4 layers, hidden 12288 -> 64, 96 -> 4 heads, seq 2048 -> 32, global batch 1536 -> 8, the ramp
+    16 16 5859375 -> 2 2 12 (2, 2, 4, 6, 8 samples: 2 microbatches under 4 stages first), 500000 -> 5
+    iterations, the log/save/eval intervals and --eval-iters shrunk to fit 5 iterations."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    checkpoints, tensorboard = tmp_path / "ckpt", tmp_path / "tb"
+    line = [
+        # GPT_MODEL_ARGS
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--attention-backend", "auto",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12",
+        "--train-iters", "5", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine",
+        "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
+        # DATA_ARGS
+        "--data-path", gpt2_corpus, "--vocab-file", VOCAB, "--merge-file", MERGES, "--split", "949,50,1",
+        # EVAL_AND_LOGGING_ARGS
+        "--log-interval", "1", "--save-interval", "4", "--eval-interval", "3", "--save", str(checkpoints),
+        "--load", str(checkpoints), "--eval-iters", "1", "--tensorboard-dir", str(tensorboard),
+    ]
+    text = _finish([_torchrun(4, ["--device", "cpu", *line])], timeout_s=800)
+    lines = ITERATION.findall(text)
+    assert [(int(i), int(c)) for i, _, c in lines] == [(1, 2), (2, 4), (3, 8), (4, 14), (5, 22)], text[-4000:]
+    assert [int(b) for b in re.findall(r"global batch size:\s+(\d+)", text)] == [2, 2, 4, 6, 8]
+    assert [int(i) for i, _, _ in VALIDATION.findall(text)] == [3], text[-4000:]
+    assert "world=4 nodes=1 TP=1 PP=4 VP=1 DP=1" in text
+    assert_megatron_checkpoint(checkpoints, 5)
+    events = EventAccumulator(str(tensorboard))
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4, 5]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """On 2 GPUs: --rampup-batch-size (4 -> 16 by 4 over 24 samples, micro batch 2: iterations of 2, 2, 4, 6,
 then 8 microbatches) trains to the same losses under megatron-core's own 1F1B, the DPP runtime's eager
 dpp-zb and --use-dpp alone (graphed dpp-zb: slots captured for 8 microbatches, the ramp's smaller
-iterations replaying from fewer of them). Skipped with fewer than 2 GPUs. Run with::
+iterations replaying from fewer of them). On 4 GPUs the same with PP=4 and a ramp that starts below the
+pipeline depth (2 -> 8 microbatches of 1 sample: 2, 2, 4, 6, then 8), graphed dpp and dpp-zb included.
+Skipped with fewer GPUs. Run with::
 
     python -m pytest -m gpu tests/gpu/test_rampup_gpu.py -s
 """
@@ -30,15 +32,25 @@ ARGS = ["--device", "cuda", "--mock-data", "--num-layers", "4", "--hidden-size",
 SIZES = [4, 4, 8, 12, 16, 16, 16, 16]
 
 
-def _run(out: Path, *extra: str) -> tuple[dict[str, float], str]:
+# PP=4, micro batch 1: 2 -> 8 by 2 over 12 samples (one increment every 4): batches 2, 2, 4, 6 (14 samples,
+# past the ramp), then (38 - 14) // 8 = 3 of 8.
+BELOW_PP = [*ARGS[:ARGS.index("--micro-batch-size")], "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--rampup-batch-size", "2", "2", "12", "--train-samples", "38", "--pipeline-model-parallel-size", "4",
+            *ARGS[ARGS.index("--lr"):]]
+SIZES_BELOW_PP = [2, 2, 4, 6, 8, 8, 8]
+
+
+def _run(out: Path, *extra: str, args: list[str] = ARGS, world: int = 2,
+         sizes: list[int] = SIZES) -> tuple[dict[str, float], str]:
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
-    results = launch(["tests.dist.train_harness", "--out", str(out), "--", *ARGS, *extra], 2, timeout_s=400,
+    results = launch(["tests.dist.train_harness", "--out", str(out), "--", *args, *extra], world, timeout_s=400,
                      extra_env=env)
     check_ok(results)
-    losses = {it: v["lm loss"] for it, v in json.loads((out / "losses_rank1.json").read_text()).items()}
-    sizes = [int(s) for s in re.findall(r"global batch size:\s+(\d+)", results[1].output)]
-    assert sizes == SIZES, results[1].output[-3000:]
-    return losses, results[0].output + results[1].output
+    last = world - 1
+    losses = {it: v["lm loss"] for it, v in json.loads((out / f"losses_rank{last}.json").read_text()).items()}
+    logged = [int(s) for s in re.findall(r"global batch size:\s+(\d+)", results[last].output)]
+    assert logged == sizes, results[last].output[-3000:]
+    return losses, "".join(r.output for r in results)
 
 
 @pytest.mark.timeout(1200)
@@ -58,3 +70,24 @@ def test_rampup_dpp_graphed_and_eager_equal_megatron_1f1b_on_2_gpus(tmp_path: Pa
         print(it, megatron[it], eager[it], graphed[it])
         assert eager[it] == pytest.approx(megatron[it], rel=RTOL), ("eager dpp-zb", it)
         assert graphed[it] == pytest.approx(megatron[it], rel=RTOL), ("graphed dpp-zb", it)
+
+
+@pytest.mark.timeout(1800)
+def test_ramp_below_the_pipeline_depth_dpp_graphed_and_eager_equal_megatron_1f1b_on_4_gpus(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 4:
+        pytest.skip(f"needs 4 GPUs, {torch.cuda.device_count()} visible")
+    run = {"args": BELOW_PP, "world": 4, "sizes": SIZES_BELOW_PP}
+    megatron, _ = _run(tmp_path / "1f1b", **run)
+    runs = {"eager dpp-zb": _run(tmp_path / "eager", "--use-dpp", "--dpp-eager", "--dpp-policy", "dpp-zb", **run),
+            "graphed dpp-zb": _run(tmp_path / "graphed-zb", "--use-dpp", **run),
+            "graphed dpp": _run(tmp_path / "graphed-dpp", "--use-dpp", "--dpp-policy", "dpp", **run)}
+    assert sorted(megatron, key=int) == [str(i) for i in range(1, len(SIZES_BELOW_PP) + 1)]
+    for name, (losses, output) in runs.items():
+        if name.startswith("graphed"):
+            assert "--rampup-batch-size: slots captured for the full batch" in output
+            replayed = [int(n) for n in re.findall(r"(\d+) training forward\(s\) replayed from CUDA graphs", output)]
+            assert replayed and min(replayed) > 0, output[-3000:]
+        for it in megatron:
+            assert losses[it] == pytest.approx(megatron[it], rel=RTOL), (name, it)

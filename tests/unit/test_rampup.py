@@ -67,15 +67,44 @@ def test_megatron_lms_175b_example_pairs_the_ramp_with_train_iters() -> None:
 
 
 def test_every_size_of_the_ramp_must_cut_into_microbatches() -> None:
-    # DP 2 x mbs 2 = 4: 6 is not divisible, and 4 gives 1 microbatch, fewer than PP 2.
+    # DP 2 x mbs 2 = 4: 6 is not divisible (4, giving 1 microbatch under PP 2, is fine: see below).
     with pytest.raises(ConfigError) as err:
         parse_config(BASE + ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
                              "--global-batch-size", "16", "--rampup-batch-size", "4", "2", "100",
                              "--train-samples", "400"], world_size=4)
-    text = str(err.value)
-    assert "global batch size 6 (of --rampup-batch-size up to --global-batch-size=16) is not divisible by " \
-           "--micro-batch-size=2 x data-parallel size 2" in text
-    assert "1 microbatches per iteration (global batch size 4 (of --rampup-batch-size" in text
+    assert err.value.problems == [f"global batch size {size} (of --rampup-batch-size up to --global-batch-size=16) "
+                                  "is not divisible by --micro-batch-size=2 x data-parallel size 2"
+                                  for size in (6, 10, 14)]
+
+
+@pytest.mark.parametrize("flags", [
+    [],  # the runtime's 1F1B standing in for megatron-core's on CPU
+    ["--use-dpp", "--dpp-policy", "dpp"], ["--use-dpp", "--dpp-policy", "dpp-zb"],
+    ["--use-dpp", "--dpp-policy", "zb-h1"], ["--use-dpp", "--dpp-policy", "1f1b"],
+    ["--use-dpp", "--dpp-policy", "dpp", "--num-layers-per-virtual-pipeline-stage", "1"],
+])
+def test_a_ramp_may_start_below_the_pipeline_depth(flags) -> None:
+    # Megatron-LM's 175b example: PP=16 and a ramp from 16 samples (micro 1): with DP > 1 the first
+    # iterations have fewer microbatches than stages, which megatron-core's 1F1B runs. Here PP=4, 2 -> 8.
+    cfg = parse_config(BASE + ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
+                               "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12",
+                               "--train-samples", "40", *flags], world_size=4)
+    plan = resolve_plan(cfg, 4)
+    assert [plan.microbatches_of(b) for b in cfg.optim.batch_sizes] == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--use-dpp", "--dpp-policy", "interleaved"], "--dpp-policy=interleaved needs microbatches (2) divisible"),
+    ([], "the runtime's interleaved 1F1B (standing in for megatron-core's without --use-dpp here) needs "
+         "microbatches (2) divisible"),
+])
+def test_interleaved_orders_still_need_whole_groups_of_pp(flags, needle) -> None:
+    # megatron-core's interleaved schedule refuses M < PP (its microbatch groups are PP long).
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE + ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+                             "--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "8",
+                             "--rampup-batch-size", "2", "2", "12", "--train-samples", "40", *flags], world_size=4)
+    assert needle in str(err.value) and "at global batch size 2 of --rampup-batch-size" in str(err.value)
 
 
 def test_interleaved_order_is_checked_at_every_size() -> None:
@@ -122,3 +151,28 @@ def test_graphs_stay_on_under_a_ramp_and_the_first_line_says_why() -> None:
     schedule = resolve_plan(cfg, 2).schedule
     assert schedule.cuda_graphs
     assert "--rampup-batch-size: slots captured for the full batch" in schedule.log_text
+
+
+@pytest.mark.parametrize(("name", "chunks"), [("1f1b", 1), ("zb-h1", 1), ("dpp", 1), ("dpp-zb", 1),
+                                              ("dpp", 2), ("dpp-zb", 2)])
+def test_every_policy_finishes_steps_below_the_pipeline_depth_within_the_full_batchs_slots(name, chunks) -> None:
+    # The ramp's small steps (M < PP) under the policy the runtime builds for that M: the simulator
+    # raises DeadlockError on a stuck stage, and no stage holds more activations than the CUDA graph
+    # slots captured for the full batch's policy (pipeline/runtime.py's graph_slots).
+    import numpy as np
+
+    from trainer.pipeline.runtime import graph_slots
+    from trainer.schedule.core import PipelineShape
+    from trainer.schedule.costs import CostModel
+    from trainer.schedule.registry import make_policy
+    from trainer.schedule.simulator import simulate
+
+    full = PipelineShape(4, 8, chunks)
+    slots = [sum(graph_slots(make_policy(name, full, s), full, s)) for s in range(4)]
+    for m in (1, 2, 3):
+        shape = PipelineShape(4, m, chunks)
+        result = simulate(shape, [make_policy(name, shape, s) for s in range(4)],
+                          CostModel().draw(shape, np.random.default_rng(m)))
+        assert result.step_time > 0
+        assert all(peak <= slot for peak, slot in zip(result.peak_inflight, slots, strict=True)), (m, result.peak_inflight)
+        assert max(result.peak_inflight) <= m * chunks

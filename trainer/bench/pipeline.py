@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 result.round_medians = [result.median_ms]
             if round_ and line.key in results and results[line.key].ok and result.ok:
                 results[line.key].timed_ms.extend(result.timed_ms)  # pooled over rounds
+                results[line.key].timed_batches.extend(result.timed_batches)
                 results[line.key].round_medians.append(result.median_ms)
             elif not round_ or not result.ok:
                 results[line.key] = result  # first round, or a failure that must show

@@ -2,6 +2,8 @@
 
 * ms/iteration: per iteration the slowest rank's step time, over iterations after ``skip_iters``
   that did not run under the kernel profiler; median, min/max and inter-quartile range.
+* tokens/s: tokens per iteration over the median time; where the timed iterations' global batches
+  differ (--rampup-batch-size) the median of each iteration's own tokens over its own time.
 * GPU busy per stage: mean ``compute_ms`` of the profiled iterations (union of non-NCCL kernels, on
   the GPU). On CPU there is no such thing; the busy time of our runtime's traced F/B spans (host) is
   given instead when the line was traced, and marked so.
@@ -33,6 +35,10 @@ class LineResult:
     round_medians: list[float] = field(default_factory=list)
     """With --rounds: this line's median in each round (timed_ms pools every round's iterations)."""
     tokens_per_iteration: int = 0
+    """At --global-batch-size (with real tokens counted where the bench's scenario sets it)."""
+    timed_batches: list[float] = field(default_factory=list)
+    """Per timed iteration (as ``timed_ms``), its global batch as a fraction of --global-batch-size:
+    below 1 during a --rampup-batch-size ramp; empty for metrics that do not record it."""
     peak_gib: float | None = None
     """Peak allocated memory, max over ranks (torch.cuda.max_memory_allocated)."""
     reserved_gib: float | None = None
@@ -66,23 +72,34 @@ class LineResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_per_iteration / (self.median_ms / 1e3)
+        fractions = self.timed_batches
+        if len(fractions) != len(self.timed_ms) or all(f == 1.0 for f in fractions):
+            return self.tokens_per_iteration / (self.median_ms / 1e3)
+        return statistics.median(self.tokens_per_iteration * f / (ms / 1e3)
+                                 for f, ms in zip(fractions, self.timed_ms, strict=True))
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("metrics_rank*.json"))]
 
 
-def _timed(documents: list[dict[str, Any]], skip_iters: int) -> list[float]:
+def _timed(documents: list[dict[str, Any]], skip_iters: int) -> tuple[list[float], list[float]]:
+    """(ms, batch fraction) of each timed iteration; no fractions where a record lacks its batch."""
     per_iteration: dict[int, float] = {}
+    fraction: dict[int, float] = {}
     profiled: set[int] = set()
     for doc in documents:
+        full = doc.get("tokens_per_iteration")
         for record in doc["iterations"]:
             it = record["iteration"]
             per_iteration[it] = max(per_iteration.get(it, 0.0), record["ms"])
             if record.get("gpu_profiled"):
                 profiled.add(it)
-    return [ms for it, ms in sorted(per_iteration.items()) if it > skip_iters and it not in profiled]
+            if full and record.get("tokens") is not None:
+                fraction[it] = record["tokens"] / full
+    timed = [it for it in sorted(per_iteration) if it > skip_iters and it not in profiled]
+    fractions = [fraction[it] for it in timed] if all(it in fraction for it in timed) else []
+    return [per_iteration[it] for it in timed], fractions
 
 
 def _gpu_busy(documents: list[dict[str, Any]]) -> dict[int, float]:
@@ -131,7 +148,7 @@ def line_result(key: str, name: str, scenario: str, label: str, folder: Path, sk
     expected = documents[0]["world_size"]
     if len(documents) != expected:
         result.status = f"only {len(documents)} of {expected} ranks wrote metrics"
-    result.timed_ms = _timed(documents, skip_iters)
+    result.timed_ms, result.timed_batches = _timed(documents, skip_iters)
     result.tokens_per_iteration = documents[0]["tokens_per_iteration"]
     peaks = [d["peak_memory_bytes"] for d in documents if d.get("peak_memory_bytes") is not None]
     result.peak_gib = max(peaks) / 2**30 if peaks else None

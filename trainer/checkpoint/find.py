@@ -182,6 +182,7 @@ def _megatron_lm_facts(path: Path, common: dict[str, Any]) -> dict[str, Any]:
     if ffn is not None:
         identity["ffn_hidden_size"] = ffn
     return {"format": MEGATRON_LM_FORMAT,
+            "megatron_lm": _megatron_lm_contents(common),
             "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
             "layout": {"world_size": getattr(args, "world_size", None),
                        "tp": getattr(args, "tensor_model_parallel_size", 1),
@@ -190,6 +191,35 @@ def _megatron_lm_facts(path: Path, common: dict[str, Any]) -> dict[str, Any]:
             "padded_vocab_size": getattr(args, "padded_vocab_size", None),
             "identity": {k: v for k, v in identity.items() if v is not None},
             "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))}
+
+
+MEGATRON_LM_RESHARDABLE = frozenset({"fully_reshardable", "fully_sharded_model_space"})
+"""The distributed optimizer's sharding types that load under another TP/PP layout (megatron-core's
+DistributedOptimizer.checkpoint_fully_reshardable_formats); the others are keyed by its TP x PP groups."""
+
+
+def _megatron_lm_contents(common: dict[str, Any]) -> dict[str, Any]:
+    """What a Megatron-LM checkpoint holds besides the weights, from its common state.
+
+    Megatron-LM's generate_state_dict writes 'optimizer' (sharded) and 'opt_param_scheduler' unless
+    --no-save-optim, 'rng_state' unless --no-save-rng; the sharding switches its optimizer state was
+    saved with are its 'content_metadata' (megatron-core's save(content_metadata=...)), which older
+    releases did not write: there they follow from its args as its loader derives them."""
+    args = common["args"]
+    metadata = common.get("content_metadata")
+    distributed = bool(getattr(args, "use_distributed_optimizer", False))
+    if not isinstance(metadata, dict):
+        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        if distributed:
+            metadata["distrib_optim_sharding_type"] = (
+                "fully_sharded_model_space" if getattr(args, "ckpt_fully_parallel_save", False)
+                else "dp_zero_gather_scatter")
+    precision = "fp16" if getattr(args, "fp16", False) else "bf16" if getattr(args, "bf16", False) else "fp32"
+    return {"has_optimizer": not getattr(args, "no_save_optim", False) and "opt_param_scheduler" in common,
+            "has_rng": not getattr(args, "no_save_rng", False),
+            "optimizer": getattr(args, "optimizer", "adam"), "precision": precision,
+            "use_distributed_optimizer": distributed,
+            "sharding": {k: v for k, v in metadata.items() if isinstance(v, str | bool | int | float)}}
 
 
 def read_common_state(path: Path) -> dict[str, Any]:

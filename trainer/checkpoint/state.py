@@ -130,23 +130,30 @@ class RunFacts:
     padded_vocab_size: int
     use_distributed_optimizer: bool
     identity: dict[str, object]
+    precision: str = "fp32"
+    """"fp16", "bf16" or "fp32": which megatron-core optimizer wraps the parameters (Float16Optimizer or
+    FP32Optimizer), whose state a Megatron-LM checkpoint must share to be loaded."""
 
 
 # ---- the sharded state dict ---------------------------------------------------------------------
-def _sharding_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
+def _sharding_metadata(use_distributed_optimizer: bool, saved: dict[str, Any] | None = None) -> dict[str, Any]:
     """megatron-core's sharded_state_dict switches, as Megatron-LM sets them for torch_dist.
 
     ``fully_reshardable``: the distributed optimizer's state in model-parameter shape (gathered over
     DP at save), the only form that loads under another TP/PP; Megatron-LM's default,
     ``dp_reshardable``, reshards over DP only. The DP group is named as Megatron-LM names it (newer
     megatron-core reads it from here rather than from parallel_state). A fresh dict per call.
+    ``saved``: the switches a Megatron-LM checkpoint was written with (its content metadata), which a
+    load must use to find its tensors, as Megatron-LM's loader does.
     """
     from megatron.core import parallel_state as ps
 
-    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-                                "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-    if use_distributed_optimizer:
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if saved is not None:
+        metadata.update(saved)
+    elif use_distributed_optimizer:
         metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
     return metadata
 
 
@@ -201,17 +208,19 @@ def _zero_steps_where_unsaved(optimizer, loaded: Any) -> None:
             state["common_step"] = torch.tensor(0.0)
 
 
-def _sharded_state_dict(model: list, optimizer, use_distributed_optimizer: bool, is_loading: bool) -> dict:
+def _sharded_state_dict(model: list, optimizer, use_distributed_optimizer: bool, is_loading: bool,
+                        saved_sharding: dict[str, Any] | None = None) -> dict:
+    """``saved_sharding``: a Megatron-LM checkpoint's sharding switches (see :func:`_sharding_metadata`)."""
     from megatron.core.utils import unwrap_model
 
     _materialize_adam_state(optimizer)
     chunks = unwrap_model(model)
     state: dict[str, Any] = {_model_key(i, len(chunks)): chunk.sharded_state_dict(
-        metadata=_sharding_metadata(use_distributed_optimizer)) for i, chunk in enumerate(chunks)}
+        metadata=_sharding_metadata(use_distributed_optimizer, saved_sharding)) for i, chunk in enumerate(chunks)}
     # The optimizer's state is keyed by the model tensors' global keys (it looks the parameters up
     # in ``state``), so it reshards with them.
     state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata=_sharding_metadata(use_distributed_optimizer))
+        state, is_loading=is_loading, metadata=_sharding_metadata(use_distributed_optimizer, saved_sharding))
     return state
 
 
@@ -457,17 +466,66 @@ def _check_identity(path: Path, saved: dict[str, Any], facts: RunFacts, options,
                     path, "; ".join(differences))
 
 
-def _megatron_lm_loads(path: Path, common: dict[str, Any], loads_optimizer: bool, loads_rng: bool) -> bool:
-    """What of a Megatron-LM checkpoint is read besides the weights: its optimizer state is in the
-    sharding form its own flags chose (and its RNG object in its layout's), so neither is; its LR
-    scheduler state (common.pt) is, when present and wanted (returned). The log names what was not."""
-    not_loaded = [what for what, wanted in (("optimizer state", loads_optimizer), ("RNG states", loads_rng)) if wanted]
-    loads_scheduler = loads_optimizer and "opt_param_scheduler" in common
-    if not_loaded and dist.get_rank() == 0:
-        log.warning("%s is a Megatron-LM checkpoint: its model weights%s are loaded, its %s not (this run starts "
-                    "them afresh; --no-load-optim / --no-load-rng say so up front)", path,
-                    " and LR scheduler state" if loads_scheduler else "", " and ".join(not_loaded))
-    return loads_scheduler
+def megatron_lm_optimizer_differences(saved: dict[str, Any], facts: RunFacts) -> list[str]:
+    """'what: checkpoint X, this run Y' for everything that keeps this run from loading the optimizer
+    state of a Megatron-LM checkpoint (``saved``: its 'mdpp' facts, trainer/checkpoint/find.py).
+
+    The state is megatron-core's own sharded optimizer state, so it loads where this run builds the same
+    optimizer: the same algorithm (its moments), the same precision wrapper (fp16/bf16 keep fp32 main
+    weights and, with fp16, a loss scaler) and the same distributed-optimizer choice. A plain optimizer's
+    state is sharded like the parameters and reshards with them; a distributed optimizer's does only in
+    the fully reshardable forms, the others are keyed by the TP x PP groups it was saved under."""
+    contents, layout = saved["megatron_lm"], saved["layout"]
+    p = [f"--optimizer: checkpoint {contents['optimizer']!r}, this run {facts.identity.get('optimizer')!r}"
+         ] if contents["optimizer"] != facts.identity.get("optimizer") else []
+    if contents["precision"] != facts.precision:
+        p.append(f"precision (--fp16/--bf16): checkpoint {contents['precision']}, this run {facts.precision}")
+    if contents["use_distributed_optimizer"] != facts.use_distributed_optimizer:
+        p.append(f"--use-distributed-optimizer: checkpoint {contents['use_distributed_optimizer']}, "
+                 f"this run {facts.use_distributed_optimizer}")
+    elif facts.use_distributed_optimizer:
+        from trainer.checkpoint.find import MEGATRON_LM_RESHARDABLE
+
+        sharding = contents["sharding"].get("distrib_optim_sharding_type")
+        if sharding not in MEGATRON_LM_RESHARDABLE:
+            p.extend(f"{flag}: checkpoint {layout[key]}, this run {facts.layout[key]} (the distributed optimizer's "
+                     f"{sharding!r} state loads under its own TP x PP layout only; Megatron-LM saves the reshardable "
+                     "form with --dist-ckpt-optim-fully-reshardable)"
+                     for key, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
+                                       ("vp", "virtual pipeline stages")) if layout[key] != facts.layout[key])
+    return p
+
+
+def _megatron_lm_loads(path: Path, saved: dict[str, Any], facts: RunFacts, options) -> tuple[bool, bool]:
+    """(optimizer and LR scheduler, RNG states): what of a Megatron-LM checkpoint is loaded besides the
+    weights, by Megatron-LM's rules: what it holds (not what --no-save-optim / --no-save-rng left out)
+    unless --no-load-optim / --no-load-rng / --finetune; RNG states only under the same (TP, PP) as
+    saved. An optimizer state this run cannot take is refused (CheckpointError naming what differs)."""
+    contents, layout = saved["megatron_lm"], saved["layout"]
+    wants_optimizer = options is None or options.loads_optimizer
+    wants_rng = options is None or options.loads_rng
+    loads_optimizer = wants_optimizer and contents["has_optimizer"]
+    if loads_optimizer:
+        differences = megatron_lm_optimizer_differences(saved, facts)
+        if differences:
+            raise CheckpointError(f"{path}: this Megatron-LM checkpoint's optimizer state does not fit this run's "
+                                  f"optimizer ({'; '.join(differences)}): resume with the checkpoint's settings, "
+                                  "or start the optimizer afresh with --no-load-optim (or --finetune)")
+    same_tp_pp = (layout["tp"], layout["pp"]) == (facts.layout["tp"], facts.layout["pp"])
+    loads_rng = wants_rng and contents["has_rng"] and same_tp_pp
+    not_loaded = []
+    if wants_optimizer and not loads_optimizer:
+        not_loaded.append("optimizer and LR scheduler state (saved with --no-save-optim)")
+    if wants_rng and not loads_rng:
+        not_loaded.append("RNG states (" + ("saved with --no-save-rng" if not contents["has_rng"] else
+                                            f"saved under TP={layout['tp']} PP={layout['pp']}, this run has "
+                                            f"TP={facts.layout['tp']} PP={facts.layout['pp']}, as Megatron-LM's rule") + ")")
+    if dist.get_rank() == 0:
+        loaded = ["model weights"] + (["optimizer and LR scheduler state"] if loads_optimizer else []) + \
+            (["RNG states"] if loads_rng else [])
+        log.info("%s is a Megatron-LM checkpoint: loading its %s%s", path, ", ".join(loaded),
+                 f"; not its {' and '.join(not_loaded)}" if not_loaded else "")
+    return loads_optimizer, loads_rng
 
 
 def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, override: bool,
@@ -496,12 +554,11 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
     same_layout = saved["layout"] == facts.layout
     loads_optimizer = options is None or options.loads_optimizer
     loads_rng = same_layout and (options is None or options.loads_rng)
-    loads_scheduler = loads_optimizer
     if foreign:
-        loads_scheduler = _megatron_lm_loads(path, common, loads_optimizer, loads_rng)
-        loads_optimizer = loads_rng = False
+        loads_optimizer, loads_rng = _megatron_lm_loads(path, saved, facts, options)
     watchdog.enter(LOAD_COLLECT, "model and optimizer sharded state, RNG states all-gathered over DP")
-    sharded = _sharded_state_dict(model, optimizer, facts.use_distributed_optimizer, is_loading=True)
+    sharded = _sharded_state_dict(model, optimizer, facts.use_distributed_optimizer, is_loading=True,
+                                  saved_sharding=saved["megatron_lm"]["sharding"] if foreign else None)
     if not loads_optimizer:
         del sharded["optimizer"]  # not read at all (Megatron-LM: --finetune / --no-load-optim)
     if loads_rng:
@@ -521,7 +578,10 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
 
     if loads_optimizer:
         _zero_steps_where_unsaved(optimizer, loaded["optimizer"])
-        with torch_adam_distributed_optimizer_load(optimizer):
+        # no_grad: megatron-core 0.16 copies a dp_reshardable state (Megatron-LM's default form) into the
+        # fp32 main parameters outside no_grad; in an fp32 run those are views of the model's parameters,
+        # and the in-place copy then fails ("a view of a leaf Variable that requires grad").
+        with torch.no_grad(), torch_adam_distributed_optimizer_load(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
         if options is not None and (options.override_opt_param_scheduler or options.use_checkpoint_opt_param_scheduler):
             # megatron-core's own switches, read by its load_state_dict: this run's values, or the
@@ -529,8 +589,6 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
             scheduler.override_opt_param_scheduler = options.override_opt_param_scheduler
             scheduler.use_checkpoint_opt_param_scheduler = options.use_checkpoint_opt_param_scheduler
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    elif loads_scheduler:
-        scheduler.load_state_dict(common["opt_param_scheduler"])
     if not loads_optimizer and hasattr(optimizer, "reload_model_params"):
         # The fp32 main weights were copied from the freshly initialised model when the optimizer was
         # built: copy the loaded weights in instead (Megatron-LM's reload_model_params).
@@ -538,8 +596,11 @@ def _load(root: str, model: list, optimizer, scheduler, facts: RunFacts, overrid
     if loads_rng:
         from megatron.core import parallel_state as ps
 
-        _set_rng_state(loaded["rng_state"][ps.get_data_parallel_rank()])
-    elif not same_layout and dist.get_rank() == 0:
+        states = loaded["rng_state"]
+        # This trainer's: every DP rank's state. Megatron-LM's: one (its DP rank 0's, which every DP rank
+        # takes), or every DP rank's with --data-parallel-random-init.
+        _set_rng_state(states[ps.get_data_parallel_rank()] if len(states) > 1 else states[0])
+    elif not same_layout and not foreign and dist.get_rank() == 0:
         log.info("checkpoint %s was saved with layout %s, this run has %s: weights, optimizer and scheduler "
                  "resharded; RNG states not restored (as in Megatron-LM)", path, saved["layout"], facts.layout)
     if options is not None and options.finetune:

@@ -31,9 +31,14 @@ def _stage_split_problems(cfg: TrainConfig) -> list[str]:
 def _batch_problems(cfg: TrainConfig, dp: int) -> list[str]:
     """How the global batch cannot be cut into microbatches for ``dp`` data-parallel replicas; with
     --rampup-batch-size, every batch size of the ramp (Megatron-LM checks each when the ramp reaches
-    it, mid-run; here all are checked before start-up)."""
-    o, par = cfg.optim, cfg.parallel
-    pp = par.pipeline_model_parallel_size
+    it, mid-run; here all are checked before start-up).
+
+    Fewer microbatches than pipeline stages is allowed, as in Megatron-LM (its 1F1B warms up with
+    min(PP - rank - 1, M) forwards; a ramp starting at 16 samples under PP=16 x DP=2 begins there):
+    the runtime's 1F1B and ZB-H1 orders take the same minimum and the dynamic policies' caps are
+    min(1F1B bound, M). Only the interleaved orders need M to be a multiple of PP (megatron-core's
+    and the runtime's: :func:`~trainer.config.plan.megatron_batch_problems`, ``static_order_problems``)."""
+    o = cfg.optim
     p: list[str] = []
     for size in o.batch_sizes:
         flag = f"--global-batch-size={size}" if size == o.global_batch_size and len(o.batch_sizes) == 1 \
@@ -42,9 +47,6 @@ def _batch_problems(cfg: TrainConfig, dp: int) -> list[str]:
             p.append(f"{flag} is not divisible by --micro-batch-size={o.micro_batch_size} x data-parallel size {dp}")
             continue
         microbatches = size // (o.micro_batch_size * dp)
-        if pp > 1 and microbatches < pp:
-            p.append(f"{microbatches} microbatches per iteration ({flag} / (--micro-batch-size="
-                     f"{o.micro_batch_size} x DP {dp})) is fewer than --pipeline-model-parallel-size={pp} stages")
         p.extend(megatron_batch_problems(cfg, microbatches))
     return p
 

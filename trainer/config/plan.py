@@ -324,14 +324,21 @@ def static_order_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         p.append("--dpp-policy=interleaved needs two or more model chunks per stage "
                  "(--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage)")
     o, tp = cfg.optim, cfg.parallel.tensor_model_parallel_size
-    if policy == "interleaved" and world_size % (tp * pp) == 0:
+    # Without --use-dpp where megatron-core's P2P cannot run (CPU, gloo) the runtime's interleaved order
+    # stands in for megatron-core's, with the same rule (its order cannot start otherwise).
+    stand_in = (cfg.virtual_pipeline > 1 and not cfg.parallel.use_dpp and not uses_megatron_schedule(cfg)
+                and policy not in STATIC_DPP_POLICIES)
+    which = "--dpp-policy=interleaved" if policy == "interleaved" else \
+        "the runtime's interleaved 1F1B (standing in for megatron-core's without --use-dpp here)"
+    if (policy == "interleaved" or stand_in) and world_size % (tp * pp) == 0:
         per_replica = o.micro_batch_size * (world_size // (tp * pp))
         for size in o.batch_sizes:  # every size of a --rampup-batch-size ramp runs the same order
             microbatches = size // per_replica if size % per_replica == 0 else None
             if microbatches is not None and microbatches % pp:
-                p.append(f"--dpp-policy=interleaved needs microbatches ({microbatches}) divisible by "
+                p.append(f"{which} needs microbatches ({microbatches}) divisible by "
                          f"--pipeline-model-parallel-size={pp} (megatron-core's interleaved 1F1B order)"
-                         + (f" at global batch size {size} of --rampup-batch-size" if len(o.batch_sizes) > 1 else ""))
+                         + (f" at global batch size {size} of --rampup-batch-size" if len(o.batch_sizes) > 1 else "")
+                         + ("" if policy == "interleaved" else "; use --use-dpp or change the batch"))
     return p
 
 

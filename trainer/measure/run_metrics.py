@@ -5,9 +5,13 @@ Each rank writes ``metrics_rank<R>.json`` when the run closes::
 
     {"rank", "stage", "world_size", "schedule", "run_name", "device", "layers_per_stage",
      "num_microbatches", "tokens_per_iteration",
-     "iterations": [{"iteration": 1, "ms": 512.3, "losses": {"lm loss": 10.9}, "gpu_profiled": false}, ...],
+     "iterations": [{"iteration": 1, "ms": 512.3, "losses": {"lm loss": 10.9}, "gpu_profiled": false,
+                     "global_batch_size": 16, "num_microbatches": 8, "tokens": 16384, "tokens_per_s": 31981.3}, ...],
      "peak_memory_bytes": ..., "peak_reserved_bytes": ..., "gpu_busy": {...} | null, "stalls": {...} | null, "versions": {...}}
 
+``num_microbatches`` and ``tokens_per_iteration`` (global batch x --seq-length) are those of
+--global-batch-size; each iteration's record carries its own batch, microbatches, tokens and tokens per
+second, which differ during a --rampup-batch-size ramp (throughput is that iteration's tokens over its ms).
 ``ms`` is the host wall time of the whole step (zero grads, schedule, optimizer, loss all-reduce,
 which waits for the GPU), the figure the log line prints. Iterations with ``gpu_profiled`` ran under
 the profiler (trainer/profiling/gpu_busy.py) and a benchmark should leave them out of its timings.
@@ -94,11 +98,20 @@ class RunMeasurement:
         if self.gpu_busy is not None:
             self.gpu_busy.before_step(step)
 
-    def after_step(self, step: int, seconds: float, losses: dict[str, float]) -> None:
+    def after_step(self, step: int, seconds: float, losses: dict[str, float],
+                   global_batch_size: int | None = None) -> None:
+        """``global_batch_size``: this iteration's (--rampup-batch-size changes it), default --global-batch-size."""
         if self.gpu_busy is not None:
             self.gpu_busy.after_step(step)
+        o = self.cfg.optim
+        batch = global_batch_size or o.global_batch_size
+        tokens = batch * self.cfg.model.seq_length
         self.records.append({"iteration": step + 1, "ms": seconds * 1e3, "losses": losses,
-                             "gpu_profiled": self.gpu_busy is not None and self.gpu_busy.covers(step)})
+                             "gpu_profiled": self.gpu_busy is not None and self.gpu_busy.covers(step),
+                             "global_batch_size": batch,
+                             # the full batch's count scaled: every size of a ramp divides into microbatches
+                             "num_microbatches": self.num_microbatches * batch // o.global_batch_size,
+                             "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)})
 
     def write(self) -> Path | None:
         """Write this rank's file (when --metrics-dir is set); returns its path."""

@@ -217,8 +217,10 @@ def torch_adam_distributed_optimizer_load(optimizer: Any) -> Iterator[None]:
 
     * it restores ``step`` from the saved param groups, then copies the loaded tensors into each
       parameter's optimizer state by the state's own keys; torch's Adam keeps ``step`` there and the
-      loaded tensors never carry it, so the copy raises ``KeyError: 'step'``. For the duration, the copy
-      runs with ``step`` taken out of the state and put back (the value restored from the param groups);
+      loaded tensors of the fully reshardable form never carry it, so the copy raises ``KeyError: 'step'``,
+      while those of the dp_reshardable form carry the loading optimizer's own pre-load step (0), whose copy
+      restarts the bias correction. For the duration, the copy runs with ``step`` taken out of the state
+      and of the loaded tensors, and the value restored from the param groups is put back;
     * it gives every parameter the SAME ``step`` tensor, which torch's Adam then increments in place
       once per parameter per step: the bias correction runs ahead and a resumed run drifts from the
       uninterrupted one. On exit each parameter gets its own copy.
@@ -233,7 +235,11 @@ def torch_adam_distributed_optimizer_load(optimizer: Any) -> Iterator[None]:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         state = self.optimizer.state[main_param] if main_param in self.optimizer.state else {}
-        step = state.pop("step") if "step" in state and "step" not in tensors else None
+        step = state.pop("step") if "step" in state else None
+        # The step restored from the param groups is the one to keep: the dp_reshardable form (Megatron-LM's
+        # default) hands back, as 'step', the loading optimizer's own pre-load value (a LocalNonpersistentObject,
+        # 0 on a fresh optimizer), whose copy would restart Adam's bias correction.
+        tensors = {k: v for k, v in tensors.items() if k != "step"}
         try:
             original(self, model_param, tensors)
         finally:
