@@ -23,7 +23,7 @@ if [ "$gpus" -lt 2 ]; then
     echo "== transformer-engine experiment: needs 2 GPUs (PP=2), $gpus here"
     t0=$SECONDS  # one GPU: the graphed-vs-eager tests, both ranks sharing it over gloo
     timeout $(( $(left) - 10 )) python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_dpp_cuda_graphs.py \
-        > "$OUT/test_dpp_cuda_graphs.log" 2>&1
+        ${TE_CALL_GRAPH_TESTS:+-k "$TE_CALL_GRAPH_TESTS"} > "$OUT/test_dpp_cuda_graphs.log" 2>&1
     echo "== test_dpp_cuda_graphs: rc=$? in $((SECONDS - t0)) s"
     grep -E "passed|failed|Error|assert" "$OUT/test_dpp_cuda_graphs.log" | tail -12
 elif [ "$limit" -gt 120 ]; then
