@@ -116,7 +116,7 @@ class DynamicOptions:
     with it; the ``s`` kept W's fit in the time the last gradient takes to reach stage 0 (ZB-H1's
     drain). Measured (docs/schedules.md, "dpp-zb against ZB-H1 on a bottleneck"): the middle-stage
     bottleneck re-split 4/5/5/2 393.84 -> 391.94 (= ZB-H1), balanced stages with I = 1.5 F,
-    W = 0.75 F = ZB-H1 at p = 3-8; under jitter, lengths and stalls within noise (same medians).
+    W = 0.75 F = ZB-H1 at p = 3-8; the medians under jitter, lengths and stalls move by <= 0.2%.
     False: fill with every deferred W in the drain too."""
 
     fill_transit: bool = True
