@@ -513,3 +513,13 @@ def test_dpp_zb_no_slower_than_zb_h1_when_a_middle_or_every_stage_is_the_bottlen
     # The drain's filling is what lost: with every deferred W allowed to fill there, dpp-zb trails ZB-H1.
     old = run_once(ScheduleSpec("dpp-zb", 1, {"drain_lag": False}), p, m, costs, seed=0).step_time
     assert old > steps["zb-h1"] + 1e-3, (old, steps)
+
+
+def test_cli_drain_lag_flag(capsys):
+    args = ["--pp", "4", "--vp", "1", "--microbatches", "32", "--schedules", "zb-h1,dpp-zb", "--layers", "16",
+            "--layer-ops", "0.731:1.081:0.555", "--embedding-ops", "0.166:0:0.331", "--head-ops", "1.276:1.276:1.276",
+            "--split", "4,5,5,2"]
+    assert simulate_main(args) == 0 and simulate_main([*args, "--drain-lag", "no"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("zb-h1         1    391.94") == 2 and "dpp-zb        1    391.94" in out
+    assert "dpp-zb        1    393.84" in out  # the greedy drain, a W before a critical input gradient
