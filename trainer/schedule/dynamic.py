@@ -117,7 +117,10 @@ class DynamicOptions:
     drain). Measured (docs/schedules.md, "dpp-zb against ZB-H1 on a bottleneck"): the middle-stage
     bottleneck re-split 4/5/5/2 393.84 -> 391.94 (= ZB-H1), balanced stages with I = 1.5 F,
     W = 0.75 F = ZB-H1 at p = 3-8; the medians under jitter, lengths and stalls move by <= 0.2%.
-    False: fill with every deferred W in the drain too."""
+    It bounds the ``fill_transit`` W's as well: deciding at host time, the drain's W's otherwise
+    run while the next gradient's data travels (host-time simulator with the 4xH200 costs: 5/4/4/3
+    406.95 -> 405.92, 4/5/5/2 395.07 -> 392.29 = ZB-H1). False: fill with every deferred W in the
+    drain too."""
 
     fill_transit: bool = True
     """dpp-zb: when every ready input gradient is still on its way to the device (its header came
@@ -302,9 +305,11 @@ class DynamicPolicy:
             landed = [a for a in backward_ready if (a.microbatch, a.chunk) not in state.grads_in_transit]
             if landed:  # one whose gradient is on the device runs now, not after one still on the way
                 return min(landed, key=self._backward_key)
-            if self.split_backward and self.fill_transit and state.ready_of(Op.W):
+            if (self.split_backward and self.fill_transit and state.ready_of(Op.W)
+                    and self._fills_drain(state, len(state.ready_of(Op.W)))):
                 # Every ready gradient is still on the way: a deferred W fills the wait (the I
-                # would only hold the stream). See DynamicOptions.fill_transit.
+                # would only hold the stream). See DynamicOptions.fill_transit; in the drain only
+                # above ZB-H1's lag (drain_lag): the gradient may land before the W ends.
                 pick = max if self._youngest_weight else min
                 return pick(state.ready_of(Op.W), key=self._backward_key)
         if backward is not None:
