@@ -173,3 +173,21 @@ def test_dpp_zb_deciding_on_landed_gradients_never_deadlocks_over_1000_draws() -
                                      max_queued_ops=int(rng.choice([0, 1, 2])) or None, data_aware=True)
         assert result.step_time > 0
         assert all(peak <= pol.cap for peak, pol in zip(result.peak_inflight, policies, strict=True))
+
+
+@pytest.mark.parametrize("split,zb_h1", [((5, 4, 4, 3), 405.91), ((4, 5, 5, 2), 392.29)])
+def test_drain_lag_keeps_host_time_dpp_zb_at_zb_h1_on_the_measured_costs(split, zb_h1) -> None:
+    """Deciding at host time as the runtime does (bounded queue, landing known), the drain's
+    fill-while-in-transit W's delayed the critical input gradients; with ZB-H1's lag kept there
+    (DynamicOptions.drain_lag) dpp-zb matches ZB-H1 on the 4xH200 costs, stage 0 or a middle stage
+    the bottleneck (docs/schedules.md, "dpp-zb against ZB-H1 on a bottleneck")."""
+    from tests.unit.test_simulator import H200_OPS
+    from trainer.schedule.layers import LayerOps
+
+    costs = CostModel(stage_ops=LayerOps(16, **H200_OPS).stage_ops(split), transfer=0.04)
+    host = _host(launch=0.03, header_latency=0.04, max_queued_ops=1, data_aware=True)
+    step = {lag: run_once(ScheduleSpec("dpp-zb", 1, {"drain_lag": lag}), 4, 32, costs, 0, simulator=host).step_time
+            for lag in (True, False)}
+    static = run_once(ScheduleSpec("zb-h1"), 4, 32, costs, 0, simulator=host).step_time
+    assert static == pytest.approx(zb_h1, abs=0.01)
+    assert step[True] <= static + 0.02 < step[False], (step, static)

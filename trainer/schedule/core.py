@@ -247,6 +247,10 @@ class StageState:
             return False
         return shape.is_last_virtual(s, c) or (m, c) in self.grads_arrived
 
+    def done_count(self, op: Op) -> int:
+        """How many actions of one kind have run on this stage (O(1))."""
+        return len(self._done_keys[op])
+
     def ready_of(self, op: Op) -> AbstractSet[Action]:
         """The ready actions of one kind (a live view: do not mutate, copy before iterating
         across events)."""

@@ -107,6 +107,21 @@ class DynamicOptions:
     busiest one). True: split there as well (for measurements). No effect at v > 1 (stage 0 also
     runs a middle chunk, whose input gradients do feed a stage) or with explicit unequal caps."""
 
+    drain_lag: bool = True
+    """dpp-zb at v = 1: once this stage's forwards are done, a deferred W fills idle time only while
+    more than ``s`` (the stage index: ZB-H1's lag) are deferred, until its last input gradient; the
+    ``s`` kept run after it. Why: in the drain every input gradient is on the critical path to stage
+    0, and the gap before the next one is often shorter than a W (with I > W it is I_down - I_here +
+    W_down: one W), so a second W started in it delays that gradient by up to one W, and stage 0
+    with it; the ``s`` kept W's fit in the time the last gradient takes to reach stage 0 (ZB-H1's
+    drain). Measured (docs/schedules.md, "dpp-zb against ZB-H1 on a bottleneck"): the middle-stage
+    bottleneck re-split 4/5/5/2 393.84 -> 391.94 (= ZB-H1), balanced stages with I = 1.5 F,
+    W = 0.75 F = ZB-H1 at p = 3-8; the medians under jitter, lengths and stalls move by <= 0.2%.
+    It bounds the ``fill_transit`` W's as well: deciding at host time, the drain's W's otherwise
+    run while the next gradient's data travels (host-time simulator with the 4xH200 costs: 5/4/4/3
+    406.95 -> 405.92, 4/5/5/2 395.07 -> 392.29 = ZB-H1). False: fill with every deferred W in the
+    drain too."""
+
     fill_transit: bool = True
     """dpp-zb: when every ready input gradient is still on its way to the device (its header came
     first: ``StageState.grads_in_transit``), run a deferred W meanwhile instead of queueing the I
@@ -183,6 +198,8 @@ class DynamicPolicy:
         self._num_chunks = shape.num_chunks
         self._num_microbatches = shape.num_microbatches
         self._first_stage = stage == 0  # its chunk-0 input gradients feed no other stage
+        # ZB-H1's lag, kept in the drain (DynamicOptions.drain_lag): v = 1 only, where the lag is s.
+        self._drain_lag = stage if options.drain_lag and shape.num_chunks == 1 else 0
         self._forward_depth = options.chunk_order == "depth"
         self._backward_depth = options.backward_chunk_order == "depth"
         self._forward_first = options.priority == "forward"
@@ -288,16 +305,29 @@ class DynamicPolicy:
             landed = [a for a in backward_ready if (a.microbatch, a.chunk) not in state.grads_in_transit]
             if landed:  # one whose gradient is on the device runs now, not after one still on the way
                 return min(landed, key=self._backward_key)
-            if self.split_backward and self.fill_transit and state.ready_of(Op.W):
+            if (self.split_backward and self.fill_transit and state.ready_of(Op.W)
+                    and self._fills_drain(state, len(state.ready_of(Op.W)))):
                 # Every ready gradient is still on the way: a deferred W fills the wait (the I
-                # would only hold the stream). See DynamicOptions.fill_transit.
+                # would only hold the stream). See DynamicOptions.fill_transit; in the drain only
+                # above ZB-H1's lag (drain_lag): the gradient may land before the W ends.
                 pick = max if self._youngest_weight else min
                 return pick(state.ready_of(Op.W), key=self._backward_key)
         if backward is not None:
             return backward
         if self.split_backward:
             weight_ready = state.ready_of(Op.W)
-            if weight_ready:  # nothing urgent is ready: fill the idle time with deferred W
+            if weight_ready and self._fills_drain(state, len(weight_ready)):
+                # nothing urgent is ready: fill the idle time with deferred W
                 pick = max if self._youngest_weight else min
                 return pick(weight_ready, key=self._backward_key)
         return None
+
+    def _fills_drain(self, state: StageState, deferred: int) -> bool:
+        """Whether a deferred W may fill idle time now: always, except in the drain (every forward
+        done, input gradients still to come) with no more than ZB-H1's lag deferred; then the stage
+        waits for the next input gradient (DynamicOptions.drain_lag)."""
+        if deferred > self._drain_lag:
+            return True
+        done = state.done_count
+        per_op = self._num_microbatches  # v = 1 whenever the lag is > 0
+        return done(Op.F) < per_op or done(Op.I) >= per_op

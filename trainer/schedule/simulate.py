@@ -112,6 +112,9 @@ def _parser() -> OneLineParser:
     add("--weight-order", choices=WEIGHT_ORDERS, default=None,
         help="dpp-zb: which deferred weight gradient fills idle time first (default youngest at"
         " v=1, oldest at v>1)")
+    add("--drain-lag", choices=("yes", "no"), default=None,
+        help="dpp-zb at v=1: once a stage's forwards are done, keep ZB-H1's lag of s deferred weight"
+        " gradients until its last input gradient (yes, default) or fill idle time with all of them (no)")
     add("--host-ahead", action="store_true",
         help="decide at host time as the runtime does (trainer/schedule/host_ahead.py): an input is"
         " ready when its header arrives (posted when the producer is queued), each GPU runs its ops"
@@ -268,6 +271,8 @@ def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
         options["cap_basis"] = args.cap_basis
     if args.reserve_owed is not None:
         options["reserve_owed"] = args.reserve_owed == "yes"
+    if args.drain_lag is not None:
+        options["drain_lag"] = args.drain_lag == "yes"
     return options
 
 
