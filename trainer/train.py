@@ -141,6 +141,14 @@ class TrainingSession:
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> int:
+        code = self._train()
+        if self.built.runtime is not None:
+            # --overlap-param-gather: the last step's parameter all-gathers were started, never waited
+            # for (as Megatron-LM's disable_forward_pre_hook at the end of train()).
+            self.built.runtime.finish_param_gather()
+        return code
+
+    def _train(self) -> int:
         self.setup()
         cfg = self.cfg
         self.manual_gc.start()  # --manual-gc: automatic collection off from here (Megatron-LM's train())
@@ -207,6 +215,10 @@ class TrainingSession:
             self.hooks.after_backward(state.iteration, run.model)
         lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used (logged like Megatron)
         success, grad_norm, _ = run.optimizer.step()
+        if run.runtime is not None:
+            # --overlap-param-gather: start the all-gathers of the updated parameter shards now, to
+            # overlap whatever runs before each chunk's next forward (trainer/pipeline/param_gather.py).
+            run.runtime.after_optimizer_step()
         if success:
             run.scheduler.step(increment=batch)  # the LR schedule counts samples, as Megatron-LM's
         state.iteration += 1

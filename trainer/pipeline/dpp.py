@@ -34,6 +34,7 @@ import torch
 
 from trainer.launch.topology import Topology
 from trainer.pipeline.grad_sync import GradSync
+from trainer.pipeline.param_gather import ParamGather
 from trainer.pipeline.run_ahead import RunAheadBound
 from trainer.pipeline.split_backward import SplitBackward
 from trainer.pipeline.stall import DppStallError, describe_wait
@@ -83,6 +84,9 @@ class DppContext:
     forwards and backwards replay CUDA graphs while a slot is free; None = every op eager."""
     run_ahead: RunAheadBound | None = None
     """--dpp-max-queued-ops: how far the host may run ahead of its GPU; None = unbounded."""
+    param_gather: ParamGather | None = None
+    """--overlap-param-gather (distributed optimizer): the parameter all-gathers started after the
+    optimizer step, waited for before each chunk's first forward (trainer.pipeline.param_gather)."""
     peak_inflight: int = field(default=0, init=False)
     """Largest number of held activations seen in the last step (for logs/benchmarks)."""
     landing_checks: int = field(default=0, init=False)
@@ -378,6 +382,10 @@ class _Step:
         shape, chunk = self.shape, self.chunks[c]
         first = shape.is_first_virtual(self.stage, c)
         last = shape.is_last_virtual(self.stage, c)
+        if self.ctx.param_gather is not None:
+            # Before anything of the forward is queued, eager or replayed: the chunk's parameters
+            # all-gathered after the last optimizer step (a no-op after its first forward).
+            self.ctx.param_gather.before_forward(c)
         input_tensor = None
         if not first:
             msg = self.acts.pop((m, c))
