@@ -102,11 +102,17 @@ OVERLAPPED = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-ove
 # Losses at iterations 2 and 3 would differ were any rank to run on stale parameter shards; the harness
 # checks at each chunk's first forward after a step that every bucket group's gather of that step was
 # started and finished, with megatron's hooks off (PARAM_GATHERED below).
-LAYOUTS["gpt-pp2-dp2-overlap-param-gather"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP,
-                                                           "--use-distributed-optimizer", "--overlap-param-gather",
+# With two chunks per stage every DP replica still issues the gathers in one order (chunk 0, then 1),
+# whichever chunk's first forward its policy runs first.
+PARAM_GATHER = [*OVERLAP, "--use-distributed-optimizer", "--overlap-param-gather"]
+LAYOUTS["gpt-pp2-dp2-overlap-param-gather"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *PARAM_GATHER,
                                                            *GLOO])
-PARAM_GATHERED = {"gpt-pp2-dp2-overlap-param-gather"}
-OVERLAPPED |= PARAM_GATHERED
+LAYOUTS["gpt-pp2-vp2-dp2-overlap-param-gather"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2",
+                                                               "--num-layers-per-virtual-pipeline-stage", "2",
+                                                               *PARAM_GATHER])
+PARAM_GATHERED = {"gpt-pp2-dp2-overlap-param-gather": 1, "gpt-pp2-vp2-dp2-overlap-param-gather": 2}
+"""Layouts whose chunks' parameter all-gathers the harness checks -> model chunks per stage."""
+OVERLAPPED |= set(PARAM_GATHERED)
 # Llama-family layouts: every pipeline shape the GPT ones cover that changes how its parts are cut
 # (stages, chunks, TP shards of the gated fc1 and of the key/value groups, sequence-parallel RMSNorm).
 LAYOUTS["llama-pp2"] = ("llama", 2, ["--pipeline-model-parallel-size", "2"])
@@ -120,7 +126,7 @@ SP = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"
 LAYOUTS["gpt-pp2-tp2-sp"] = ("gpt", 4, SP)
 LAYOUTS["gpt-pp2-tp2-sp-regather"] = ("gpt", 4, [*SP, "--dpp-sp-wgrad-input", "regather"])
 SPLIT_ONLY = {"gpt-pp2-tp2-sp-regather"}  # the flag applies to a split backward only
-LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt", "gpt-pp2-dp2-overlap-param-gather"}
+LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt", *PARAM_GATHERED}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
 NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp"}
@@ -130,7 +136,7 @@ NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp"}
 # DPP layout again under dpp-zb, and the static zb-h1 on the non-DPP path. Ids: "<layout>" for the
 # plain dpp policy (as before), "<layout>-<policy>" otherwise.
 # The slowest 4-rank split-backward cases run in the slow tier only.
-SLOW = {"gpt-pp2-vp2-dp2-overlap-dpp-zb", "gpt-pp2-tp2-sp-regather-dpp-zb"}
+SLOW = {"gpt-pp2-vp2-dp2-overlap-dpp-zb", "gpt-pp2-tp2-sp-regather-dpp-zb", "gpt-pp2-vp2-dp2-overlap-param-gather-dpp-zb"}
 
 
 def _case(layout: str, policy: str, case_id: str):
@@ -227,9 +233,10 @@ def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path, harne
             counts = json.loads((tmp_path / f"reductions_rank{rank}.json").read_text())
             assert counts["started_at_finish"] == 0 and counts["started_before"] >= ITERS, (rank, counts)
     if gathered:  # each chunk's first forward after steps 1 and 2 found its gathers started and done
+        chunks = PARAM_GATHERED[layout]
         for rank in range(world):
             counts = json.loads((tmp_path / f"param_gathers_rank{rank}.json").read_text())
-            assert counts["checked"] == ITERS - 1 and counts["groups"] >= ITERS - 1, (rank, counts)
+            assert counts["checked"] == (ITERS - 1) * chunks and counts["groups"] >= counts["checked"], (rank, counts)
             assert counts["not_started"] == counts["not_finished"] == counts["hooks_on"] == 0, (rank, counts)
 
     expected = json.loads((ref / "losses_rank0.json").read_text())

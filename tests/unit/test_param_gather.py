@@ -17,16 +17,23 @@ from trainer.pipeline.param_gather import ParamGather
 
 
 class _Group:
+    """megatron's bucket group as far as the runtime sees it: a handle while a gather is in flight."""
+
     def __init__(self, chunk: int, index: int, log: list, fail: bool = False) -> None:
         self.name, self.log, self.fail = (chunk, index), log, fail
+        self.param_gather_handle = None
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         self.log.append(("start", *self.name, force_sync))
+        if not force_sync:
+            assert self.param_gather_handle is None, "megatron asserts: a gather already in flight"
+        self.param_gather_handle = None if force_sync else "in flight"
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         if self.fail:
             raise TimeoutError("gloo timed out")
         self.log.append(("finish", *self.name, skip_next_bucket_dispatch))
+        self.param_gather_handle = None
 
 
 def _chunks(num: int, log: list, hooks: bool = True, groups: int = 2) -> list:
@@ -80,8 +87,11 @@ def test_a_gather_never_waited_for_is_finished_before_the_next_start() -> None:
     log: list = []
     gather = ParamGather(_chunks(1, log, hooks=False, groups=1), rank=0)
     gather.start()
-    gather.start()  # no forward in between (megatron would assert on a second start in flight)
-    assert log == [("start", 0, 0, False), ("finish", 0, 0, True), ("start", 0, 0, False)]
+    gather.start()  # no forward in between: the one in flight is waited for first (force_sync)
+    assert log == [("start", 0, 0, False), ("start", 0, 0, True), ("start", 0, 0, False)]
+    gather.before_forward(0)
+    gather.start()  # waited for: started again at once
+    assert log[3:] == [("finish", 0, 0, True), ("start", 0, 0, False)]
 
 
 def test_a_failed_wait_names_the_rank_the_chunk_and_the_flag() -> None:

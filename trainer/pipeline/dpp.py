@@ -10,7 +10,9 @@ from a :class:`DppContext` bound with :func:`make_forward_backward_func` (no glo
 Megatron conventions kept: losses are divided by ``num_microbatches`` (so the order of execution
 cannot change the sum), ``config.no_sync_func`` holds gradient reduction until the last backward of
 each chunk (with ``--overlap-grad-reduce`` the runtime itself starts each chunk's buckets right after
-that backward: trainer.pipeline.grad_sync), ``config.finalize_model_grads_func`` runs at the end, ``config.grad_scale_func`` scales
+that backward: trainer.pipeline.grad_sync; with ``--overlap-param-gather`` a chunk's first forward of
+the step waits for its parameter all-gathers: trainer.pipeline.param_gather),
+``config.finalize_model_grads_func`` runs at the end, ``config.grad_scale_func`` scales
 the last stage's loss, and a sent output's storage is freed (``deallocate_pipeline_outputs``) while
 its autograd graph is kept for the backward.
 

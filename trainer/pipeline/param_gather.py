@@ -63,9 +63,12 @@ class ParamGather:
     def start(self) -> None:
         """COLLECTIVE over each DP group, right after the optimizer step: start every chunk's all-gathers."""
         for c, groups in enumerate(self.groups):
-            if self.pending[c]:  # never waited for (no forward since): megatron allows one in flight
-                self.before_forward(c)
             for group in reversed(groups):  # megatron's all-gather order (next_param_gather_bucket_group)
+                if group.param_gather_handle is not None:
+                    # Never waited for (no forward of the chunk since the last start): megatron starts a
+                    # group's gather only with none in flight, and force_sync waits for that one (a
+                    # local wait; finish_param_sync would dispatch again after finalize_model_grads).
+                    group.start_param_sync(force_sync=True)
                 group.start_param_sync()
             self.pending[c] = True
             self.started += 1
