@@ -142,6 +142,14 @@ class TrainingSession:
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> int:
+        code = self._train()
+        if self.built.runtime is not None:
+            # --overlap-param-gather: the last step's parameter all-gathers were started, never waited
+            # for (as Megatron-LM's disable_forward_pre_hook at the end of train()).
+            self.built.runtime.finish_param_gather()
+        return code
+
+    def _train(self) -> int:
         self.setup()
         cfg = self.cfg
         self.manual_gc.start()  # --manual-gc: automatic collection off from here (Megatron-LM's train())
@@ -208,6 +216,10 @@ class TrainingSession:
             self.hooks.after_backward(state.iteration, run.model)
         lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used (logged like Megatron)
         success, grad_norm, _ = run.optimizer.step()
+        if run.runtime is not None:
+            # --overlap-param-gather: start the all-gathers of the updated parameter shards now, to
+            # overlap whatever runs before each chunk's next forward (trainer/pipeline/param_gather.py).
+            run.runtime.after_optimizer_step()
         # megatron-core returns a float, or (0.19, a CUDA run whose groups are gloo's) a one-element tensor
         grad_norm = None if grad_norm is None else float(grad_norm)
         if success:

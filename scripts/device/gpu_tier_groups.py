@@ -43,6 +43,9 @@ GROUPS: dict[str, list[str]] = {
     "G2": [f"{_G}/test_tp_cuda_graphs.py::test_tp2_slot_graphs_equal_eager",
            f"{_G}/test_dpp_cuda_graphs.py::test_graphed_bert_equals_eager_bert"],
     "T4": [f"{_G}/test_tp_cuda_graphs.py::test_pp2_tp2_graphs_equal_eager"],
+    # part 7: graphed dpp and dpp-zb with the runtime's parameter all-gathers (--overlap-param-gather),
+    # PP=2 x DP=2 on 4 GPUs
+    "P": [f"{_G}/test_dpp_cuda_graphs.py::test_graphed_runtime_param_gather_equals_eager"],
 }
 PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "1": (("A", "B"), "C", 400, 140),
@@ -51,6 +54,7 @@ PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "4": (("G1", "G2"), "T4", 340, 230),
     "5": ((), "L", 0, 500),
     "6": ((), "S", 0, 560),
+    "7": ((), "P", 0, 500),
 }
 """Part -> (groups run side by side on GPU pairs 0,1 and 2,3; the group run on all four GPUs after
 them; seconds for the pairs; seconds for the last group)."""

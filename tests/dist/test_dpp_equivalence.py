@@ -96,11 +96,23 @@ OVERLAPPED = {"gpt-pp2-dp2-overlap", "gpt-pp2-vp2-dp2-overlap", "gpt-pp2-dp2-ove
 # (every TP rank has its own links); layer-norm gradients are all-reduced over TP by finalize_model_grads.
 # Under dpp-zb the column-parallel linears' deferred weight GEMMs keep the TP-gathered input until W
 # (default), or keep the local shard and gather it again in W (--dpp-sp-wgrad-input regather).
-# --overlap-param-gather: the distributed optimizer's step leaves its parameter all-gather to megatron
-# DDP's forward pre-hooks, which the DPP runtime's first forward of each chunk triggers; losses at
-# iterations 2 and 3 would differ were any rank to run on stale parameter shards.
-LAYOUTS["gpt-pp2-dp2-param-gather"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *OVERLAP,
-                                                   "--use-distributed-optimizer", "--overlap-param-gather", *GLOO])
+# --overlap-param-gather: the distributed optimizer's step leaves its parameter all-gather to later; the
+# runtime starts every bucket group's right after the optimizer step and waits for a chunk's before its
+# first forward of the next step, megatron DDP's forward pre-hooks removed (trainer/pipeline/param_gather.py).
+# Losses at iterations 2 and 3 would differ were any rank to run on stale parameter shards; the harness
+# checks at each chunk's first forward after a step that every bucket group's gather of that step was
+# started and finished, with megatron's hooks off (PARAM_GATHERED below).
+# With two chunks per stage every DP replica still issues the gathers in one order (chunk 0, then 1),
+# whichever chunk's first forward its policy runs first.
+PARAM_GATHER = [*OVERLAP, "--use-distributed-optimizer", "--overlap-param-gather"]
+LAYOUTS["gpt-pp2-dp2-overlap-param-gather"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2", *PARAM_GATHER,
+                                                           *GLOO])
+LAYOUTS["gpt-pp2-vp2-dp2-overlap-param-gather"] = ("gpt", 4, ["--pipeline-model-parallel-size", "2",
+                                                               "--num-layers-per-virtual-pipeline-stage", "2",
+                                                               *PARAM_GATHER])
+PARAM_GATHERED = {"gpt-pp2-dp2-overlap-param-gather": 1, "gpt-pp2-vp2-dp2-overlap-param-gather": 2}
+"""Layouts whose chunks' parameter all-gathers the harness checks -> model chunks per stage."""
+OVERLAPPED |= set(PARAM_GATHERED)
 # Llama-family layouts: every pipeline shape the GPT ones cover that changes how its parts are cut
 # (stages, chunks, TP shards of the gated fc1 and of the key/value groups, sequence-parallel RMSNorm).
 LAYOUTS["llama-pp2"] = ("llama", 2, ["--pipeline-model-parallel-size", "2"])
@@ -113,9 +125,8 @@ LAYOUTS["llama-pp2-no-dpp"] = ("llama", 2, ["--pipeline-model-parallel-size", "2
 SP = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 LAYOUTS["gpt-pp2-tp2-sp"] = ("gpt", 4, SP)
 LAYOUTS["gpt-pp2-tp2-sp-regather"] = ("gpt", 4, [*SP, "--dpp-sp-wgrad-input", "regather"])
-NO_SPLIT_BACKWARD = {"gpt-pp2-dp2-param-gather"}  # dpp-zb with --overlap-param-gather: not tried
 SPLIT_ONLY = {"gpt-pp2-tp2-sp-regather"}  # the flag applies to a split backward only
-LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt", "gpt-pp2-dp2-param-gather"}
+LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt", *PARAM_GATHERED}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
 NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp"}
@@ -125,7 +136,7 @@ NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp"}
 # DPP layout again under dpp-zb, and the static zb-h1 on the non-DPP path. Ids: "<layout>" for the
 # plain dpp policy (as before), "<layout>-<policy>" otherwise.
 # The slowest 4-rank split-backward cases run in the slow tier only.
-SLOW = {"gpt-pp2-vp2-dp2-overlap-dpp-zb", "gpt-pp2-tp2-sp-regather-dpp-zb"}
+SLOW = {"gpt-pp2-vp2-dp2-overlap-dpp-zb", "gpt-pp2-tp2-sp-regather-dpp-zb", "gpt-pp2-vp2-dp2-overlap-param-gather-dpp-zb"}
 
 
 def _case(layout: str, policy: str, case_id: str):
@@ -134,7 +145,7 @@ def _case(layout: str, policy: str, case_id: str):
 
 CASES = ([_case(layout, "dpp", layout) for layout in LAYOUTS if layout not in SPLIT_ONLY]
          + [_case(layout, "dpp-zb", f"{layout}-dpp-zb") for layout in LAYOUTS
-            if layout not in NO_DPP | NO_SPLIT_BACKWARD]
+            if layout not in NO_DPP]
          + [pytest.param(layout, "zb-h1", id=f"{layout}-zb-h1") for layout in ("gpt-pp2-no-dpp", "llama-pp2-no-dpp")]
          # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the bars the
          # benchmark's graphed static lines run (graphs are CUDA only; their maths is the eager one).
@@ -213,11 +224,20 @@ def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path, harne
     overlapped = layout in OVERLAPPED
     if overlapped:
         harness = [*harness, "--count-reductions"]
+    gathered = layout in PARAM_GATHERED
+    if gathered:
+        harness = [*harness, "--count-param-gathers"]
     _run(tmp_path, world, args, ["--load-init", str(ref / "init.pt"), *harness])
     if overlapped:  # every bucket group's reduction was under way before finalize_model_grads
         for rank in range(world):
             counts = json.loads((tmp_path / f"reductions_rank{rank}.json").read_text())
             assert counts["started_at_finish"] == 0 and counts["started_before"] >= ITERS, (rank, counts)
+    if gathered:  # each chunk's first forward after steps 1 and 2 found its gathers started and done
+        chunks = PARAM_GATHERED[layout]
+        for rank in range(world):
+            counts = json.loads((tmp_path / f"param_gathers_rank{rank}.json").read_text())
+            assert counts["checked"] == (ITERS - 1) * chunks and counts["groups"] >= counts["checked"], (rank, counts)
+            assert counts["not_started"] == counts["not_finished"] == counts["hooks_on"] == 0, (rank, counts)
 
     expected = json.loads((ref / "losses_rank0.json").read_text())
     assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]

@@ -25,11 +25,18 @@ single-process reference:
   each DDP bucket group's reduction, whether it had been started before (overlapped: by the runtime
   or megatron's hooks) or is started only there; ``reductions_rank<R>.json``. Observed by wrapping
   megatron-core's ``_ParamAndGradBucketGroup.finish_grad_sync`` in this process (a test-only probe).
+* ``--count-param-gathers``: with ``--overlap-param-gather``, check at each chunk's first forward after
+  an optimizer step (a forward pre-hook on the chunk, which runs after the runtime's wait and before
+  any layer) that every DDP bucket group of the chunk had its parameter all-gather started since that
+  step (megatron-core's ``start_param_sync``, wrapped in this process) and finished (no handle left),
+  and that megatron's own forward pre-hooks are off; ``param_gathers_rank<R>.json`` counts the checks
+  and each kind of miss (a test-only probe).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -142,6 +149,66 @@ def count_reductions(counts: dict[str, int]) -> None:
     _ParamAndGradBucketGroup.finish_grad_sync = finish_grad_sync
 
 
+class ParamGatherProbe:
+    """--count-param-gathers (module docstring): counts per rank, written after every step."""
+
+    def __init__(self) -> None:
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+        self.counts = {"checked": 0, "groups": 0, "not_started": 0, "not_finished": 0, "hooks_on": 0}
+        self.started: set[int] = set()  # bucket groups whose gather was started and not yet checked
+        self.seen: set[int] = set()  # chunks that ran a forward since the last optimizer step
+        self.steps_done = 0
+        self.ddp: list = []  # the DDP-wrapped chunks, known from the first after_backward
+        original, started = _ParamAndGradBucketGroup.start_param_sync, self.started
+
+        def start_param_sync(group, *args, **kwargs):
+            if not kwargs.get("force_sync", args[0] if args else False):
+                started.add(id(group))
+            return original(group, *args, **kwargs)
+
+        _ParamAndGradBucketGroup.start_param_sync = start_param_sync
+
+    def watch(self, chunks: list) -> None:
+        for c, chunk in enumerate(chunks):
+            chunk.register_forward_pre_hook(lambda module, args, c=c: self._first_forward(c))
+
+    def _first_forward(self, c: int) -> None:
+        if c in self.seen:
+            return
+        self.seen.add(c)
+        if not self.steps_done:  # before the first optimizer step nothing is gathered
+            return
+        ddp = self.ddp[c]
+        self.counts["checked"] += 1
+        self.counts["hooks_on"] += bool(ddp.remove_forward_pre_hook_handles)
+        for group in list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups):
+            self.counts["groups"] += 1
+            self.counts["not_started"] += id(group) not in self.started
+            self.counts["not_finished"] += group.param_gather_handle is not None
+            self.started.discard(id(group))
+
+    def around(self, hooks: TrainHooks, path: Path) -> TrainHooks:
+        """``hooks`` with the probe's own steps before each: watch the built chunks, learn the DDP
+        chunks, and after every step reset and write the counts to ``path``."""
+
+        def after_build(chunks, topology) -> None:
+            self.watch(chunks)
+            hooks.after_build(chunks, topology)
+
+        def after_backward(iteration, model) -> None:
+            self.ddp = list(model)
+            hooks.after_backward(iteration, model)
+
+        def after_step(iteration, reduced) -> None:
+            self.steps_done, self.seen = iteration, set()
+            path.write_text(json.dumps(self.counts))
+            hooks.after_step(iteration, reduced)
+
+        return dataclasses.replace(hooks, after_build=after_build, after_backward=after_backward,
+                                   after_step=after_step)
+
+
 def build_hooks(args: argparse.Namespace) -> TrainHooks:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,8 +261,10 @@ def build_hooks(args: argparse.Namespace) -> TrainHooks:
         if args.count_reductions:
             (out / f"reductions_rank{rank}.json").write_text(json.dumps(reductions))
 
-    return TrainHooks(after_build=after_build, after_backward=after_backward, after_step=after_step,
-                      forward_backward_func=sequential_reference if args.reference else None)
+    hooks = TrainHooks(after_build=after_build, after_backward=after_backward, after_step=after_step,
+                       forward_backward_func=sequential_reference if args.reference else None)
+    return ParamGatherProbe().around(hooks, out / f"param_gathers_rank{rank}.json") if args.count_param_gathers \
+        else hooks
 
 
 def cli(argv: list[str]) -> int:
@@ -208,6 +277,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--landing-delay", type=int, default=0)
     parser.add_argument("--count-reductions", action="store_true")
+    parser.add_argument("--count-param-gathers", action="store_true")
     args = parser.parse_args(argv[:split])
     return main(argv[split + 1:], build_hooks(args))
 

@@ -116,6 +116,30 @@ def test_graphed_dpp_zb_with_overlapped_dp_reduction_equals_eager(tmp_path: Path
     assert_same_losses(eager, graphed)
     if not distopt:
         assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("policy", [DPP, ZB], ids=["dpp", "dpp-zb"])
+def test_graphed_runtime_param_gather_equals_eager(tmp_path: Path, policy: list[str]) -> None:
+    """PP=2 x DP=2, distributed optimizer, --overlap-grad-reduce --overlap-param-gather, every forward
+    replayed: a replayed forward runs no module pre-hook, so the runtime starts every parameter
+    all-gather after the optimizer step and makes the stream wait for a chunk's before its first forward
+    (trainer/pipeline/param_gather.py). Against eager dpp with the distributed optimizer and neither
+    overlap (the step gathers synchronously): equal losses -- iterations 2 and 3 would differ on stale
+    or half-gathered shards. Needs 4 GPUs (NCCL for the DP collectives)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    dp = ["--global-batch-size", str(4 * M), "--use-distributed-optimizer"]
+
+    def run(out: Path, extra: list[str]) -> tuple[list, dict]:
+        return train(out, 4, ["--", *GPT, *dp, *extra], last_rank=3)
+
+    _, eager = run(tmp_path / "eager", [*DPP, *EAGER])
+    results, graphed = run(tmp_path / "graphed", [*policy, "--dpp-cuda-graphs", "--overlap-grad-reduce",
+                                                  "--overlap-param-gather"])
+    counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
+    assert counts and all(eager_ops == 0 for _, eager_ops in counts.values()), counts
+    assert_same_losses(eager, graphed)
+
+
 def _replayed_everywhere(results: list, chunks: int = 1) -> None:
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for r in results for m in REPLAYED.finditer(r.output)}
     print("replayed/eager forwards per (stage, chunk):", counts)

@@ -111,6 +111,12 @@ def test_the_plan_holds_the_options_the_runtime_uses() -> None:
     assert eager.max_queued_ops == 0 and eager.policy_kwargs == {"max_inflight": 3, "cap_factor": 1.0}
     assert _plan([*CUDA_PP2, "--overlap-grad-reduce"]).schedule.megatron_grad_sync
     assert not _plan([*CUDA_PP2, "--use-dpp", "--overlap-grad-reduce"]).schedule.megatron_grad_sync
+    # --overlap-param-gather: the runtime starts and waits for the all-gathers; megatron-core's hooks otherwise
+    gather = ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"]
+    assert _plan([*CUDA_PP2, "--use-dpp", *gather]).schedule.runtime_param_gather
+    assert _plan([*CPU_PP2, "--device", "cpu", *gather]).schedule.runtime_param_gather  # the runtime's 1f1b
+    assert not _plan([*CUDA_PP2, *gather]).schedule.runtime_param_gather
+    assert not _plan([*CUDA_PP2, "--use-dpp", "--overlap-grad-reduce"]).schedule.runtime_param_gather
     with pytest.raises(dataclasses.FrozenInstanceError):
         eager.policy = "zb-h1"  # type: ignore[misc]
 

@@ -90,6 +90,11 @@ class SchedulePlan:
     """megatron-core's schedule launches each chunk's DP gradient reduction (--overlap-grad-reduce under
     megatron-core's schedule: config.grad_sync_func); under the runtime the runtime starts each chunk's
     buckets after the op that completes their gradients (trainer/pipeline/grad_sync.py)."""
+    runtime_param_gather: bool = False
+    """--overlap-param-gather under the runtime: the runtime starts every parameter all-gather right after
+    the optimizer step and waits for a chunk's before its first forward of the next step
+    (trainer/pipeline/param_gather.py), megatron DDP's forward pre-hooks removed; under megatron-core's
+    schedules the hooks do it."""
     sp_wgrad_input: str = "keep"
     """--dpp-sp-wgrad-input: what a split backward keeps for the deferred weight GEMM of a
     sequence-parallel column linear (keep the gathered input, or regather it in W)."""
@@ -246,6 +251,8 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
     common = {"dpp_policy": dpp_policy, "cuda_graphs": graphs, "graphs_reason": graphs_why,
               "sp_wgrad_input": par.dpp_sp_wgrad_input,
               "recompute_slots": par.dpp_recompute_slots,
+              # (the layout checks hold --overlap-param-gather to the distributed optimizer)
+              "runtime_param_gather": par.overlap_param_gather and not uses_megatron_schedule(cfg),
               "max_queued_ops": par.dpp_max_queued_ops if par.dpp_max_queued_ops is not None
               else 1 if graphs else 0}
     named = dpp_policy if par.dpp_policy != "auto" else f"{dpp_policy} ({why})"

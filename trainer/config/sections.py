@@ -365,9 +365,11 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """Megatron-LM's ``--overlap-param-gather`` (megatron-core DDP's overlap_param_gather): with the
     distributed optimizer, the all-gather of the updated parameters is not done inside the optimizer
-    step but bucket by bucket, asynchronously, from forward pre-hooks when the next forward first
-    uses them (each bucket's wait dispatches the next); a checkpoint save gathers them all first.
-    Needs --use-distributed-optimizer and --overlap-grad-reduce, as in Megatron-LM."""
+    step but asynchronously before the next forward: under megatron-core's schedules bucket by bucket
+    from forward pre-hooks when the next forward first uses them (each bucket's wait dispatches the
+    next); under the pipeline runtime all started right after the optimizer step and waited for before
+    each chunk's first forward (trainer/pipeline/param_gather.py). A checkpoint save gathers them all
+    first. Needs --use-distributed-optimizer and --overlap-grad-reduce, as in Megatron-LM."""
     batch_p2p_sync: bool = True
     """megatron-core syncs the device after each batched P2P (batch_isend_irecv), a workaround for old
     PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its

@@ -275,10 +275,11 @@ def wrap_ddp(cfg: TrainConfig, chunks: list[torch.nn.Module], runtime_launches_r
         # waits. Without it every bucket is reduced at once in finalize_model_grads.
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        # --overlap-param-gather: the optimizer step leaves the parameter all-gather to forward
-        # pre-hooks, each bucket's dispatched lazily by the first forward that uses it (and the next
-        # bucket's then), which any schedule's forwards trigger -- the DPP runtime's included; so
-        # align_param_gather (megatron's schedules dispatching every stage's at once) stays off.
+        # --overlap-param-gather: the optimizer step leaves the parameter all-gather to later. Under
+        # megatron-core's schedules forward pre-hooks dispatch each bucket's lazily, from the first
+        # forward that uses it (and the next bucket's then), so align_param_gather (the schedule
+        # dispatching every chunk's at once) stays off. Under our runtime the runtime starts them after
+        # the step and removes the hooks (trainer/pipeline/param_gather.py).
         overlap_param_gather=cfg.parallel.overlap_param_gather,
     )
     wrapper = DistributedDataParallel

@@ -10,7 +10,9 @@ from a :class:`DppContext` bound with :func:`make_forward_backward_func` (no glo
 Megatron conventions kept: losses are divided by ``num_microbatches`` (so the order of execution
 cannot change the sum), ``config.no_sync_func`` holds gradient reduction until the last backward of
 each chunk (with ``--overlap-grad-reduce`` the runtime itself starts each chunk's buckets right after
-that backward: trainer.pipeline.grad_sync), ``config.finalize_model_grads_func`` runs at the end, ``config.grad_scale_func`` scales
+that backward: trainer.pipeline.grad_sync; with ``--overlap-param-gather`` a chunk's first forward of
+the step waits for its parameter all-gathers: trainer.pipeline.param_gather),
+``config.finalize_model_grads_func`` runs at the end, ``config.grad_scale_func`` scales
 the last stage's loss, and a sent output's storage is freed (``deallocate_pipeline_outputs``) while
 its autograd graph is kept for the backward.
 
@@ -34,6 +36,7 @@ import torch
 
 from trainer.launch.topology import Topology
 from trainer.pipeline.grad_sync import GradSync
+from trainer.pipeline.param_gather import ParamGather
 from trainer.pipeline.run_ahead import RunAheadBound
 from trainer.pipeline.split_backward import SplitBackward
 from trainer.pipeline.stall import DppStallError, describe_wait
@@ -83,6 +86,9 @@ class DppContext:
     forwards and backwards replay CUDA graphs while a slot is free; None = every op eager."""
     run_ahead: RunAheadBound | None = None
     """--dpp-max-queued-ops: how far the host may run ahead of its GPU; None = unbounded."""
+    param_gather: ParamGather | None = None
+    """--overlap-param-gather (distributed optimizer): the parameter all-gathers started after the
+    optimizer step, waited for before each chunk's first forward (trainer.pipeline.param_gather)."""
     peak_inflight: int = field(default=0, init=False)
     """Largest number of held activations seen in the last step (for logs/benchmarks)."""
     landing_checks: int = field(default=0, init=False)
@@ -378,6 +384,10 @@ class _Step:
         shape, chunk = self.shape, self.chunks[c]
         first = shape.is_first_virtual(self.stage, c)
         last = shape.is_last_virtual(self.stage, c)
+        if self.ctx.param_gather is not None:
+            # Before anything of the forward is queued, eager or replayed: the chunk's parameters
+            # all-gathered after the last optimizer step (a no-op after its first forward).
+            self.ctx.param_gather.before_forward(c)
         input_tensor = None
         if not first:
             msg = self.acts.pop((m, c))

@@ -152,6 +152,19 @@ class PipelineRuntime:
             if num_microbatches is not None:
                 self.tracer.set_microbatches(iteration, num_microbatches)
 
+    def after_optimizer_step(self) -> None:
+        """COLLECTIVE with --overlap-param-gather (every rank, right after the optimizer step): start the
+        parameter all-gathers each chunk's first forward of the next step waits for
+        (trainer/pipeline/param_gather.py); nothing otherwise."""
+        if self.context.param_gather is not None:
+            self.context.param_gather.start()
+
+    def finish_param_gather(self) -> None:
+        """With --overlap-param-gather: wait for every all-gather still pending, so every parameter
+        holds the last step's update (after the last step); nothing otherwise."""
+        if self.context is not None and self.context.param_gather is not None:
+            self.context.param_gather.finish_all()
+
     # ---- opening -------------------------------------------------------------------------------
     def _open(self) -> None:
         from trainer.schedule.registry import make_policy
@@ -178,11 +191,20 @@ class PipelineRuntime:
             from trainer.profiling.clock import measure_clock_offset
 
             self.tracer.set_clock_offset(measure_clock_offset())
+        param_gather = None
+        if schedule.runtime_param_gather:
+            from trainer.pipeline.param_gather import ParamGather
+
+            unsupported = [i for i, chunk in enumerate(self.model) if not ParamGather.supported(chunk)]
+            if unsupported:
+                raise ValueError(f"rank {topo.rank}: --overlap-param-gather, but model chunk(s) {unsupported} are not "
+                                 "megatron DDP chunks with the distributed optimizer's overlap_param_gather")
+            param_gather = ParamGather(self.model, topo.rank)  # removes megatron's forward pre-hooks
         self.context = DppContext(topology=topo, policy=policy, links=self.links,
                                   timeout_s=cfg.parallel.dpp_timeout_s, microbatch_data=self.microbatch_data,
                                   tracer=self.tracer, tp_channel=self.tp_channel, split_backward=split,
                                   gpu_timer=self._gpu_timer(), microbatch_costs=self.microbatch_costs,
-                                  run_ahead=self._run_ahead(),
+                                  run_ahead=self._run_ahead(), param_gather=param_gather,
                                   policy_factory=lambda m: make_policy(name, dataclasses.replace(self.shape, num_microbatches=m),
                                                                        topo.pp_rank, **schedule.policy_kwargs),
                                   policy_microbatches=self.shape.num_microbatches)
