@@ -46,6 +46,9 @@ GROUPS: dict[str, list[str]] = {
     # part 7: graphed dpp and dpp-zb with the runtime's parameter all-gathers (--overlap-param-gather),
     # PP=2 x DP=2 on 4 GPUs
     "P": [f"{_G}/test_dpp_cuda_graphs.py::test_graphed_runtime_param_gather_equals_eager"],
+    # part 8: Transformer Engine's layers under 1F1B, eager DPP and graphed DPP (2 GPUs; skips without TE:
+    # carry .te/whl and .te/wheel, which call_4gpu_tier.sh installs for this part)
+    "TE": [f"{_G}/test_te_gpu.py"],
 }
 PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "1": (("A", "B"), "C", 400, 140),
@@ -55,6 +58,7 @@ PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "5": ((), "L", 0, 500),
     "6": ((), "S", 0, 560),
     "7": ((), "P", 0, 500),
+    "8": ((), "TE", 0, 300),
 }
 """Part -> (groups run side by side on GPU pairs 0,1 and 2,3; the group run on all four GPUs after
 them; seconds for the pairs; seconds for the last group)."""
