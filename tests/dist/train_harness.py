@@ -25,6 +25,9 @@ single-process reference:
   each DDP bucket group's reduction, whether it had been started before (overlapped: by the runtime
   or megatron's hooks) or is started only there; ``reductions_rank<R>.json``. Observed by wrapping
   megatron-core's ``_ParamAndGradBucketGroup.finish_grad_sync`` in this process (a test-only probe).
+* ``--started-seconds-ago S``: move the process's start time (``trainer.train._PROCESS_START``, what
+  ``--exit-duration-in-mins`` counts from) S seconds back, so that a limit of whole minutes is reached
+  seconds into the run instead of after a minute of training on every core.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+import trainer.train
 from tests.dist.grads import tp_slice
 from trainer.train import TrainHooks, main
 
@@ -208,7 +212,9 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--landing-delay", type=int, default=0)
     parser.add_argument("--count-reductions", action="store_true")
+    parser.add_argument("--started-seconds-ago", type=float, default=0.0)
     args = parser.parse_args(argv[:split])
+    trainer.train._PROCESS_START -= args.started_seconds_ago
     return main(argv[split + 1:], build_hooks(args))
 
 
