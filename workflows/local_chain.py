@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 import submitit
 
+from trainer.launch.group_stop import stop_group
 from workflows import chain, jobs, slurm
 
 MANIFEST = "local.json"
@@ -102,16 +102,7 @@ class LocalStep:
 
 def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """TERM the step's whole process group (torchrun and its ranks), KILL what outlives ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    stop_group(proc, grace_s)
 
 
 def executor(via: str, folder: Path) -> submitit.Executor:

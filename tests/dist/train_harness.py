@@ -31,6 +31,9 @@ single-process reference:
   step (megatron-core's ``start_param_sync``, wrapped in this process) and finished (no handle left),
   and that megatron's own forward pre-hooks are off; ``param_gathers_rank<R>.json`` counts the checks
   and each kind of miss (a test-only probe).
+* ``--started-seconds-ago S``: move the process's start time (``trainer.train._PROCESS_START``, what
+  ``--exit-duration-in-mins`` counts from) S seconds back, so that a limit of whole minutes is reached
+  seconds into the run instead of after a minute of training on every core.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+import trainer.train
 from tests.dist.grads import tp_slice
 from trainer.train import TrainHooks, main
 
@@ -278,7 +282,9 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--landing-delay", type=int, default=0)
     parser.add_argument("--count-reductions", action="store_true")
     parser.add_argument("--count-param-gathers", action="store_true")
+    parser.add_argument("--started-seconds-ago", type=float, default=0.0)
     args = parser.parse_args(argv[:split])
+    trainer.train._PROCESS_START -= args.started_seconds_ago
     return main(argv[split + 1:], build_hooks(args))
 
 

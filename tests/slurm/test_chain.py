@@ -6,14 +6,22 @@ time), and each test then waits for its own. Every chain tokenizes the same smal
 shipped corpus, so preprocessing takes seconds and the uninterrupted GPT chain is the reference
 the interrupted ones must match.
 
-Two interruptions of a training job, each on its own chain, once it has logged iteration 8 (past
-the first periodic checkpoint at 5):
+Two interruptions of a training job once it has logged iteration 8 (past the first periodic
+checkpoint at 5), INTERRUPTIONS:
 
 * `scontrol requeue` (abrupt, like preemption without warning): Slurm sends SIGTERM to every
   process and SIGKILL after KillWait; the job restarts under the same id and resumes from its last
   checkpoint.
 * `scancel --batch --signal=USR1` (what `#SBATCH --signal=B:USR1@60` sends before a time limit):
   the sbatch file passes it to the ranks, which checkpoint and exit 0, then requeues its own job.
+
+Here the first interrupts a chain's training job (CHAIN_INTERRUPTIONS): the chain's wait follows the
+requeued job to the end and its aggregation runs after the second run. Both interrupt array tasks of
+a sweep in tests/slurm/test_sweep_arrays.py (which imports them from here), each matched loss for
+loss against an untouched sibling; on a plain job submitted by hand, tests/slurm/test_signals.py
+checks both paths (the batch shell's own requeue, an on-signal save resumed with every loss equal).
+A second interrupted chain for USR1 would check nothing those do not, for a sixth of this module's
+time.
 
 Slurm holds a requeued batch job for about two minutes before it may start again (EligibleTime);
 the tests move that to now with `scontrol update StartTime=now` once the old run's processes are
@@ -39,12 +47,13 @@ from tests.corpus import small_corpus
 from workflows import chain, slurm
 
 REPO = Path(__file__).resolve().parents[2]
-CHAIN_TIMEOUT_S = 900  # one chain alone takes ~1 min here; six at once on 2 cores ~6 min (CI: 2 cores, no other load)
+CHAIN_TIMEOUT_S = 900  # one chain alone takes ~1 min here; the module's five at once on 2 cores ~5 min (CI: 2 cores, no other load)
 INTERRUPT_AFTER = 8  # iterations logged before an interruption: past the first checkpoint (5)
 INTERRUPTIONS = {
     "requeue": ["scontrol", "requeue"],
     "usr1": ["scancel", "--batch", "--signal=USR1"],
 }
+CHAIN_INTERRUPTIONS = ("requeue",)  # the ones done to a chain here (the module docstring says why)
 ITERATION_LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.eE+-]+)")
 
 
@@ -145,7 +154,7 @@ def job_state(job_id: str) -> str:
 
 
 def wait_until_started(job_id: str, timeout_s: float) -> None:
-    """Wait for the job to leave PENDING: with six chains (or the rest of the suite) on two cores, its
+    """Wait for the job to leave PENDING: with five chains (or the rest of the suite) on two cores, its
     turn may take minutes, so a wait for its progress starts after this one."""
     wait_until(lambda: job_state(job_id) != "PENDING", timeout_s, f"job {job_id} to start", job_id)
 
@@ -199,15 +208,15 @@ def chains(tmp_path_factory):
     """Start every chain of this module at once.
 
     Yields ``(result, interrupted)``: ``result(name)`` waits for a `submit --wait` chain and caches
-    it; ``interrupted[name]`` is (chain, its Interrupter thread) for each INTERRUPTIONS entry.
+    it; ``interrupted[name]`` is (chain, its Interrupter thread) for each CHAIN_INTERRUPTIONS entry.
     """
     root = tmp_path_factory.mktemp("chains")
     corpus = small_corpus(root / "corpus.jsonl")
     procs = {name: start_submit(root / "runs", corpus, *args) for name, args in CHAINS.items()}
     interrupted = {}
-    for name, command in INTERRUPTIONS.items():
+    for name in CHAIN_INTERRUPTIONS:
         submitted = submit_without_wait(root / name, corpus)
-        interrupted[name] = (submitted, Interrupter(submitted, command))
+        interrupted[name] = (submitted, Interrupter(submitted, INTERRUPTIONS[name]))
         interrupted[name][1].start()
     results: dict[str, SubmitResult] = {}
 
@@ -304,7 +313,7 @@ def test_status_of_an_unknown_job_is_one_line_and_status_2():
 
 
 @pytest.mark.timeout(4 * CHAIN_TIMEOUT_S)
-@pytest.mark.parametrize("interruption", list(INTERRUPTIONS))
+@pytest.mark.parametrize("interruption", CHAIN_INTERRUPTIONS)
 def test_interrupted_training_resumes_and_matches_an_uninterrupted_run(chains, interruption):
     result, interrupted = chains
     submitted, interrupter = interrupted[interruption]

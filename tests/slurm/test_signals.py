@@ -15,6 +15,11 @@ each job trains TRAIN_ITERS iterations and is interrupted in its own way:
 Whatever happens, a job that ends COMPLETED must have logged its last iteration; a requeued one is
 released at once (tests/slurm/test_chain.py's release_when_held) and must then finish for real.
 
+The jobs run at once (each with its own thread that interrupts and follows it, started by the first
+test that asks): one after the other they spent most of their time starting Python and torch on one
+core while the other idled. Only ``preempted`` runs alone, after the others have ended: its urgent
+job takes both nodes whole, so Slurm would preempt every job beside it.
+
 After the first periodic checkpoint (``SAVE_INTERVAL``) three more ways. Each job is requeued (sacct's
 history: REQUEUED, then COMPLETED), resumes, logs the same losses as an uninterrupted run and leaves
 no unfinished ``iter_*.tmp``:
@@ -44,6 +49,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -171,39 +177,103 @@ def interrupt(kind: str, job_id: str, log: Path) -> None:
     slurm.run(["scancel", "--signal=TERM", job_id])  # ranks-term
 
 
+EARLY = ("ranks-term", "usr1-start-batch", "usr1-start-ranks")
+AFTER_A_SAVE = ("preempted", "requeue", "full-term")
+ALONE = ("preempted",)  # its urgent job needs both nodes whole: run beside others, it would preempt them too
+UNINTERRUPTED = "uninterrupted"
+
+
+class Job(threading.Thread):
+    """One training job of this module: submitted when made; the thread interrupts it as ``kind`` says
+    (not at all for UNINTERRUPTED) and follows it to the end."""
+
+    def __init__(self, kind: str, out: Path, dataset: Path):
+        super().__init__(daemon=True, name=f"signals-{kind}")
+        self.kind, self.out = kind, out
+        self.job_id, self.log = submit_training(out / "run", dataset)
+        self.outcome: tuple[str, int] | None = None  # follow_to_the_end's (final state, restarts)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if self.kind in EARLY:
+                interrupt(self.kind, self.job_id, self.log)
+            elif self.kind in AFTER_A_SAVE:
+                interrupt_after_a_periodic_save(self.kind, self.job_id, self.log, self.out)
+            self.outcome = follow_to_the_end(self.job_id, self.log)
+        except BaseException as exc:  # re-raised by the test in the main thread
+            self.error = exc
+
+    def finish(self, timeout_s: float) -> tuple[str, int]:
+        self.join(timeout_s)
+        assert not self.is_alive(), f"job {self.job_id} ({self.kind}) still followed after {timeout_s:.0f} s"
+        if self.error is not None:
+            raise self.error
+        return self.outcome
+
+    def cancel_if_running(self) -> None:
+        if job_state(self.job_id) not in slurm.TERMINAL_STATES:
+            slurm.call(["scancel", self.job_id])
+
+
+@pytest.fixture(scope="module")
+def jobs(dataset, tmp_path_factory) -> dict[str, Job]:
+    """Every job of this module but ALONE, submitted at once, each followed by its own thread."""
+    started = {kind: Job(kind, tmp_path_factory.mktemp(kind), dataset)
+               for kind in (UNINTERRUPTED, *EARLY, *AFTER_A_SAVE) if kind not in ALONE}
+    for job in started.values():
+        job.start()
+    yield started
+    for job in started.values():
+        job.cancel_if_running()
+
+
 @pytest.mark.timeout(TIMEOUT_S * 4)
-@pytest.mark.parametrize("kind", ["ranks-term", "usr1-start-batch", "usr1-start-ranks"])
-def test_an_interrupted_training_job_is_never_completed_early(kind, dataset, tmp_path):
-    job_id, log = submit_training(tmp_path / "run", dataset)
-    interrupt(kind, job_id, log)
-    state, restarts = follow_to_the_end(job_id, log)
+@pytest.mark.parametrize("kind", EARLY)
+def test_an_interrupted_training_job_is_never_completed_early(kind, jobs):
+    job = jobs[kind]
+    job_id, log = job.job_id, job.log
+    state, restarts = job.finish(TIMEOUT_S * 4 - 60)
     text = log.read_text()
     if state == "COMPLETED":
         assert last_iteration(log) == TRAIN_ITERS, text[-4000:]
         assert restarts >= 1, text[-4000:]  # it only completed through a requeue
     if kind in ("ranks-term", "usr1-start-batch"):  # a polite stop: checkpoint, requeue, resume, finish
         assert (state, "on signal" in text) == ("COMPLETED", True), f"{state}\n{text[-4000:]}"
+        # ... the batch shell's own requeue, of a plain job by its id (an array task's:
+        # tests/slurm/test_sweep_arrays.py)
+        assert f"requeueing job {job_id} to resume" in text, text[-4000:]
     else:
         assert state != "COMPLETED" or restarts >= 1, f"{state}\n{text[-4000:]}"
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_losses(dataset, tmp_path_factory) -> dict[int, float]:
-    job_id, log = submit_training(tmp_path_factory.mktemp("uninterrupted") / "run", dataset)
-    state, restarts = follow_to_the_end(job_id, log)
-    assert (state, restarts) == ("COMPLETED", 0), log.read_text()[-4000:]
-    found = losses(log)
-    assert sorted(found) == list(range(1, TRAIN_ITERS + 1)), log.read_text()[-4000:]
+def uninterrupted_losses(jobs) -> dict[int, float]:
+    job = jobs[UNINTERRUPTED]
+    state, restarts = job.finish(TIMEOUT_S * 4)
+    assert (state, restarts) == ("COMPLETED", 0), job.log.read_text()[-4000:]
+    found = losses(job.log)
+    assert sorted(found) == list(range(1, TRAIN_ITERS + 1)), job.log.read_text()[-4000:]
     return found
 
 
 @pytest.mark.timeout(TIMEOUT_S * 8)
-@pytest.mark.parametrize("kind", ["preempted", "requeue", "full-term"])
-def test_a_signal_after_a_periodic_checkpoint_requeues_and_loses_nothing(kind, dataset, uninterrupted_losses,
+@pytest.mark.parametrize("kind", AFTER_A_SAVE)
+def test_a_signal_after_a_periodic_checkpoint_requeues_and_loses_nothing(kind, dataset, jobs, uninterrupted_losses,
                                                                         tmp_path):
-    job_id, log = submit_training(tmp_path / "run", dataset)
-    interrupt_after_a_periodic_save(kind, job_id, log, tmp_path)
-    state, restarts = follow_to_the_end(job_id, log)
+    if kind in ALONE:  # only once every other job of the module has ended (their own tests report them)
+        for other in jobs.values():
+            other.join(TIMEOUT_S * 4)
+            other.cancel_if_running()
+        job = Job(kind, tmp_path, dataset)
+        job.start()
+    else:
+        job = jobs[kind]
+    job_id, log = job.job_id, job.log
+    try:
+        state, restarts = job.finish(TIMEOUT_S * 6)
+    finally:
+        job.cancel_if_running()
     text = log.read_text()
     assert (state, restarts) == ("COMPLETED", 1), f"{state} after {restarts} restart(s)\n{text[-5000:]}"
     runs = history(job_id)  # a preempted job requeues itself inside its grace time: REQUEUED as well
@@ -219,7 +289,7 @@ def test_a_signal_after_a_periodic_checkpoint_requeues_and_loses_nothing(kind, d
     else:  # saved on the signal, within KillWait for `requeue`: nothing after the periodic save is lost
         assert saved and int(saved.group(1)) > periodic[0], f"KillWait={kill_wait()}\n{first_run[-5000:]}"
         assert resumed_at == int(saved.group(1)) + 1, second_run[-3000:]
-    leftovers = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.endswith(".tmp"))
+    leftovers = sorted(p.name for p in (job.out / "run" / "checkpoints").iterdir() if p.name.endswith(".tmp"))
     assert leftovers == [], leftovers
     got = losses(log)
     assert sorted(got) == sorted(uninterrupted_losses)

@@ -5,7 +5,9 @@ The module's three sweeps are submitted together (`submit --sweep ... --wait`, e
 folder) when the first test asks for one, and each test waits for its own:
 
 * ``arrays``: ``--sweep pp=2,4 --sweep schedule=1f1b,dpp`` on 2 nodes. PP=2 runs 1 rank per node,
-  PP=4 runs 2: two allocations, so two job arrays of two tasks each.
+  PP=4 runs 2: two allocations, so two job arrays of two tasks each, one preprocessing job whose
+  dataset all four runs read, and one aggregation per run. (It is also the tier's plain sweep: a
+  separate two-run sweep would check the same things again for another minute of the cluster.)
 * ``requeue``: ``--sweep save_interval=5,4,3`` (20 iterations; the checkpoint interval does not
   change the numbers). Once they have logged iteration 8, task 0 is requeued with ``scontrol requeue
   <array>_0`` (preemption) and task 2 gets ``scancel --batch --signal=USR1 <array>_2`` (the time
@@ -158,10 +160,17 @@ def test_a_sweep_over_allocations_runs_as_several_arrays_and_status_shows_every_
     assert all(len(a) == 2 for a in arrays), points
     assert arrays[0][0] == arrays[1][0] != arrays[2][0] == arrays[3][0], points
     assert [a[1] for a in arrays] == ["0", "1", "0", "1"], points
+    assert len({p["aggregate"] for p in points}) == 4, points  # one aggregation per run
     assert set(states(manifest).values()) == {"COMPLETED"}, states(manifest)
+    # One dataset, written once into the sweep's folder, read by every run; each run has its own folder.
+    (sweep_dir,) = run.runs_dir.iterdir()
+    assert list((sweep_dir / "data").rglob("*.bin")), sorted(sweep_dir.rglob("*"))
     for point in points:
         pp, schedule = int(point["overrides"]["PP"]), point["config"]["schedule"]
-        traces = Path(point["run_dir"]) / "traces"
+        run_dir = Path(point["run_dir"])
+        assert (run_dir.parent, run_dir.name) == (sweep_dir, f"pp-{pp}_schedule-{schedule}"), point
+        assert not (run_dir / "data").exists()
+        traces = run_dir / "traces"
         summary = json.loads((traces / "summary.json").read_text())
         assert (summary["schedule"], summary["pipeline_parallel"], len(summary["iterations"])) == \
             (schedule, pp, 4), summary
@@ -170,15 +179,20 @@ def test_a_sweep_over_allocations_runs_as_several_arrays_and_status_shows_every_
         assert f"{pp} ranks" in train_log, train_log[-2000:]
         assert "aggregate: traces found in" in sweep.log_path(manifest, "aggregate", point["aggregate"]).read_text()
 
-    # workflows.status from a task of either array (and the preprocessing id) shows all four runs.
-    for job_id in (points[0]["train"], points[3]["train"], manifest["preprocess"]):
+    # workflows.status from a task of either array, an aggregation or the preprocessing id: the table.
+    for job_id in (points[0]["train"], points[3]["train"], points[1]["aggregate"], manifest["preprocess"]):
         shown = status(job_id, run.runs_dir)
         assert shown.returncode == 0, (job_id, shown.stdout, shown.stderr)
+        assert shown.stdout.splitlines()[1].split() == [
+            "configuration", "train", "state", "aggregate", "ms/iter", "bubble"], shown.stdout
         rows = shown.stdout.splitlines()[2:6]
         for line, point in zip(rows, points, strict=True):
             assert re.match(rf"{point['description']}\s+{point['train']}\s+COMPLETED\s+COMPLETED\s+"
                             r"\d+\.\d\s+0\.\d{4}$", line), shown.stdout
         assert shown.stdout.splitlines()[-1] == "sweep: COMPLETED"
+    # Without the runs folder it cannot find the manifest, and says what to pass.
+    lost = status(points[0]["aggregate"], run.runs_dir.parent)
+    assert lost.returncode == 2 and "--runs-dir" in lost.stderr, lost.stderr
 
 
 @pytest.mark.timeout(2 * SWEEP_TIMEOUT_S)

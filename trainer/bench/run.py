@@ -28,6 +28,7 @@ from pathlib import Path
 
 from trainer.bench.experiments import EXPERIMENTS, MODELS, Experiment
 from trainer.cli import OneLineParser
+from trainer.launch.group_stop import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED_FIELDS = ("experiment", "question", "date", "hardware", "versions", "commit", "configuration", "command")
@@ -90,50 +91,17 @@ def tool_command(exp: Experiment, device: str, gpus: int, model: str, corpus: st
 def run_tool(tool: list[str], capture: bool, time_limit: float | None) -> tuple[subprocess.CompletedProcess, str]:
     """Run the tool; past ``time_limit`` seconds stop its process group (the tool and the ranks it started:
     SIGTERM, SIGKILL 30 s later) so the caller can still write what it finished. (result, note or "")."""
-    import os
-    import signal
-
     pipe = subprocess.PIPE if capture else None
     proc = subprocess.Popen(tool, cwd=REPO, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=time_limit)
         return subprocess.CompletedProcess(tool, proc.returncode, out, err), ""
     except subprocess.TimeoutExpired:
-        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 30.0)):
-            try:
-                os.killpg(proc.pid, sig)  # the group this call started: the tool and its ranks
-            except ProcessLookupError:
-                break
-            try:
-                out, err = proc.communicate(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                out, err = None, None
-        _reap_group(proc.pid, 30.0)
+        out, err = stop_group(proc, grace_s=30.0)
         note = (f"cut off by --time-limit {time_limit:.0f} s: the report holds only the lines finished before it"
                 " (run the rest in another call, e.g. --scenarios or -- --lines)")
         print(f"[bench.run] {note}", flush=True)
         return subprocess.CompletedProcess(tool, 124, out or "", err or ""), note
-
-
-def _reap_group(pgid: int, grace_s: float) -> None:
-    """Wait up to ``grace_s`` for the rest of the stopped tool's group (ranks finishing their step after
-    SIGTERM, as the trainer does), then SIGKILL whatever of it is left."""
-    import os
-    import signal
-    import time
-
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.5)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _git(*args: str) -> str:
