@@ -18,7 +18,7 @@ SHORT = ["--train-iters", "4"]
 def test_submitit_chain_returns_the_summary_and_reports_a_failed_step_with_its_traceback(tmp_path):
     corpus = small_corpus(tmp_path / "corpus.jsonl")
     good = start_submit(tmp_path / "runs", corpus, "gpt", "--nodes", "2", *SHORT,
-                        "--sbatch-arg", "comment=issue16", "--time", "00:20:00")
+                        "--sbatch-arg", "comment=nightly", "--time", "00:20:00")
     bad = start_submit(tmp_path / "runs", corpus, "gpt", "--nodes", "2", *SHORT,
                        "--env", "EXTRA_TRAIN_ARGS=--no-such-flag")
     ok, failed = finish_submit(good), finish_submit(bad)
@@ -30,7 +30,7 @@ def test_submitit_chain_returns_the_summary_and_reports_a_failed_step_with_its_t
     assert "  stage balance: " in ok.stdout, ok.describe()  # fitted to the run's own stage times
     batch = (ok.run_dir / "submitit" / f"{ok.job_ids['train']}_submission.sh").read_text()
     for line in ("#SBATCH --dependency=afterok:", "#SBATCH --kill-on-invalid-dep=yes", "#SBATCH --requeue",
-                 "#SBATCH --signal=B:USR1@60", "#SBATCH --time=00:20:00", "#SBATCH --comment=issue16", "exec "):
+                 "#SBATCH --signal=B:USR1@60", "#SBATCH --time=00:20:00", "#SBATCH --comment=nightly", "exec "):
         assert line in batch, (line, batch)
     # The chain passed the run's own name to the trainer (it was "run" for every chain run).
     traces = sorted((ok.run_dir / "traces").glob("trace_rank*.json"))
