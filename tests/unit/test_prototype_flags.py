@@ -30,6 +30,7 @@ def test_node_ips_one_per_node_are_detected() -> None:
     (["a", "a", "b"], 4, "3 addresses with repeats: one address per rank needs exactly 4"),
     (["a", "b", "c"], 4, "3 addresses: neither one per rank (4) nor one per node"),
     (["a", "a", "a", "b"], 4, "the nodes run different numbers of ranks (a: 3, b: 1)"),
+    (["a", "a", "a", "b", "b"], 4, "5 addresses with repeats for 4 ranks: read one per rank as the prototype does"),
 ])
 def test_node_ips_that_fit_neither_form_are_refused(ips, world, needle) -> None:
     assert read_node_ips(ips, world)[0] is None
@@ -108,14 +109,20 @@ def test_workload_is_the_prototypes_integer_and_sizes_the_shm_slots() -> None:
         parse_config(BASE + ["--workload", "gpt16"], world_size=1)
 
 
-def test_the_prototypes_single_node_example_list_is_refused_not_misread() -> None:
-    """Its train_gpt3_175b_distributed.sh passes 8 addresses (2 nodes x 4) with GPUS_PER_NODE=4, NUM_NODES=1:
-    for 4 ranks that is neither one per rank nor one per node, so it is refused instead of guessed at."""
+def test_the_prototypes_single_node_example_list_is_read_as_the_prototype_reads_it() -> None:
+    """Its train_gpt3_175b_distributed.sh passes 8 addresses (2 nodes x 4) with GPUS_PER_NODE=4, NUM_NODES=1.
+    The prototype gives rank r the r-th address, so its 4 ranks take the first 4 (one node) and the rest
+    go unused; read the same way here, the unused ones kept for the trainer's warning. The same list on
+    8 ranks is the two-node per-rank form."""
     ips = "192.168.0.7,192.168.0.7,192.168.0.7,192.168.0.7,192.168.0.2,192.168.0.2,192.168.0.2,192.168.0.2"
-    with pytest.raises(ConfigError) as err:
-        parse_config(BASE + ["--node-ips", ips, "--num-gpus", "4", "--workload", str(2048 * 512)], world_size=4,
-                     ranks_per_node=4)
-    assert err.value.problems == [f"--node-ips={ips} has 8 addresses with repeats: one address per rank needs "
-                                  "exactly 4 (the world size), one per node needs distinct addresses"]
+    cfg = parse_config(BASE + ["--node-ips", ips, "--num-gpus", "4", "--workload", str(2048 * 512)], world_size=4,
+                       ranks_per_node=4)
+    addresses, problems = read_node_ips(cfg.run.node_ips, 4)
+    assert problems == [] and addresses is not None
+    assert (addresses.per_rank, addresses.nodes, addresses.node_of_rank) == (True, ("192.168.0.7",), (0, 0, 0, 0))
+    assert addresses.unused == ("192.168.0.2",) * 4
+    with pytest.raises(ConfigError, match="--multi-node but every rank is on one node"):
+        parse_config(BASE + ["--node-ips", ips, "--num-gpus", "4", "--multi-node"], world_size=4, ranks_per_node=4)
     cfg = parse_config(BASE + ["--node-ips", ips, "--num-gpus", "4", "--multi-node"], world_size=8, ranks_per_node=4)
     assert cfg.run.node_ips == tuple(ips.split(","))  # the same list on its two nodes
+    assert read_node_ips(cfg.run.node_ips, 8)[0].unused == ()

@@ -119,6 +119,10 @@ def read_launch_env(env: Mapping[str, str] | None = None, node_ips: Sequence[str
         node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else None
         addresses, problems = read_node_ips(node_ips, world)
         raise_if_any(problems, error=LaunchError)
+        if addresses is not None and addresses.unused and rank == 0:
+            log.warning("--node-ips: %d address(es) past rank %d not used (%s): one address per rank, rank r "
+                        "takes the r-th, as the prototype reads the list", len(addresses.unused), world - 1,
+                        ",".join(addresses.unused))
         if node is None and addresses is not None:
             node = addresses.node_of_rank[rank] if addresses.per_rank else _node_from_ips(addresses.nodes)
         if node is None:

@@ -9,6 +9,10 @@ size alone, so every rank reads it the same way before any process group exists:
   numbered in the order their address first appears;
 - fewer, all distinct, dividing the world size: per node, in node order (which rank runs where then
   comes from the launcher: SLURM_NODEID, this host's address, or consecutive ranks per node);
+- more than the world size, with repeats: per rank, the prototype's reading (rank r takes the r-th
+  address, so the addresses past the last rank are not used; its single-node example lists 8 for 4
+  ranks), provided the first world-size addresses form a valid per-rank list; the unused ones are
+  kept in :attr:`NodeAddresses.unused`, which the trainer logs;
 - anything else is refused, naming the count and what it could have been.
 
 Pure (no torch, no sockets): trainer.config checks a list with it, trainer.launch.distributed places ranks.
@@ -16,6 +20,7 @@ Pure (no torch, no sockets): trainer.config checks a list with it, trainer.launc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +35,8 @@ class NodeAddresses:
     """Distinct addresses in node order (the first is the rendezvous host without MASTER_ADDR)."""
     node_of_rank: tuple[int, ...] | None
     """Per-rank form: the node index of every rank; per-node form: None (the launcher places ranks)."""
+    unused: tuple[str, ...] = ()
+    """Per-rank form given more addresses than ranks: those past the last rank (not used)."""
 
 
 def read_node_ips(node_ips: Sequence[str], world_size: int) -> tuple[NodeAddresses | None, list[str]]:
@@ -47,6 +54,12 @@ def read_node_ips(node_ips: Sequence[str], world_size: int) -> tuple[NodeAddress
                           "numbers of ranks (" + ", ".join(f"{ip}: {n}" for ip, n in counts.items())
                           + "); every node must run the same number"]
         return NodeAddresses(True, distinct, node_of_rank), []
+    if len(ips) > world_size and len(distinct) != len(ips):
+        head, problems = read_node_ips(ips[:world_size], world_size)
+        if head is not None and head.per_rank:
+            return dataclasses.replace(head, unused=ips[world_size:]), []
+        return None, [f"{given} has {len(ips)} addresses with repeats for {world_size} ranks: read one per rank "
+                      f"as the prototype does, its first {world_size} fail: " + "; ".join(problems)]
     if len(distinct) != len(ips):
         return None, [f"{given} has {len(ips)} addresses with repeats: one address per rank needs exactly "
                       f"{world_size} (the world size), one per node needs distinct addresses"]
