@@ -49,3 +49,15 @@ def test_node_ips_place_this_host() -> None:
 def test_bad_launcher_environment_names_the_variable(env, needle) -> None:
     with pytest.raises(LaunchError, match=needle):
         read_launch_env(env)
+
+
+def test_node_ips_longer_than_the_world_place_ranks_by_their_own_address(caplog) -> None:
+    """The prototype's single-node example: 8 addresses for 4 ranks; rank r takes the r-th (all on the
+    first node) and rank 0 warns which addresses go unused."""
+    ips = ("192.0.2.7",) * 4 + ("192.0.2.2",) * 4
+    with caplog.at_level("WARNING"):
+        nodes = [read_launch_env({"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_PORT": "1"}, node_ips=ips).node_index
+                 for r in range(4)]
+    assert nodes == [0, 0, 0, 0]
+    warned = [r.getMessage() for r in caplog.records if "--node-ips" in r.getMessage()]
+    assert len(warned) == 1 and "4 address(es) past rank 3 not used" in warned[0], warned
