@@ -31,8 +31,9 @@ early_signals.install_for_main(__name__)  # before torch's import: see trainer/l
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint.facts import RunFacts
 from trainer.checkpoint.find import preflight
-from trainer.checkpoint.state import RunFacts, TrainState, load_checkpoint, run_identity, save_checkpoint
+from trainer.checkpoint.state import TrainState, load_checkpoint, run_identity, save_checkpoint
 from trainer.cli import EXIT_BAD_INPUT, print_error
 from trainer.config import ConfigError, RunPlan, TrainConfig, parse_config, resolve_plan
 from trainer.launch.distributed import (

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from trainer.checkpoint.facts import RunFacts
 from trainer.checkpoint.find import _megatron_lm_facts
-from trainer.checkpoint.state import RunFacts, megatron_lm_optimizer_differences
+from trainer.checkpoint.megatron_lm import megatron_lm_optimizer_differences
 
 
 def _common(**args) -> dict:
