@@ -14,7 +14,7 @@ left() { echo $((BUDGET - (SECONDS - start))); }
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 t0=$SECONDS
-timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_te_gpu.py > "$OUT/test_te_gpu.log" 2>&1
+timeout 420 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_te_gpu.py > "$OUT/test_te_gpu.log" 2>&1
 echo "== test_te_gpu: rc=$? in $((SECONDS - t0)) s"
 grep -vE "UserWarning|warnings.warn" "$OUT/test_te_gpu.log" | grep -E "^[0-9]+ |replayed|passed|failed|Error|assert|skipped" | tail -24
 

@@ -2,9 +2,12 @@
 TE layer spec): megatron-core's own 1F1B, the DPP runtime eager and the DPP runtime replaying its slot
 graphs train to the same losses from the same seed and data, and the graphed run really replays.
 
-fp32 and dropout 0, so the graphed and eager DPP runs execute the same kernels on the same data: their
-losses and gradients agree to rounding. Against megatron-core's 1F1B the DPP run accumulates the
-microbatches' weight gradients in another order, so its losses agree to fp32 rounding of that sum.
+Dropout 0. In fp32 TE runs its unfused attention, and the graphed and eager DPP runs execute the same
+kernels on the same data: their losses and gradients agree to rounding; against megatron-core's 1F1B
+the DPP run accumulates the microbatches' weight gradients in another order, so its losses agree to
+fp32 rounding of that sum. In bf16 TE runs its fused (cuDNN) attention, whose capture needs the tracker
+states registered with each slot graph (trainer/pipeline/graph_rng.py) and whose backward may pick
+non-deterministic algorithms: losses agree to bf16 rounding.
 Split backward (dpp-zb) is refused with TE's layers before start-up (trainer/config/plan.py), which
 the CPU tier checks. Two ranks on 2 GPUs (NCCL), or sharing one over gloo (where the first run is the
 trainer's own 1F1B order instead of megatron-core's schedule). Skipped without an importable Transformer Engine
@@ -45,11 +48,13 @@ def _needs_te() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_te_layers_under_megatron_1f1b_dpp_and_dpp_graphs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_te_layers_under_megatron_1f1b_dpp_and_dpp_graphs(tmp_path: Path, precision: str) -> None:
     _needs_te()
     # On one GPU both ranks share it over gloo, where the trainer runs its own 1F1B policy in place of
     # megatron-core's schedule (which needs NCCL): then the first run is that static order.
     gpt = TE_GPT + (["--distributed-backend", "gloo"] if torch.cuda.device_count() < 2 else [])
+    gpt += ["--bf16"] if precision == "bf16" else []
     _, megatron = train(tmp_path / "1f1b", 2, ["--dump-grads", "2", "--", *gpt], last_rank=1)
     dpp = [*gpt, "--use-dpp", "--dpp-policy", "dpp"]
     _, eager = train(tmp_path / "eager", 2, ["--dump-grads", "2", "--", *dpp, "--dpp-eager"], last_rank=1)
@@ -63,9 +68,14 @@ def test_te_layers_under_megatron_1f1b_dpp_and_dpp_graphs(tmp_path: Path) -> Non
     counts = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for m in REPLAYED.finditer(logs)}
     print("replayed/eager forwards per (stage, chunk):", counts)
     assert counts == {(s, 0): (ITERS * M, 0) for s in range(2)}, counts
-    print("megatron-core 1F1B vs DPP eager")
+    rel = 1e-4 if precision == "fp32" else 2e-2
+    print(f"{precision}: megatron-core 1F1B, DPP eager, DPP graphed")
     for it in sorted(megatron, key=int):
-        print(it, megatron[it]["lm loss"], eager[it]["lm loss"])
-        assert eager[it]["lm loss"] == pytest.approx(megatron[it]["lm loss"], rel=1e-4), f"iteration {it}"
-    assert_same_losses(eager, graphed)
-    assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
+        print(it, megatron[it]["lm loss"], eager[it]["lm loss"], graphed[it]["lm loss"])
+        assert eager[it]["lm loss"] == pytest.approx(megatron[it]["lm loss"], rel=rel), f"iteration {it}"
+    if precision == "fp32":
+        assert_same_losses(eager, graphed)
+        assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
+    else:
+        for it in sorted(eager, key=int):
+            assert graphed[it]["lm loss"] == pytest.approx(eager[it]["lm loss"], rel=5e-3), f"iteration {it}"

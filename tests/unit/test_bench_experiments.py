@@ -140,3 +140,26 @@ def test_llama_experiment_plans_llama_lines_every_flag_accepted(tmp_path: Path, 
                 assert flag in args, (flag, command)
             cfg = parse_config(args, world_size=gpus)
             assert cfg.model.swiglu and cfg.model.normalization == "RMSNorm"
+
+
+def test_a_report_left_by_an_earlier_run_is_never_written_as_this_runs(tmp_path: Path, monkeypatch) -> None:
+    """Two calls of one day into one --out: the second (scenario c only) gets its own file name, and when
+    its tool writes no report, the result file says so -- it does not take the first call's report and
+    timelines for its own."""
+    import subprocess
+
+    import trainer.bench.run as bench_run
+
+    out, results = tmp_path / "out", tmp_path / "results"
+    out.mkdir()
+    (out / "report.md").write_text("# old\n\n### (a) uniform\nstale figures\n")
+    (out / "report.timeline-a-dpp.png").write_bytes(b"old png")
+    monkeypatch.setattr(bench_run, "run_tool", lambda tool, capture, limit: (
+        subprocess.CompletedProcess(tool, 1, "", ""), ""))
+    assert bench_run.main(["schedule-vs-static", "--scenarios", "c", "--device", "cpu",
+                           "--out", str(out), "--results", str(results)]) in (0, 1)
+    written = sorted(p.name for p in results.iterdir())
+    assert len(written) == 1 and written[0].endswith("-schedule-vs-static-c-cpu.md"), written
+    text = (results / written[0]).read_text()
+    assert "The tool wrote no report" in text and "stale figures" not in text
+    assert not (out / "report.timeline-a-dpp.png").exists()

@@ -42,6 +42,17 @@ def test_headline_states_the_three_ratios_of_the_fastest_dpp_line_within_memory(
     assert balanced_limit_ms(results[0]) == pytest.approx((452 + 345 + 345 + 394) / 4)
 
 
+def test_megatron_cores_own_graphs_are_a_graphed_static_bar_not_its_eager_one() -> None:
+    # figures of the Transformer Engine measurement (2 x H200, PP=2): megatron-core eager 1269.3, with its own
+    # graphs 498.4, the DPP default 483.6
+    results = [_line("megatron-1f1b-best", 1269.3, 10.18, (430, 437)), _line("megatron-1f1b-graphs", 498.4, 10.76, (432, 451)),
+               _line("dpp", 1168.3, 10.24, (431, 441)), _line("dpp-default", 483.6, 10.45, (431, 455))]
+    text = "\n".join(headline(results, "a"))
+    assert "vs megatron-core's best eager line (megatron-1f1b-best, 1269.3 ms): **2.625x**" in text
+    assert ("best graphed static order megatron-core's schedule with its own graphs (megatron-1f1b-graphs, 498.4 ms): "
+            "**1.031x**") in text
+
+
 def test_headline_falls_back_to_an_eager_static_line_and_says_so() -> None:
     results = [_line("megatron-1f1b-best", 100.0, None, (40, 30)), _line("dpp", 90.0, None, (40, 30)),
                _line("zb-h1-eager", 95.0, None), _line("1f1b-eager", 99.0, None)]

@@ -602,6 +602,14 @@ def test_only_a_block_with_dropout_registers_generators() -> None:
     assert not draws_random(call(0.0, 0.0))
     assert draws_random(call(0.1, 0.0)) and draws_random(call(0.0, 0.1))
     assert not draws_random(SimpleNamespace(decoder=torch.nn.Linear(1, 1)))  # no config: nothing drawn
+    # Transformer Engine's attention advances its generator's philox offset even at dropout 0 (a stand-in
+    # class named and placed as TE's; megatron-core's TEDotProductAttention subclasses it).
+    te_attention = type("DotProductAttention", (torch.nn.Module,), {"__module__": "transformer_engine.pytorch.attention"})
+    megatron_te = type("TEDotProductAttention", (te_attention,), {"__module__": "megatron.core.extensions.te"})
+    block = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Sequential(megatron_te()))
+    block.config = SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0)
+    assert draws_random(SimpleNamespace(decoder=block))
+    assert not draws_random(SimpleNamespace(decoder=torch.nn.Sequential(torch.nn.Linear(1, 1))))
 
 
 def test_checkpoints_save_graph_safe_rng_states_as_tensors(monkeypatch) -> None:

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from trainer.bench.lines import balanced_split as bench_balanced_split
-from trainer.config import ModelConfig, ParallelConfig, RunPlan, TrainConfig, parse_config, resolve_plan
+from trainer.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RunPlan,
+    TrainConfig,
+    parse_config,
+    resolve_plan,
+)
 from trainer.config.layout import _stage_split_problems
 from trainer.schedule import layers as layer_split
 
@@ -164,7 +172,8 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
     assert (megatron.engine, megatron.cuda_graphs, megatron.graphs_reason, megatron.log_text) == \
         ("megatron-core", False, "", "megatron-core")
     # Transformer Engine's layers (where it is installed, --transformer-impl auto picks them): the default
-    # stays eager (graphs with TE never ran on a GPU here); an explicit ask still gets them.
+    # replays them from graphs in fp32 and bf16 (tests/gpu/test_te_gpu.py), and megatron-core's own graphs
+    # run with TE's RNG tracker, turned on by itself as in Megatron-LM.
     import importlib.util
 
     import trainer.config.transformer_engine as te
@@ -174,15 +183,20 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
                         lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
     monkeypatch.setattr(te, "import_problem", lambda module: None)  # as if it imported
     with_te = [a for a in CUDA_PP2 if a not in ("--transformer-impl", "local")]
-    te_default = _plan([*with_te, "--use-dpp"]).schedule
-    assert not te_default.cuda_graphs and "Transformer Engine's layers" in te_default.graphs_reason
-    assert _plan([*with_te, *GRAPHS]).schedule.cuda_graphs  # fp32: TE's unfused attention captures
-    # bf16: capturing TE's fused attention failed on GPUs; megatron-core's own graphs need TE's RNG tracker
-    with pytest.raises(ConfigError, match="fp32 with Transformer Engine's layers"):
-        _plan([*with_te, *GRAPHS, "--bf16"])
-    with pytest.raises(ConfigError, match="--cuda-graph-impl local needs megatron-core's local layers"):
-        _plan([*with_te, "--cuda-graph-impl", "local"])
-    assert not _plan([*with_te, "--use-dpp", "--bf16"]).schedule.cuda_graphs  # the default: eager, no error
+    for precision in ([], ["--bf16"]):
+        te_default = _plan([*with_te, "--use-dpp", *precision]).schedule
+        assert te_default.cuda_graphs and te_default.policy == "dpp", te_default.log_text  # dpp-zb: local only
+        assert "dpp-zb's split backward is ruled out" in te_default.log_text
+        assert _plan([*with_te, *GRAPHS, *precision]).schedule.cuda_graphs
+    te_graphs = parse_config([*with_te, "--cuda-graph-impl", "local"], world_size=2)
+    assert te.te_rng_tracker(te_graphs)[0] and "Megatron-LM" in te.te_rng_tracker(te_graphs)[1]
+    assert te.te_rng_tracker(parse_config([*with_te, "--te-rng-tracker"], world_size=2)) == (True, "--te-rng-tracker")
+    assert not te.te_rng_tracker(parse_config(CUDA_PP2, world_size=2))[0]  # local layers: megatron's tracker
+
+
+def test_te_rng_tracker_is_refused_where_transformer_engine_cannot_run() -> None:
+    with pytest.raises(ConfigError, match="--te-rng-tracker needs --device cuda"):
+        parse_config(["--mock-data", "--device", "cpu", "--te-rng-tracker"], world_size=1)
 
 
 def test_the_plan_holds_the_layer_split_and_the_links() -> None:

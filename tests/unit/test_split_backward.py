@@ -189,12 +189,20 @@ def test_refusals_name_every_unsupported_feature(group) -> None:
     assert split_backward_problems([chunk]) == []
 
 
-def test_transformer_engine_and_empty_models_are_refused() -> None:
+def test_transformer_engine_and_empty_models_are_refused(group) -> None:
     class TELayerNormColumnParallelLinear(torch.nn.Module):
-        pass
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 4))
 
     assert any("Transformer Engine" in p and "TELayerNormColumnParallelLinear" in p
                for p in split_backward_problems([torch.nn.Sequential(TELayerNormColumnParallelLinear())]))
+    # A TE norm has no GEMM weight to defer: megatron-core builds the block's final norm from TE wherever TE is
+    # installed, even with the local spec, and split backward runs (a stand-in placed and named as TE's RMSNorm).
+    te_norm = type("RMSNorm", (torch.nn.Module,), {"__module__": "transformer_engine.pytorch.module.rmsnorm"})
+    norm = te_norm()
+    norm.weight = torch.nn.Parameter(torch.ones(4))
+    assert split_backward_problems([torch.nn.Sequential(_megatron_pair(group), norm)]) == []
     with pytest.raises(ValueError, match="no ColumnParallelLinear/RowParallelLinear"):
         install_split_backward([torch.nn.Linear(2, 2)])
 

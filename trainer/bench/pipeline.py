@@ -162,7 +162,9 @@ def _run_line(line: Line, cfg: BenchConfig, args: argparse.Namespace,
 
 def _picture(result: LineResult, folder: Path, report: Path) -> str | None:
     # Named after the report too: two calls writing reports into one folder keep both pictures.
-    path = report.parent / f"{report.stem}.timeline-{result.key}.png"
+    # File names keep to [A-Za-z0-9._-]: a layout key's "+" (2x2x1+sp) is spelt "-" there, so copying tools
+    # and links never have to quote it.
+    path = report.parent / f"{report.stem}.timeline-{result.key.replace('+', '-')}.png"
     if plot_kernel_timeline(result, path) or plot_trace_timeline(folder / "traces", path):
         return path.name
     return None

@@ -213,13 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     hw, short, versions = hardware(args.device)
     out.mkdir(parents=True, exist_ok=True)
     args.results.mkdir(parents=True, exist_ok=True)
-    path = result_path(args.results, f"{when:%Y-%m-%d}", exp.name, short)
+    # A subset of the scenarios is named in the file: two calls of one day (a, then c) write two files.
+    subset = scenarios is not None and list(scenarios) != list(exp.scenarios)
+    path = result_path(args.results, f"{when:%Y-%m-%d}", exp.name + ("-" + "".join(scenarios) if subset else ""),
+                       short)
+    # A report or timeline left in --out by an earlier run is not this run's: never copied as if it were.
+    for stale in [report, *out.glob(f"{report.stem}.timeline-*.png")]:
+        stale.unlink(missing_ok=True)
     print(f"[bench.run] {exp.name} on {hw}: {shlex.join(tool)}", flush=True)
     run, cut = run_tool(tool, exp.tool == "transport", args.time_limit)
     notes += [cut] if cut else []
     body: list[str] = []
     if exp.tool == "pipeline":
-        text = report.read_text() if report.exists() else "The tool wrote no report (see its output above).\n"
+        text = report.read_text() if report.exists() else \
+            f"# no report\n\nThe tool wrote no report (exit status {run.returncode}; see its output above).\n"
         for png in sorted(out.glob(f"{report.stem}.timeline-*.png")):  # beside the result, named after it
             target = path.with_name(f"{path.stem}.{png.name.removeprefix(report.stem + '.')}")
             target.write_bytes(png.read_bytes())

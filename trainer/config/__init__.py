@@ -36,6 +36,7 @@ from trainer.config.transformer_engine import (
     NVTE_ATTENTION_VALUES,
     TE_ATTENTION_BACKENDS,
     attention_backend_problems,
+    te_rng_tracker,
     uses_transformer_engine_spec,
 )
 
@@ -46,5 +47,5 @@ __all__ = [
     "OptimConfig", "ParallelConfig", "PolicyOptions", "RunConfig", "RunPlan", "SchedulePlan", "TE_ATTENTION_BACKENDS",
     "TrainConfig", "attention_backend_problems", "build_parser", "field_docs", "layout_problems", "parse_config",
     "resolve_dpp_policy", "resolve_plan", "split_backward_refusals", "unsupported_flag_problems",
-    "uses_transformer_engine_spec",
+    "te_rng_tracker", "uses_transformer_engine_spec",
 ]

@@ -228,24 +228,11 @@ def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
     return True, "graphs: --use-dpp's default where they can run (--dpp-eager turns them off)"
 
 
-def _te_layers_on_cuda(cfg: TrainConfig) -> bool:
-    """Whether a CUDA run builds megatron-core's Transformer Engine layer spec (what the graph checks
-    below rule on; on CPU the TE checks of trainer/config/transformer_engine.py refuse it anyway)."""
-    return cfg.run.device == "cuda" and uses_transformer_engine_spec(cfg, installed("transformer_engine"))
-
-
 def auto_graph_problems(cfg: TrainConfig) -> list[str]:
-    """What would rule out CUDA graphs for ``cfg`` had --dpp-cuda-graphs been given, and what keeps the
-    default from choosing them although an explicit ask may: Transformer Engine's layers under the slot
-    graphs have never run on a GPU here, so the default stays eager with them."""
+    """What would rule out CUDA graphs for ``cfg`` had --dpp-cuda-graphs been given (the default's test)."""
     asked = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dpp_cuda_graphs=True,
                                                                   dpp_eager=False))
-    p = _cuda_graph_problems(asked) + _recompute_slot_problems(asked)
-    if _te_layers_on_cuda(cfg):
-        p.append("the default picks graphs with megatron-core's local layers only (--transformer-impl local): "
-                 "Transformer Engine's layers under the slot graphs are verified in fp32 only; "
-                 "--dpp-cuda-graphs asks for them anyway")
-    return p
+    return _cuda_graph_problems(asked) + _recompute_slot_problems(asked)
 
 
 def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
@@ -412,14 +399,6 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
         "raise --seq-length-divisible-by)":
             not cfg.data.variable_seq_lengths
             or -(-m.seq_length // cfg.data.seq_length_divisible_by) <= MAX_GRAPHED_LENGTHS,
-        # Measured on 2xH200 (TE 2.18, bf16): capturing TE's cuDNN fused attention failed with "Attempt to
-        # increase offset for a CUDA generator not in capture mode" (its kernel draws philox offsets from a
-        # generator state the slot graph has not registered); in fp32 TE runs its unfused attention, which
-        # captured and replayed equal to eager (tests/gpu/test_te_gpu.py).
-        "fp32 with Transformer Engine's layers (not --bf16/--fp16: capturing TE's fused attention fails, its "
-        "philox generator state is not registered with the slot graphs; docs/transformer_engine.md), or "
-        "--transformer-impl local":
-            not ((cfg.optim.bf16 or cfg.optim.fp16) and _te_layers_on_cuda(cfg)),
     }
     return [f"--dpp-cuda-graphs needs {need}" for need, ok in why.items() if not ok]
 
@@ -460,12 +439,6 @@ def _megatron_graph_problems(cfg: TrainConfig) -> list[str]:
         "a fixed sequence length (not --variable-seq-lengths: graphs capture one shape)":
             not cfg.data.variable_seq_lengths,
         f"--cuda-graph-warmup-steps >= 0 (got {par.cuda_graph_warmup_steps})": par.cuda_graph_warmup_steps >= 0,
-        # Measured on 2xH200 (TE 2.18): TE's attention, capturing under megatron-core's graphs, asserts
-        # "Unsupported RNG states tracker" -- it needs TE's own tracker (Megatron-LM's --te-rng-tracker),
-        # which this trainer does not offer yet.
-        "megatron-core's local layers (--transformer-impl local): with Transformer Engine's, TE's attention "
-        "needs TE's RNG tracker under graph capture (Megatron-LM's --te-rng-tracker), not offered here":
-            not _te_layers_on_cuda(cfg),
         # At PP > 1 graph creation asserted (fwd_buffer_reuse_ref_count == 0 in _create_cudagraphs) while
         # the trainer passed every microbatch the same cached causal-mask tensor; GPT's forward step now
         # passes no mask under these graphs (trainer.model.steps.causal_mask_from_attention,

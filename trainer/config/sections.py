@@ -66,6 +66,11 @@ class ModelConfig:
     """Separate output layer instead of reusing the input embedding (Megatron's flag)."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer spec: local always works; TE when importable ("auto" picks TE on CUDA if present)."""
+    te_rng_tracker: bool = False
+    """Transformer Engine's RNG tracker instead of megatron-core's (Megatron-LM's ``--te-rng-tracker``):
+    dropout masks from TE's graph-safe generator states. Needs Transformer Engine on CUDA. Turned on by
+    itself, as in Megatron-LM, where megatron-core's graphs (--cuda-graph-impl local) capture TE's
+    layers: TE's attention refuses any other tracker under their capture."""
     recompute_activations: bool = False
     """Megatron-LM's shorthand for ``--recompute-granularity selective`` (``--recompute-activations``)."""
     recompute_granularity: Literal["full", "selective"] | None = None

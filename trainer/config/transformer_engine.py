@@ -82,9 +82,30 @@ def attention_backend_problems(cfg: TrainConfig, environ: dict[str, str] | None 
                 p.append(f"--transformer-impl transformer_engine needs Transformer Engine, which does not import "
                          f"here ({why}); build it with scripts/te/build.sh (docs/transformer_engine.md), or use "
                          "--transformer-impl local or auto")
+    if cfg.model.te_rng_tracker:
+        if cfg.run.device != "cuda":
+            p.append("--te-rng-tracker needs --device cuda (Transformer Engine's RNG tracker holds CUDA "
+                     "generator states); drop it on CPU")
+        elif import_problem("transformer_engine.pytorch") is not None:
+            p.append("--te-rng-tracker needs Transformer Engine, which does not import here ("
+                     f"{import_problem('transformer_engine.pytorch')}); drop it, or build TE with "
+                     "scripts/te/build.sh (docs/transformer_engine.md)")
     env = os.environ if environ is None else environ
     for name, want in zip(NVTE_ATTENTION_ENV, NVTE_ATTENTION_VALUES[backend], strict=True):
         if env.get(name) not in (None, str(want)):
             p.append(f"{flag} sets {name}={want} but the environment has {name}={env[name]} "
                      "(megatron-core refuses the mismatch): unset it")
     return p
+
+
+def te_rng_tracker(cfg: TrainConfig) -> tuple[bool, str]:
+    """(whether the run seeds Transformer Engine's RNG tracker, why). Asked for (--te-rng-tracker), or,
+    as Megatron-LM does, where megatron-core's graphs (--cuda-graph-impl local) capture TE's layers:
+    TE's attention asserts "Unsupported RNG states tracker" under their capture with any other."""
+    if cfg.model.te_rng_tracker:
+        return True, "--te-rng-tracker"
+    if (cfg.parallel.cuda_graph_impl != "none" and cfg.run.device == "cuda"
+            and uses_transformer_engine_spec(cfg, installed("transformer_engine"))):
+        return True, ("--cuda-graph-impl local with Transformer Engine's layers: TE's attention needs TE's RNG "
+                      "tracker under graph capture (Megatron-LM turns --te-rng-tracker on for it too)")
+    return False, ""

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from trainer.config import TrainConfig, uses_transformer_engine_spec
+from trainer.config import TrainConfig, te_rng_tracker, uses_transformer_engine_spec
 from trainer.launch.topology import Topology
 from trainer.model.steps import uses_per_token_loss
 
@@ -114,6 +114,7 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         # in a dense model; alltoall is what Megatron-LM users pass, and unused without experts.
         **({"moe_token_dispatcher_type": "alltoall"} if cfg.data.variable_seq_lengths else {}),
         calculate_per_token_loss=uses_per_token_loss(m.model, cfg.data.variable_seq_lengths),
+        use_te_rng_tracker=te_rng_tracker(cfg)[0],
         # --cuda-graph-impl local: megatron-core's per-layer graphs, recorded by its schedules.
         **({"cuda_graph_impl": cfg.parallel.cuda_graph_impl,
             "cuda_graph_warmup_steps": cfg.parallel.cuda_graph_warmup_steps}

@@ -59,10 +59,23 @@ def capture(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, draws:
 
 
 def draws_random(call: torch.nn.Module) -> bool:
-    """Whether the block's forward draws random numbers: dropout > 0 in its TransformerConfig. (Its
-    backward never draws: recompute with dropout is refused, and a dropout's backward reuses its mask.)"""
+    """Whether the block's forward draws random numbers: dropout > 0 in its TransformerConfig, or
+    Transformer Engine's attention, whose fused (cuDNN) kernel advances the philox offset of the
+    tracker state it runs under even at dropout 0 (unregistered, its capture fails with "Attempt to
+    increase offset for a CUDA generator not in capture mode"). (The backward never draws: recompute with
+    dropout is refused, and a dropout's backward reuses its mask.)"""
     config = getattr(call.decoder, "config", None)
-    return config is not None and (config.hidden_dropout > 0 or config.attention_dropout > 0)
+    if config is not None and (config.hidden_dropout > 0 or config.attention_dropout > 0):
+        return True
+    decoder = call.decoder
+    return isinstance(decoder, torch.nn.Module) and any(_is_te_attention(m) for m in decoder.modules())
+
+
+def _is_te_attention(module: torch.nn.Module) -> bool:
+    """A Transformer Engine DotProductAttention (megatron-core's TEDotProductAttention subclasses it);
+    found by the class's module, so that a run without TE never imports it."""
+    return any(c.__module__.startswith("transformer_engine.") and c.__name__ == "DotProductAttention"
+               for c in type(module).__mro__)
 
 
 @contextlib.contextmanager

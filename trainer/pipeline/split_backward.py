@@ -319,10 +319,19 @@ def _is_transformer_engine(module: torch.nn.Module) -> bool:
     return "transformer_engine" in cls.__module__ or cls.__name__.startswith("TE")
 
 
+def _holds_gemm_weight(module: torch.nn.Module) -> bool:
+    """Whether ``module`` itself holds a matrix parameter (a GEMM's weight; a norm's are vectors)."""
+    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+
+
 def split_backward_problems(chunks: list[torch.nn.Module]) -> list[str]:
     """Every reason the chunks cannot run a split backward (empty: they can)."""
     problems: list[str] = []
-    te = sorted({type(m).__name__ for chunk in chunks for m in chunk.modules() if _is_transformer_engine(m)})
+    # Only TE modules holding a GEMM weight (Linear, LayerNormLinear, LayerNormMLP, ...) keep their weight
+    # gradient out of reach; TE's norms (megatron-core builds the block's final norm from TE wherever TE is
+    # installed, even with the local layer spec) and its attention have none to defer.
+    te = sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()
+                 if _is_transformer_engine(m) and _holds_gemm_weight(m)})
     if te:
         problems.append(f"Transformer Engine layers ({', '.join(te)}): only megatron-core's local spec "
                         "is supported (--transformer-impl local)")

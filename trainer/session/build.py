@@ -7,13 +7,14 @@ What runs the pipeline is the run plan's (trainer/config/plan.py): megatron-core
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainer.config import RunPlan, SchedulePlan, TrainConfig
+from trainer.config import RunPlan, SchedulePlan, TrainConfig, te_rng_tracker
 from trainer.config.plan import MEGATRON
 from trainer.launch.distributed import (
     LaunchError,
@@ -28,6 +29,8 @@ from trainer.measure.run_metrics import RunMeasurement
 from trainer.pipeline.runtime import PipelineRuntime
 from trainer.session.logs import RunLog
 from trainer.session.microbatches import MicrobatchFeed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -161,7 +164,11 @@ def _seed(cfg: TrainConfig, topology: Topology, graphed: bool = False) -> None:
         # Graphed layers (megatron-core's or the runtime's slot graphs) need an RNG tracker whose states
         # a graph can register and replay (fresh dropout masks every replay).
         graphs = cfg.parallel.cuda_graph_impl == "local" or graphed
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs)
+        te_tracker, why = te_rng_tracker(cfg)
+        if te_tracker and topology.rank == 0:
+            log.info("RNG: Transformer Engine's tracker (%s)", why)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_tracker,
+                                                        use_cudagraphable_rng=graphs)
 
 
 def _optimizer(cfg: TrainConfig, model: list) -> tuple[Any, Any]:
