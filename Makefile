@@ -16,7 +16,7 @@ demo: setup
 ## CI runs exactly this.
 test: setup
 	$(PYTHON) -m workflows.render --check
-	$(PYTHON) -m pytest -m "not gpu and not slow" tests
+	$(PYTHON) -m pytest -m "not gpu and not slow" --durations=25 tests
 
 ## The tests marked slow (broad sweeps, long end-to-end runs): what `make test` leaves out.
 test-slow: setup
