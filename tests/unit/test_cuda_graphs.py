@@ -171,6 +171,50 @@ def test_slots_are_taken_by_forwards_and_given_back_by_backwards() -> None:
         _graphs(_TinyGPT(pre_process=False), first=False, slots=0)
 
 
+def test_each_chunks_warm_up_cache_is_released_before_its_slots_capture(monkeypatch) -> None:
+    """The warm-up's eager blocks stay cached in the ordinary pool, which no capture draws from; kept
+    through the captures they set the run's peak reserved memory (graphs + warm-up, during set-up).
+    So each chunk's cache goes back between its warm-up(s) and its first capture, and once more after
+    all of them. CUDA itself is absent here: warm-up runs on CPU, the capture and the release are
+    recorded stand-ins (tests/gpu/test_dpp_cuda_graphs.py checks the peak on a GPU)."""
+    from types import SimpleNamespace
+
+    from trainer.pipeline import cuda_graphs
+
+    events = []
+    warm_up = cuda_graphs._warm_up
+
+    def recorded_warm_up(call, *args, **kwargs):
+        events.append(("warm-up", call.decoder.tag))
+        return warm_up(call, *args, **kwargs)
+
+    def recorded_capture(call, shapes, masks, device, **kwargs):
+        events.append(("capture", call.decoder.tag))
+        return _uncaptured(call, shapes, masks, device)
+
+    monkeypatch.setattr(cuda_graphs, "_warm_up", recorded_warm_up)
+    monkeypatch.setattr(cuda_graphs, "capture_slot", recorded_capture)
+    monkeypatch.setattr(cuda_graphs, "release_cached_blocks", lambda device: events.append(("release",)))
+    for name, value in {"graph_pool_handle": lambda: "pool", "memory_reserved": lambda device=None: 0,
+                        "max_memory_reserved": lambda device=None: 0,
+                        "max_memory_allocated": lambda device=None: 0}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    chunks = [_TinyGPT(pre_process=False), _TinyGPT(pre_process=False)]
+    for c, chunk in enumerate(chunks):
+        chunk.decoder.tag = c
+        chunk.decoder.attn = _Attention()
+    shapes = GraphShapes(activation=(S, B, H), activation_dtype=torch.float32, tokens=(B, S))
+    masks = {S: torch.ones(1, 1, S, S, dtype=torch.bool)}
+    shape = SimpleNamespace(is_first_virtual=lambda stage, c: False)
+    graphs = cuda_graphs.capture_chunk_graphs(chunks, shape, 1, (2, 3), shapes, masks, torch.device("cpu"),
+                                              recompute_slots=1)
+    # recompute_slots: two warm-ups per chunk (both attention code paths), one release after both
+    assert events == [("warm-up", 0), ("warm-up", 0), ("release",), ("capture", 0), ("capture", 0),
+                      ("warm-up", 1), ("warm-up", 1), ("release",), *[("capture", 1)] * 3, ("release",)]
+    assert [len(g.slots) for g in graphs.values()] == [2, 3]
+    assert all(p.grad is None for chunk in chunks for p in chunk.parameters())  # the warm-up left no gradient
+
+
 class _SplitStandIn:
     """What capture_slot returns with a split backward, without CUDA: the block, plus a W that counts."""
 

@@ -405,6 +405,25 @@ def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.d
     return sized
 
 
+def release_cached_blocks(device: torch.device) -> None:
+    """Hand the ordinary pool's cached, unallocated blocks back to the device, once its queued kernels ran.
+
+    Why after each chunk's warm-up, before its slots capture: the warm-up runs the block eagerly (one
+    microbatch's activations and its backward's workspace: about one slot's worth), and the caching
+    allocator keeps those blocks in the ordinary pool. A capture never takes them -- it allocates only
+    from its own private pool (new device memory) -- so, kept, they sat under every slot and the
+    stage's backward pool while those were captured: the run's peak reserved memory was reached
+    during set-up, at graphs + warm-up, above anything the training steps hold. Emptied here, the
+    peak is graphs + what the eager ops of a step need. (Also done once after all captures.)
+
+    Nothing a graph uses is freed: ``empty_cache`` releases only blocks no tensor holds, and a live
+    graph's private pool is never released while the graph exists. Blocks a tensor still holds
+    (cuBLAS workspaces, parameters, the slots' static buffers) stay; the captures' static buffers,
+    allocated after this, start in fresh segments rather than pinning segments of the warm-up's."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
 class ChunkGraphs:
     """The graph slots of one model chunk."""
 
@@ -439,6 +458,7 @@ class ChunkGraphs:
                 for mode in sorted(set(self.recomputes), key=str):  # both code paths warm, if both are captured
                     with self._recompute(mode):
                         operands = _warm_up(_BlockCall(chunk), shapes, masks, device, split=split) or operands
+                release_cached_blocks(device)  # before the captures: see the function
                 capture = functools.partial(capture_slot, backward_pool=backward_pool, split=split,
                                             operands=operands)
             # Each slot its own module object, as the block's forward is swapped per call.
@@ -576,13 +596,11 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int
         graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), per_chunk[c], shapes, masks, device,
                                 backward_pool=backward_pool, recompute_slots=min(recompute_slots, per_chunk[c]),
                                 split=split)
-    torch.cuda.synchronize(device)
-    # The warm-up's eager blocks stay cached in the ordinary pool; hand them back so the run's reserved
-    # peak is graphs + what the eager ops really need, not graphs + the largest warm-up.
-    torch.cuda.empty_cache()
+    release_cached_blocks(device)  # what the captures left in the ordinary pool (each warm-up's went before)
     log.info("stage %d: CUDA graphs for chunk(s) %s, %s slot(s) (%d recomputing the core attention%s), "
-             "length(s) %s; %.2f GiB reserved for them",
+             "length(s) %s; %.2f GiB reserved for them; peak reserved so far %.2f GiB, allocated %.2f GiB",
              stage, sorted(graphs), "/".join(map(str, per_chunk)), min(recompute_slots, max(per_chunk)),
              "; F, I and W graphs: split backward" if split else "",
-             ",".join(map(str, shapes.captured_lengths())), (torch.cuda.memory_reserved(device) - before) / 2**30)
+             ",".join(map(str, shapes.captured_lengths())), (torch.cuda.memory_reserved(device) - before) / 2**30,
+             torch.cuda.max_memory_reserved(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30)
     return graphs
