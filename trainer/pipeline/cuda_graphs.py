@@ -408,18 +408,11 @@ def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.d
 def release_cached_blocks(device: torch.device) -> None:
     """Hand the ordinary pool's cached, unallocated blocks back to the device, once its queued kernels ran.
 
-    Why after each chunk's warm-up, before its slots capture: the warm-up runs the block eagerly (one
-    microbatch's activations and its backward's workspace: about one slot's worth), and the caching
-    allocator keeps those blocks in the ordinary pool. A capture never takes them -- it allocates only
-    from its own private pool (new device memory) -- so, kept, they sat under every slot and the
-    stage's backward pool while those were captured: the run's peak reserved memory was reached
-    during set-up, at graphs + warm-up, above anything the training steps hold. Emptied here, the
-    peak is graphs + what the eager ops of a step need. (Also done once after all captures.)
-
-    Nothing a graph uses is freed: ``empty_cache`` releases only blocks no tensor holds, and a live
-    graph's private pool is never released while the graph exists. Blocks a tensor still holds
-    (cuBLAS workspaces, parameters, the slots' static buffers) stay; the captures' static buffers,
-    allocated after this, start in fresh segments rather than pinning segments of the warm-up's."""
+    Why after each chunk's warm-up, before its slots capture: the warm-up's eager blocks (about one
+    slot's activations and a backward workspace) stay cached in the ordinary pool, which no capture
+    allocates from; kept, they sat under every slot captured after them, and the run's peak reserved
+    memory was reached during set-up (graphs + warm-up). ``empty_cache`` frees only blocks no tensor
+    holds, never a live graph's private pool: nothing a graph uses is released."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
 
