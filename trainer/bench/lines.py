@@ -428,6 +428,9 @@ def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policie
         return "megatron-core's local CUDA graphs capture one sequence length; scenario (b) varies it"
     if scenario == "d" and not cfg.corpus:
         return "scenario (d) needs --corpus PREFIX (a GPT-2-tokenized indexed corpus, e.g. the sample corpus)"
+    if scenario == "d" and cfg.model != "gpt":
+        return (f"scenario (d) reads a GPT-2-tokenized corpus; --model {cfg.model} needs a WordPiece one "
+                "(the trainer refuses it, trainer/config/layout.py)")
     if scenario == "d" and name == "direct-megatron":
         return "trainer.bench.direct builds mock microbatches only; scenario (d) reads a corpus"
     if name == "direct-megatron" and cfg.layout is not None and cfg.world_size != cfg.pipeline_parallel:
