@@ -32,7 +32,8 @@ def test_scenario_d_is_left_out_without_a_corpus_and_said_so(tmp_path: Path) -> 
     argv, notes = tool_command(exp, "cuda", 2, "gpt16-h2048", "corp", tmp_path, tmp_path / "r.md", [])
     assert argv[argv.index("--scenarios") + 1] == "a,c,d" and not notes and "--corpus" in argv
     layouts, _ = tool_command(EXPERIMENTS["layouts"], "cuda", 4, "gpt16-h2048", "", tmp_path, tmp_path / "r.md", [])
-    assert "--pipeline-parallel" not in layouts and "4x1x1,2x2x1+sp,2x1x2+overlap+distopt" in layouts
+    assert "--pipeline-parallel" not in layouts
+    assert "4x1x1,2x2x1+sp,2x1x2+overlap+distopt,4x1x1@bert16-h2048" in layouts
 
 
 def test_result_files_are_dated_and_never_overwritten(tmp_path: Path) -> None:

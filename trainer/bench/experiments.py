@@ -23,28 +23,50 @@ class Model:
     bf16: bool = True
     vocab_size: int = 50257
     architecture: tuple[str, ...] = ()
-    """Trainer flags of the block beyond GPT's (the Llama family's), passed to every line (``--extra``)."""
+    """Trainer flags of the block beyond GPT's (the Llama family's), passed to every line (``--model-flags``)."""
     transformer_impl: str = "local"
     """``--transformer-impl`` of every line: ``local`` (megatron-core's own layers) or
     ``transformer_engine`` (its Transformer Engine spec; CUDA with TE installed only)."""
+    model: str = "gpt"
+    """The trainer's ``--model``: ``gpt`` (megatron-core's GPTModel) or ``bert`` (its BertModel)."""
+    head_weight: float = 2.0
+    """Cost of the output head in layers, for the balanced layer split (``--head-weight``)."""
+    cpu_stand_in: str = "tiny"
+    """The model a CPU dry run (``--device cpu``) runs in its place where a layout names this one
+    (``4x1x1@NAME``): the same kind of model in seconds."""
 
     def describe(self) -> str:
-        kind = f"Llama-style GPT ({' '.join(self.architecture)})" if self.architecture else "GPT"
+        kind = "BERT" if self.model == "bert" else "GPT"
+        if self.architecture:
+            kind = f"Llama-style {kind} ({' '.join(self.architecture)})"
         if self.transformer_impl != "local":
             kind += f" with --transformer-impl {self.transformer_impl}"
         return (f"{kind} {self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, "
                 f"seq {self.seq_length}, vocab {self.vocab_size}, mbs {self.micro_batch_size}, "
                 f"M={self.num_microbatches}, {'bf16' if self.bf16 else 'fp32'}, {self.train_iters} iterations")
 
-    def bench_args(self) -> list[str]:
-        args = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
-                "--num-attention-heads", str(self.num_attention_heads), "--seq-length", str(self.seq_length),
-                "--vocab-size", str(self.vocab_size), "--micro-batch-size", str(self.micro_batch_size),
-                "--num-microbatches", str(self.num_microbatches), "--train-iters", str(self.train_iters)]
+    def bench_fields(self) -> dict[str, object]:
+        """This model as fields of the pipeline benchmark's configuration (trainer.bench.lines.BenchConfig):
+        what a layout naming it (``--layouts 4x1x1@NAME``) replaces of the call's."""
         # Explicit even for local layers: "auto" would pick Transformer Engine wherever it is installed.
-        extra = [*self.architecture, "--transformer-impl", self.transformer_impl]
-        args += ["--extra", shlex.join(extra)]
-        return args + ([] if self.bf16 else ["--no-bf16"])
+        return {"model": self.model, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "num_attention_heads": self.num_attention_heads, "seq_length": self.seq_length,
+                "vocab_size": self.vocab_size, "micro_batch_size": self.micro_batch_size,
+                "num_microbatches": self.num_microbatches, "train_iters": self.train_iters,
+                "head_weight": self.head_weight, "bf16": self.bf16,
+                "model_flags": (*self.architecture, "--transformer-impl", self.transformer_impl)}
+
+    def bench_args(self) -> list[str]:
+        args = []
+        for key, value in self.bench_fields().items():
+            flag = "--" + key.replace("_", "-")
+            if key == "bf16":
+                args += [] if value else ["--no-bf16"]
+            elif isinstance(value, tuple):
+                args += [flag, shlex.join(value)]
+            else:
+                args += [flag, str(value)]
+        return args
 
 
 def llama_block(query_groups: int, ffn_hidden_size: int) -> tuple[str, ...]:
@@ -63,13 +85,26 @@ MODELS = {
     # The same size class with Llama blocks: 16 heads in 4 key/value groups (Llama-2 70B's 8:1 is for 64
     # heads; 4:1 keeps GQA's saving at 16), and SwiGLU's three matrices at 2.6875 h = 5504 (Llama-2's
     # ratio, 11008 / 4096), about the parameters of GPT's two at 4 h.
-    "llama16-h2048": Model("llama16-h2048", 16, 2048, 16, 1024, 2, 32, 10, architecture=llama_block(4, 5504)),
+    "llama16-h2048": Model("llama16-h2048", 16, 2048, 16, 1024, 2, 32, 10, architecture=llama_block(4, 5504),
+                           cpu_stand_in="tiny-llama"),
     # The benchmark model with megatron-core's Transformer Engine layer spec (scripts/te builds TE).
     "gpt16-h2048-te": Model("gpt16-h2048-te", 16, 2048, 16, 1024, 2, 32, 10, transformer_impl="transformer_engine"),
     # CPU dry runs: the same command path in seconds.
     "tiny": Model("tiny", 4, 32, 4, 16, 2, 4, 4, bf16=False, vocab_size=128),
     "tiny-llama": Model("tiny-llama", 4, 32, 4, 16, 2, 4, 4, bf16=False, vocab_size=128,
-                        architecture=llama_block(2, 64)),
+                        architecture=llama_block(2, 64), cpu_stand_in="tiny-llama"),
+    # BERT in the same size class: megatron-core's BertModel (masked LM and the binary head, token-type
+    # embeddings) with a learned position table of seq 512, BERT's own (its pre-training and Megatron-LM's
+    # BERT examples: --seq-length 512 --max-position-embeddings 512; BERT's absolute positions go no
+    # further). mbs 4 keeps GPT's 2048 tokens per microbatch, so a microbatch's linear layers cost what
+    # GPT's do and the launch overhead weighs the same; vocabulary 30522, BERT's uncased WordPiece. Head
+    # weight 1: the head measured on gpt16-h2048 (4xH200: 120.9 ms against 74.6 ms per layer, 1.6 layers at
+    # 50257 tokens) scaled to 30522 tokens, plus BERT's transform (one h x h dense): about one layer, so
+    # the balanced split is the even 4/4/4/4.
+    "bert16-h2048": Model("bert16-h2048", 16, 2048, 16, 512, 4, 32, 10, vocab_size=30522, model="bert",
+                          head_weight=1.0, cpu_stand_in="tiny-bert"),
+    "tiny-bert": Model("tiny-bert", 4, 32, 4, 16, 2, 4, 4, bf16=False, vocab_size=128, model="bert",
+                       head_weight=1.0, cpu_stand_in="tiny-bert"),
 }
 
 
@@ -112,10 +147,11 @@ EXPERIMENTS = {e.name: e for e in (
         "layouts",
         "Does DPP's default keep its speed on the layouts a Megatron user runs? Per layout, megatron-core's "
         "best eager configuration against `--use-dpp` alone: PP=4; PP=2 x TP=2 with sequence parallelism; "
-        "PP=2 x DP=2 with the overlapped gradient reduction and the distributed optimizer.",
+        "PP=2 x DP=2 with the overlapped gradient reduction and the distributed optimizer; BERT (bert16-h2048) "
+        "at PP=4.",
         "pipeline", 4,
         lines=("megatron-1f1b-best", "dpp-default"),
-        layouts=("4x1x1", "2x2x1+sp", "2x1x2+overlap+distopt"),
+        layouts=("4x1x1", "2x2x1+sp", "2x1x2+overlap+distopt", "4x1x1@bert16-h2048"),
         args=("--optimizer", "adam", "--threads", "4", "--line-timeout", "120")),
     Experiment(
         "llama",

@@ -194,6 +194,8 @@ class BenchConfig:
 
     device: str = "cuda"
     """cuda (NCCL, one process per GPU) or cpu (gloo dry run)."""
+    model: str = "gpt"
+    """--model of every line: gpt (megatron-core's GPTModel) or bert (its BertModel, mock masked-LM samples)."""
     num_layers: int = 16
     """Transformer layers."""
     hidden_size: int = 2048
@@ -242,6 +244,9 @@ class BenchConfig:
     """Scenario (d): the corpus's GPT-2 vocabulary."""
     merge_file: str = "datasets/gpt2/merges.txt"
     """Scenario (d): the corpus's GPT-2 merges."""
+    model_flags: tuple[str, ...] = ()
+    """Trainer flags of the model's block for every line (a Llama block's, ``--transformer-impl``): part of
+    the model, so a layout naming its own model (``--layouts 4x1x1@NAME``) replaces them."""
     extra: tuple[str, ...] = ()
     """More trainer flags for every line (e.g. ``--transport nccl``)."""
     layout: Layout | None = None
@@ -311,7 +316,7 @@ class NotRun:
 
 
 def common_args(cfg: BenchConfig) -> list[str]:
-    args = ["--device", cfg.device, "--mock-data", "--num-layers", str(cfg.num_layers),
+    args = ["--device", cfg.device, "--mock-data", "--model", cfg.model, "--num-layers", str(cfg.num_layers),
             "--hidden-size", str(cfg.hidden_size), "--num-attention-heads", str(cfg.num_attention_heads),
             "--seq-length", str(cfg.seq_length), "--max-position-embeddings", str(cfg.seq_length),
             "--vocab-size", str(cfg.vocab_size), "--micro-batch-size", str(cfg.micro_batch_size),
@@ -320,7 +325,7 @@ def common_args(cfg: BenchConfig) -> list[str]:
             "--optimizer", cfg.optimizer, "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--seed", str(SEED), "--log-interval", "1", "--gpu-busy-iters", str(cfg.gpu_busy_iters)]
     layout = cfg.layout.trainer_args() if cfg.layout is not None else []
-    return args + layout + (["--bf16"] if cfg.bf16 else []) + list(cfg.extra)
+    return args + layout + (["--bf16"] if cfg.bf16 else []) + list(cfg.model_flags) + list(cfg.extra)
 
 
 def variable_length_args(cfg: BenchConfig) -> list[str]:
@@ -351,14 +356,15 @@ def variable_length_tokens(cfg: BenchConfig, scenario: str = "b") -> tuple[float
     else:
         dist, problems = parse_length_distribution(cfg.seq_len_dist)
         raise_if_any(problems if dist is None else [])
-        source = mock_sample_source("gpt", SEED, cfg.seq_length, cfg.vocab_size, dist)
+        source = mock_sample_source(cfg.model, SEED, cfg.seq_length, cfg.vocab_size, dist)
     bucketing = Bucketing(cfg.seq_length_divisible_by, cfg.seq_length)
     real = padded = 0
     mbs = cfg.micro_batch_size
     for first in range(0, cfg.train_iters * cfg.global_batch_size, mbs):
         samples = [source(i) for i in range(first, first + mbs)]
         real += sum(int(s[LENGTH_KEY]) for s in samples)
-        padded += mbs * len(bucketing.apply(samples)[0]["tokens"])
+        batch = bucketing.apply(samples)[0]
+        padded += mbs * len(batch["tokens"] if "tokens" in batch else batch["text"])  # GPT's batch, BERT's
     return real / cfg.train_iters, padded / cfg.train_iters
 
 
@@ -397,7 +403,7 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
             args += ["--run-name", f"bench-{scenario}-{name}"]
             label = what
             if cfg.device == "cpu" and name.startswith("megatron-"):
-                schedule = _schedule_of(args, cfg.pipeline_parallel)  # what the trainer's plan runs instead
+                schedule = _schedule_of(args, cfg.world_size)  # what the trainer's plan runs instead (PP x TP x DP ranks)
                 label = f"CPU stand-in: our runtime's static {schedule.policy} policy (megatron-core's schedules " \
                         "need CUDA); " + what.split(", ", 1)[-1]
             module = "trainer.bench.direct" if name == "direct-megatron" else "trainer.train"
@@ -422,6 +428,9 @@ def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policie
         return "megatron-core's local CUDA graphs capture one sequence length; scenario (b) varies it"
     if scenario == "d" and not cfg.corpus:
         return "scenario (d) needs --corpus PREFIX (a GPT-2-tokenized indexed corpus, e.g. the sample corpus)"
+    if scenario == "d" and cfg.model != "gpt":
+        return (f"scenario (d) reads a GPT-2-tokenized corpus; --model {cfg.model} needs a WordPiece one "
+                "(the trainer refuses it, trainer/config/layout.py)")
     if scenario == "d" and name == "direct-megatron":
         return "trainer.bench.direct builds mock microbatches only; scenario (d) reads a corpus"
     if name == "direct-megatron" and cfg.layout is not None and cfg.world_size != cfg.pipeline_parallel:

@@ -25,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.bench.experiments import MODELS
 from trainer.bench.launch_probe import probe_in_subprocess
-from trainer.bench.layouts import parse_layouts
+from trainer.bench.layouts import Layout, parse_layouts
 from trainer.bench.lines import (
     CATALOGUE,
     DEFAULT_LINES,
@@ -66,7 +67,7 @@ def build_parser() -> OneLineParser:
             parser.add_argument("--no-bf16", dest="bf16", action="store_false", help=helptext)
         elif f.name in ("split", "split_vp"):
             parser.add_argument(flag, type=_pair, default=None, metavar="FIRST,LAST", help=helptext)
-        elif f.name == "extra":
+        elif f.name in ("extra", "model_flags"):
             parser.add_argument(flag, default="", metavar="'FLAGS'", help=helptext + " (one quoted string)")
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
@@ -76,9 +77,10 @@ def build_parser() -> OneLineParser:
                              "appended adds --dpp-max-queued-ops K (e.g. dpp-graphs-q2). Default: "
                              f"{','.join(DEFAULT_LINES)}; with --layouts: {','.join(LAYOUT_DEFAULT_LINES)}")
     parser.add_argument("--layouts", default="",
-                        help="comma-separated PPxTPxDP[+sp][+overlap][+distopt] (e.g. 4x1x1,2x2x1+sp,"
-                             "2x1x2+overlap+distopt): run the lines once per layout, one table each "
-                             "(trainer/bench/layouts.py); overrides --pipeline-parallel")
+                        help="comma-separated PPxTPxDP[+sp][+overlap][+distopt][@MODEL] (e.g. 4x1x1,2x2x1+sp,"
+                             "2x1x2+overlap+distopt,4x1x1@bert16-h2048): run the lines once per layout, one table "
+                             "each (trainer/bench/layouts.py); @MODEL runs that layout on a benchmark model of "
+                             "trainer/bench/experiments.py instead of the model flags; overrides --pipeline-parallel")
     parser.add_argument("--resplit", choices=("none", "auto"), default="none",
                         help="auto: a short profiling round per chunk count fits the stage balance and the lines "
                              "run on the re-split it recommends (trainer/bench/resplit.py); the report says "
@@ -99,6 +101,7 @@ def build_parser() -> OneLineParser:
 def _config(args: argparse.Namespace) -> BenchConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if f.name != "layout"}
     values["extra"] = tuple(shlex.split(args.extra))
+    values["model_flags"] = tuple(shlex.split(args.model_flags))
     return BenchConfig(**values)
 
 
@@ -132,6 +135,8 @@ def _problems(args: argparse.Namespace) -> list[str]:
         p.append(f"--cpu-bind={args.cpu_bind!r} must be numa or none")
     if args.device not in ("cuda", "cpu"):
         p.append(f"--device={args.device!r} must be cuda or cpu")
+    if args.model not in ("gpt", "bert"):
+        p.append(f"--model={args.model!r} must be gpt or bert")
     return p
 
 
@@ -171,10 +176,17 @@ def _picture(result: LineResult, folder: Path, report: Path) -> str | None:
 
 
 def _layout_configs(args: argparse.Namespace) -> list[BenchConfig]:
-    """One configuration per --layouts entry (PP from the layout), or the one of the flags."""
+    """One configuration per --layouts entry (PP from the layout), or the one of the flags. A layout naming a
+    model (``@NAME``) takes that model's fields and its own balanced split: --split was given for the flags'
+    model."""
     base = _config(args)
     layouts = parse_layouts(args.layouts)[0]
-    return [dataclasses.replace(base, pipeline_parallel=lay.pipeline_parallel, layout=lay) for lay in layouts] or [base]
+
+    def model_of(lay: Layout) -> dict[str, object]:
+        return {**MODELS[lay.model].bench_fields(), "split": None, "split_vp": None} if lay.model else {}
+
+    return [dataclasses.replace(base, pipeline_parallel=lay.pipeline_parallel, layout=lay, **model_of(lay))
+            for lay in layouts] or [base]
 
 
 def _resplit(configs: list[BenchConfig], names: list[str], args: argparse.Namespace,
@@ -244,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             # Rewritten after every line: a call cut off by its time limit still leaves a report.
             write_report(args.report, cfg, list(results.values()), not_run, commands, pictures,
                          time.monotonic() - start, host, layouts={ln.key: ln.layout for ln in lines if ln.layout},
-                         notes=notes)
+                         notes=notes, configs={c.layout.label: c for c in configs if c.layout is not None})
     print(f"[bench] wrote {args.report} and {len(pictures)} timeline(s)", flush=True)
     return 0 if all(r.ok for r in results.values()) else 1
 

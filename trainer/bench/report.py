@@ -282,23 +282,37 @@ def _corpus_note(cfg: BenchConfig) -> list[str]:
             "tokens/s counts real tokens.", ""]
 
 
+def model_text(cfg: BenchConfig) -> str:
+    """The model of ``cfg`` in words (the report's "Model:" lines)."""
+    kind = {"gpt": "GPT", "bert": "BERT"}.get(cfg.model, cfg.model)
+    return (f"{kind} {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, seq "
+            f"{cfg.seq_length}, vocab {cfg.vocab_size} (mock data), mbs {cfg.micro_batch_size}, M={cfg.num_microbatches}"
+            + (f", `{' '.join(cfg.model_flags)}`" if cfg.model_flags else ""))
+
+
 def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_run: list[NotRun],
                  commands: dict[str, str], pictures: dict[str, str], wall_s: float, host: str = "",
-                 layouts: dict[str, str] | None = None, notes: list[str] = ()) -> None:
+                 layouts: dict[str, str] | None = None, notes: list[str] = (),
+                 configs: dict[str, BenchConfig] | None = None) -> None:
     """``host``: the launch probe's line (trainer.bench.launch_probe), printed under the card.
     ``layouts``: line key -> layout label (``--layouts``): one section, and tables, per layout.
-    ``notes``: which layer split the lines ran and why (``--resplit auto``)."""
+    ``notes``: which layer split the lines ran and why (``--resplit auto``).
+    ``configs``: layout label -> its configuration; each layout's section names its model (a layout may
+    name its own, ``4x1x1@bert16-h2048``), and the header's "Model:" says "per layout" where they differ."""
     versions = next((r.versions for r in results if r.versions), {})
+    configs = configs or {}
+    models = {model_text(c) for c in configs.values()} or {model_text(cfg)}
+    model_line = (f"Model: {models.pop()}" if len(models) == 1 else "Model: per layout (each layout's section names it)")
+    iterations = {c.train_iters for c in configs.values()} or {cfg.train_iters}
     lines = [
         "# Pipeline benchmark", "",
         f"Written by `python -m trainer.bench.pipeline` in {wall_s:.0f} s. Card: **{versions.get('device_name', '?')}**"
         f" × {cfg.pipeline_parallel} ({cfg.device}); torch {versions.get('torch', '?')}, megatron-core "
         f"{versions.get('megatron_core', '?')}, NCCL {versions.get('nccl', 'n/a')}, CUDA {versions.get('cuda', 'n/a')}, "
         f"Python {versions.get('python', '?')}." + (f" Host: {host}." if host else ""), "",
-        f"Model: GPT {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, seq "
-        f"{cfg.seq_length}, vocab {cfg.vocab_size} (mock data), mbs {cfg.micro_batch_size}, M={cfg.num_microbatches}, "
-        f"PP={cfg.pipeline_parallel}, {'bf16' if cfg.bf16 else 'fp32'}, optimizer {cfg.optimizer}, dropout 0, "
-        f"{cfg.train_iters} iterations per line, CPU binding {cfg.cpu_bind}. Timings: iterations {cfg.skip_iters + 1}+"
+        f"{model_line}, PP={cfg.pipeline_parallel}, {'bf16' if cfg.bf16 else 'fp32'}, optimizer {cfg.optimizer}, "
+        f"dropout 0, {'/'.join(map(str, sorted(iterations)))} iterations per line, CPU binding {cfg.cpu_bind}. "
+        f"Timings: iterations {cfg.skip_iters + 1}+"
         + (f" except the last {cfg.gpu_busy_iters} (run under the kernel profiler for the GPU busy column)"
            if cfg.device == "cuda" and cfg.gpu_busy_iters else "") + "; per iteration the "
         "slowest rank's host step time (the step ends with the loss all-reduce, which waits for the GPU). "
@@ -314,9 +328,14 @@ def write_report(path: Path, cfg: BenchConfig, results: list[LineResult], not_ru
     labels = list(dict.fromkeys(layouts.values())) or [""]
     for label in labels:
         subset = [r for r in results if layouts.get(r.key, "") == label]
+        own = configs.get(label, cfg)
         if label:
             lines += [f"## Layout {label}", ""]
-        lines += _scenario_sections(subset, cfg, pictures, "###" if label else "##")
+        if label in configs:
+            name = f"**{own.layout.model}**: " if own.layout is not None and own.layout.model else ""
+            lines += [f"Model: {name}{model_text(own)}, {'bf16' if own.bf16 else 'fp32'}, {own.train_iters} "
+                      f"iterations; {own.layout.describe() if own.layout is not None else ''}.", ""]
+        lines += _scenario_sections(subset, own, pictures, "###" if label else "##")
     if not_run:
         lines += ["## Lines not run", ""] + [f"- ({n.scenario}) **{n.name}**" + (f" [{n.layout}]" if n.layout else "")
                                              + f": {n.reason}" for n in not_run] + [""]

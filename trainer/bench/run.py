@@ -58,6 +58,18 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def layouts_for(exp: Experiment, device: str) -> list[str]:
+    """The experiment's layouts as this device runs them: on CPU a layout's own model (``4x1x1@NAME``)
+    is replaced by its CPU stand-in (trainer/bench/experiments.py), as the call's model is by ``tiny``."""
+    if device != "cpu":
+        return list(exp.layouts)
+    out = []
+    for layout in exp.layouts:
+        form, _, name = layout.partition("@")
+        out.append(f"{form}@{MODELS[name].cpu_stand_in}" if name else layout)
+    return out
+
+
 def tool_command(exp: Experiment, device: str, gpus: int, model: str, corpus: str, out: Path,
                  report: Path, more: list[str], scenarios: list[str] | None = None) -> tuple[list[str], list[str]]:
     """(argv of the tool, notes on what of the experiment was left out here). ``scenarios``: the
@@ -78,7 +90,7 @@ def tool_command(exp: Experiment, device: str, gpus: int, model: str, corpus: st
             "--lines", ",".join(exp.lines), "--scenarios", ",".join(scenarios), "--rounds", str(exp.rounds),
             "--out", str(out), "--report", str(report), *exp.args]
     if exp.layouts:
-        argv += ["--layouts", ",".join(exp.layouts)]
+        argv += ["--layouts", ",".join(layouts_for(exp, device))]
     else:
         argv += ["--pipeline-parallel", str(gpus)]
     if corpus:
@@ -170,11 +182,15 @@ def headline_lines(report_text: str) -> list[str]:
 
 def header(exp: Experiment, when: datetime.datetime, hw: str, versions: dict[str, str], rev: str,
            model: str, gpus: int, command: str, tool: str, notes: list[str],
-           scenarios: list[str] | None = None) -> list[str]:
+           scenarios: list[str] | None = None, layouts: list[str] | None = None) -> list[str]:
+    """``layouts``: the layouts as run (:func:`layouts_for`; default the experiment's)."""
+    layouts = list(exp.layouts) if layouts is None else layouts
     configuration = (f"model **{model}** ({MODELS[model].describe()})" if exp.tool == "pipeline" else "") + (
         f"; lines {', '.join(exp.lines)}; scenarios {', '.join(scenarios or exp.scenarios)}; rounds {exp.rounds}"
         if exp.lines else "")
-    configuration += f"; layouts {', '.join(exp.layouts)}" if exp.layouts else (f"; PP={gpus}" if exp.tool == "pipeline" else "")
+    configuration += f"; layouts {', '.join(layouts)}" if layouts else (f"; PP={gpus}" if exp.tool == "pipeline" else "")
+    for name in dict.fromkeys(lay.partition("@")[2] for lay in layouts if "@" in lay):  # a layout's own model
+        configuration += f"; @{name}: model **{name}** ({MODELS[name].describe()})"
     if exp.args:
         configuration += f"; tool flags `{shlex.join(exp.args)}`"
     version_text = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "device_name")
@@ -244,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         if run.returncode:
             body += ["", f"Exit {run.returncode}; stderr tail:", "", "```", run.stderr[-2000:].rstrip(), "```"]
     head = header(exp, when, hw, versions, commit(), model, gpus, command, shlex.join(["python", *tool[1:]]), notes,
-                  scenarios)
+                  scenarios, layouts_for(exp, args.device))
     path.write_text("\n".join(head + body) + "\n")
     print(f"[bench.run] wrote {path}", flush=True)
     return run.returncode
