@@ -164,3 +164,12 @@ def test_a_report_left_by_an_earlier_run_is_never_written_as_this_runs(tmp_path:
     text = (results / written[0]).read_text()
     assert "The tool wrote no report" in text and "stale figures" not in text
     assert not (out / "report.timeline-a-dpp.png").exists()
+
+
+def test_the_result_header_names_the_layouts_the_tool_ran() -> None:
+    from trainer.bench.run import layouts_as_run
+
+    assert layouts_as_run(["x", "--layouts", "4x1x1,2x2x1+sp", "--lines", "a", "--layouts", "4x1x1@bert16-h2048"]) \
+        == ["4x1x1@bert16-h2048"]
+    assert layouts_as_run(["x", "--layouts=2x1x2+overlap"]) == ["2x1x2+overlap"]
+    assert layouts_as_run(["x", "--lines", "a"]) == []

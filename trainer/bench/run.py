@@ -58,6 +58,13 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def layouts_as_run(tool: list[str]) -> list[str]:
+    """The layouts the tool runs: its last --layouts (flags after ``--`` may override the experiment's)."""
+    given = [tool[i + 1] for i, a in enumerate(tool[:-1]) if a == "--layouts"]
+    given += [a.split("=", 1)[1] for a in tool if a.startswith("--layouts=")]
+    return given[-1].split(",") if given else []
+
+
 def layouts_for(exp: Experiment, device: str) -> list[str]:
     """The experiment's layouts as this device runs them: on CPU a layout's own model (``4x1x1@NAME``)
     is replaced by its CPU stand-in (trainer/bench/experiments.py), as the call's model is by ``tiny``."""
@@ -260,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if run.returncode:
             body += ["", f"Exit {run.returncode}; stderr tail:", "", "```", run.stderr[-2000:].rstrip(), "```"]
     head = header(exp, when, hw, versions, commit(), model, gpus, command, shlex.join(["python", *tool[1:]]), notes,
-                  scenarios, layouts_for(exp, args.device))
+                  scenarios, layouts_as_run(tool) or layouts_for(exp, args.device))
     path.write_text("\n".join(head + body) + "\n")
     print(f"[bench.run] wrote {path}", flush=True)
     return run.returncode
