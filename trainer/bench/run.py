@@ -60,8 +60,8 @@ def build_parser() -> OneLineParser:
 
 def layouts_as_run(tool: list[str]) -> list[str]:
     """The layouts the tool runs: its last --layouts (flags after ``--`` may override the experiment's)."""
-    given = [tool[i + 1] for i, a in enumerate(tool[:-1]) if a == "--layouts"]
-    given += [a.split("=", 1)[1] for a in tool if a.startswith("--layouts=")]
+    given = [tool[i + 1] if a == "--layouts" else a.split("=", 1)[1] for i, a in enumerate(tool)
+             if (a == "--layouts" and i + 1 < len(tool)) or a.startswith("--layouts=")]
     return given[-1].split(",") if given else []
 
 
