@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm.conftest import CLUSTER_DIR, CLUSTER_SCRIPT, read_cluster_env, run_command
+from trainer.launch.ports import bindable
 from workflows import slurm as slurm_commands
 
 
@@ -135,22 +136,13 @@ def test_up_names_the_daemon_that_cannot_start(spare_cluster_dir):
     assert f"cluster: error: mariadb: port {port} on 127.0.0.1 is taken" in proc.stderr, proc.stderr
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _free_port_base() -> int:
     """A cluster port base whose five ports (MariaDB, slurmdbd, slurmctld, two slurmd) are free,
     below the kernel's ephemeral range (32768+): there any process's client socket can hold a port
     of the block at any moment (CI once saw slurmdbd, on base + 1, die so instead of slurmd-node2).
     The default bases (12000-19990, from the cluster folder's path) are below 20000."""
     for base in random.Random().sample(range(20000, 32000, 10), 200):
-        if all(_bindable("127.0.0.1", port) for port in range(base, base + 4)) and _bindable("127.0.0.12", base + 4):
+        if all(bindable("127.0.0.1", port) for port in range(base, base + 4)) and bindable("127.0.0.12", base + 4):
             return base
     raise AssertionError("no free block of five ports in 20000..31999")
 

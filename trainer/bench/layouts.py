@@ -76,7 +76,6 @@ def parse_layouts(text: str) -> tuple[list[Layout], list[str]]:
                             f"(known: {', '.join(OPTIONS)})")
         if model and model not in MODELS:
             problems.append(f"--layouts: {item!r}: unknown model {model!r} (known: {', '.join(MODELS)})")
-            unknown.append(model)
         if "sp" in options and layout.tensor_parallel < 2:
             problems.append(f"--layouts: {item!r}: +sp (--sequence-parallel) needs TP > 1")
         if "sp" in options and model in MODELS and MODELS[model].model != "gpt":
@@ -88,7 +87,7 @@ def parse_layouts(text: str) -> tuple[list[Layout], list[str]]:
                 problems.append(f"--layouts: {item!r}: +{option} ({OPTIONS[option]}) needs DP > 1")
         if layout.pipeline_parallel < 2:
             problems.append(f"--layouts: {item!r}: the benchmark compares pipeline schedules: PP must be >= 2")
-        if not unknown:
+        if not unknown and (not model or model in MODELS):
             layouts.append(layout)
     labels = [lay.label for lay in layouts]
     problems += [f"--layouts: {label} given twice" for label in sorted({x for x in labels if labels.count(x) > 1})]

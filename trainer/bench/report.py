@@ -23,9 +23,11 @@ from trainer.bench.lines import (
 from trainer.bench.results import LOSS_ITERATIONS, LineResult
 
 
-def best_megatron(results: list[LineResult], scenario: str) -> LineResult | None:
-    """Fastest of the trainer's megatron lines in ``scenario``: the bar every ratio is taken against."""
-    candidates = [r for r in results if r.ok and r.scenario == scenario and r.name in MEGATRON_LINES]
+def best_megatron(results: list[LineResult], scenario: str, eager_only: bool = False) -> LineResult | None:
+    """Fastest of the trainer's megatron lines in ``scenario``: the bar every table ratio is taken against;
+    ``eager_only``: without megatron-core's own graphs (MEGATRON_GRAPHED_LINES), the headline's first bar."""
+    candidates = [r for r in results if r.ok and r.scenario == scenario and r.name in MEGATRON_LINES
+                  and not (eager_only and r.name in MEGATRON_GRAPHED_LINES)]
     return min(candidates, key=lambda r: r.median_ms, default=None)
 
 
@@ -135,13 +137,6 @@ def balanced_limit_ms(result: LineResult) -> float | None:
     return sum(result.busy_ms.values()) / len(result.busy_ms)
 
 
-def best_eager_megatron(results: list[LineResult], scenario: str) -> LineResult | None:
-    """Fastest of the trainer's megatron lines without megatron-core's own graphs: the headline's first bar."""
-    candidates = [r for r in results if r.ok and r.scenario == scenario and r.name in MEGATRON_LINES
-                  and r.name not in MEGATRON_GRAPHED_LINES]
-    return min(candidates, key=lambda r: r.median_ms, default=None)
-
-
 def best_static(results: list[LineResult], scenario: str) -> tuple[LineResult | None, bool]:
     """(fastest graphed static-order line, True) -- the runtime's graphed orders and megatron-core's schedule
     with its own graphs alike --, else (fastest eager static-order line, False)."""
@@ -162,7 +157,7 @@ def headline(results: list[LineResult], scenario: str) -> list[str]:
     dynamic = [r for r in ok if _is_dynamic(r.name)]
     if not dynamic:
         return []
-    bar = best_eager_megatron(results, scenario)
+    bar = best_megatron(results, scenario, eager_only=True)
     fits = [r for r in dynamic if bar and r.reserved_gib and bar.reserved_gib
             and r.reserved_gib <= MEMORY_BOUND * bar.reserved_gib]
     best = min(fits or dynamic, key=lambda r: r.median_ms)

@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if run.returncode:
             body += ["", f"Exit {run.returncode}; stderr tail:", "", "```", run.stderr[-2000:].rstrip(), "```"]
     head = header(exp, when, hw, versions, commit(), model, gpus, command, shlex.join(["python", *tool[1:]]), notes,
-                  scenarios, layouts_as_run(tool) or layouts_for(exp, args.device))
+                  scenarios, layouts_as_run(tool))
     path.write_text("\n".join(head + body) + "\n")
     print(f"[bench.run] wrote {path}", flush=True)
     return run.returncode

@@ -86,10 +86,9 @@ def attention_backend_problems(cfg: TrainConfig, environ: dict[str, str] | None 
         if cfg.run.device != "cuda":
             p.append("--te-rng-tracker needs --device cuda (Transformer Engine's RNG tracker holds CUDA "
                      "generator states); drop it on CPU")
-        elif import_problem("transformer_engine.pytorch") is not None:
-            p.append("--te-rng-tracker needs Transformer Engine, which does not import here ("
-                     f"{import_problem('transformer_engine.pytorch')}); drop it, or build TE with "
-                     "scripts/te/build.sh (docs/transformer_engine.md)")
+        elif (why := import_problem("transformer_engine.pytorch")) is not None:
+            p.append(f"--te-rng-tracker needs Transformer Engine, which does not import here ({why}); drop it, "
+                     "or build TE with scripts/te/build.sh (docs/transformer_engine.md)")
     env = os.environ if environ is None else environ
     for name, want in zip(NVTE_ATTENTION_ENV, NVTE_ATTENTION_VALUES[backend], strict=True):
         if env.get(name) not in (None, str(want)):

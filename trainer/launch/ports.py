@@ -15,10 +15,11 @@ MASTER_PORT (workflows/nodes.py: 20000 + job id mod 10000) and the local cluster
 the bind check below skips anyway while they listen."""
 
 
-def _bindable(port: int) -> bool:
+def bindable(host: str, port: int) -> bool:
+    """Whether a TCP socket can bind ``host:port`` now (nothing listens or holds it there)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
             return False
     return True
@@ -28,7 +29,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now, drawn at random from RENDEZVOUS_PORTS (the
     kernel's own pick for port 0 if none of 64 draws is free)."""
     for port in random.Random().sample(RENDEZVOUS_PORTS, 64):
-        if _bindable(port):
+        if bindable("127.0.0.1", port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

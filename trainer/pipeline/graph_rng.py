@@ -64,10 +64,10 @@ def draws_random(call: torch.nn.Module) -> bool:
     tracker state it runs under even at dropout 0 (unregistered, its capture fails with "Attempt to
     increase offset for a CUDA generator not in capture mode"). (The backward never draws: recompute with
     dropout is refused, and a dropout's backward reuses its mask.)"""
-    config = getattr(call.decoder, "config", None)
+    decoder = call.decoder
+    config = getattr(decoder, "config", None)
     if config is not None and (config.hidden_dropout > 0 or config.attention_dropout > 0):
         return True
-    decoder = call.decoder
     return isinstance(decoder, torch.nn.Module) and any(_is_te_attention(m) for m in decoder.modules())
 
 
