@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
+from trainer.data import preprocess as preprocess_module
 from trainer.data.preprocess import PreprocessConfig, PreprocessError, main, preprocess
 from trainer.data.tokenizer import build_tokenizer
 
@@ -79,7 +81,10 @@ def test_split_sentences_gives_one_sequence_per_sentence(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_workers_keep_input_order(tmp_path):
+def test_workers_keep_input_order(tmp_path, monkeypatch):
+    # Chunks of 7 lines: 43 chunks through a window of 8 in flight, so results come back while
+    # later chunks are still being handed out.
+    monkeypatch.setattr(preprocess_module, "CHUNK_LINES", 7)
     docs = [f"Document number {i} says {'word ' * (i % 17)}and ends." for i in range(300)]
     src = _write_jsonl(tmp_path / "docs.jsonl", docs)
     for workers in (1, 2):
@@ -88,6 +93,23 @@ def test_workers_keep_input_order(tmp_path):
         one = (tmp_path / f"w1_text_document{suffix}").read_bytes()
         two = (tmp_path / f"w2_text_document{suffix}").read_bytes()
         assert one == two, f"{suffix} differs between 1 and 2 workers"
+
+
+@pytest.mark.timeout(120)
+def test_an_encoding_worker_that_never_answers_fails_the_run_naming_its_lines(tmp_path, monkeypatch):
+    # A zero time budget: the first chunk's result cannot be back (the workers are still loading the
+    # tokenizer), which is what a worker that died or hung looks like to the parent.
+    monkeypatch.setattr(preprocess_module, "CHUNK_TIMEOUT_BASE_S", 0.0)
+    monkeypatch.setattr(preprocess_module, "CHUNK_TIMEOUT_BYTES_PER_S", 1e12)
+    src = _write_jsonl(tmp_path / "docs.jsonl", [f"document {i}" for i in range(200)])
+    config = PreprocessConfig(input=src, output_prefix=str(tmp_path / "out"), tokenizer_type="GPT2BPETokenizer",
+                              vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES, workers=2)
+    with pytest.raises(PreprocessError, match=rf"{src}: lines 1-64 not encoded within 0 s: an encoding worker"):
+        preprocess(config)
+    assert _leftovers(tmp_path, "out") == []
+    # The pool's workers are gone (only the idle forkserver, which owns none, may remain).
+    workers = [p for p in psutil.Process().children(recursive=True) if p.ppid() != psutil.Process().pid]
+    assert psutil.wait_procs(workers, timeout=30)[1] == []
 
 
 def _leftovers(directory: Path, prefix: str) -> list[str]:

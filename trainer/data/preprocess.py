@@ -15,8 +15,10 @@ fail later in training. A truncated or corrupt ``.xz``/``.gz`` is an error namin
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gzip
+import itertools
 import json
 import logging
 import lzma
@@ -300,17 +302,69 @@ class PreprocessStats:
     """Wall time of tokenizing and writing, excluding the one-off megatron-core import."""
 
 
+# Lines per task sent to a worker, and tasks in flight per worker: enough to keep every worker busy,
+# few enough that the parent's memory stays bounded however long the corpus is.
+CHUNK_LINES = 64
+CHUNKS_IN_FLIGHT_PER_WORKER = 4
+# A chunk's result must come back within this many seconds plus one second per 50 kB of its input (a
+# very slow tokenizer's pace): a worker that died or hung fails the run naming its lines instead of
+# holding the job until its Slurm time limit.
+CHUNK_TIMEOUT_BASE_S = 600.0
+CHUNK_TIMEOUT_BYTES_PER_S = 50_000
+
+
+def _encode_chunk(chunk: list[tuple[int, bytes]]) -> list[EncodedDocument]:
+    return [_WorkerEncoder.encode(line) for line in chunk]
+
+
+def _chunks(lines: Iterable[tuple[int, bytes]], size: int) -> Iterator[list[tuple[int, bytes]]]:
+    chunk: list[tuple[int, bytes]] = []
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def chunk_timeout_s(chunk: list[tuple[int, bytes]]) -> float:
+    return CHUNK_TIMEOUT_BASE_S + sum(len(raw) for _, raw in chunk) / CHUNK_TIMEOUT_BYTES_PER_S
+
+
 def _encoded_documents(config: PreprocessConfig, lines: Iterable[tuple[int, bytes]]) -> Iterator[EncodedDocument]:
     if config.workers == 1:
         encoder = DocumentEncoder(config)
         yield from map(encoder.encode, lines)
         return
-    # fork: workers need no re-import of torch/megatron (spawn would pay ~5 s per worker for that).
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # forkserver, not fork: the workers come from a small single-threaded server process, never from
+    # this one, whose native threads (the BLAS pool, the Rust tokenizer's) may hold a lock at the
+    # moment of a fork and leave the child waiting on it forever. The server imports this module
+    # once, so a worker starts without re-importing it (spawn would pay that per worker).
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload([__name__])
+    in_flight: collections.deque = collections.deque()
+    # The with-block terminates the workers on the way out, a hung one included.
     with context.Pool(config.workers, initializer=_WorkerEncoder.init, initargs=(config,)) as pool:
-        # imap keeps input order, so document i of the output is line i of the input.
-        yield from pool.imap(_WorkerEncoder.encode, lines, chunksize=64)
+        chunks = _chunks(lines, CHUNK_LINES)
+        for chunk in itertools.islice(chunks, config.workers * CHUNKS_IN_FLIGHT_PER_WORKER):
+            in_flight.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
+        while in_flight:
+            chunk, pending = in_flight.popleft()
+            timeout_s = chunk_timeout_s(chunk)
+            try:
+                documents = pending.get(timeout=timeout_s)
+            except multiprocessing.TimeoutError:
+                raise PreprocessError(
+                    f"{config.input}: lines {chunk[0][0]}-{chunk[-1][0]} not encoded within {timeout_s:.0f} s: "
+                    f"an encoding worker died or hung (of {config.workers}; --workers 1 encodes in this process)"
+                ) from None
+            following = next(chunks, None)  # input order: the next chunk goes in as this one comes out
+            if following is not None:
+                in_flight.append((following, pool.apply_async(_encode_chunk, (following,))))
+            yield from documents
 
 
 def preprocess(config: PreprocessConfig) -> PreprocessStats:
@@ -413,8 +467,8 @@ def _stop_on_termination() -> None:
     """Turn SIGTERM/SIGHUP into :class:`Terminated` in this (the main) process, so that :func:`preprocess`
     removes its ``*.tmp-<pid>`` files on the way out as it does on any error; their default action
     ended the process on the spot and left them (Slurm's ``scancel`` sends TERM, then KILL KillWait
-    later). A forked encoding worker, which inherits the handler, just ends: the pool is torn down
-    by the main process."""
+    later). An encoding worker comes from the forkserver without this handler and ends on TERM by
+    default; the pool is torn down by the main process."""
     main_pid = os.getpid()
 
     def stop(signum: int, frame: object) -> None:
