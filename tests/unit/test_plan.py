@@ -30,7 +30,7 @@ SCHEDULE_FLAGS = frozenset({"use_dpp", "dpp_policy", "dpp_cuda_graphs", "dpp_max
                             "dpp_sp_wgrad_input", "dpp_eager"})
 """ParallelConfig fields that decide which schedule runs and with which options: the plan's alone."""
 DECIDERS = frozenset({"resolve_dpp_policy", "resolve_cuda_graphs", "auto_graph_problems", "uses_megatron_schedule",
-                      "schedule_plan", "split_backward_refusals"})
+                      "schedule_plan", "split_backward_refusals", "te_rng_tracker", "rng_plan"})
 """The plan's deciding functions: called by trainer/config/ alone (everyone else reads the RunPlan)."""
 
 
@@ -188,10 +188,13 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
         assert te_default.cuda_graphs and te_default.policy == "dpp", te_default.log_text  # dpp-zb: local only
         assert "dpp-zb's split backward is ruled out" in te_default.log_text
         assert _plan([*with_te, *GRAPHS, *precision]).schedule.cuda_graphs
-    te_graphs = parse_config([*with_te, "--cuda-graph-impl", "local"], world_size=2)
-    assert te.te_rng_tracker(te_graphs)[0] and "Megatron-LM" in te.te_rng_tracker(te_graphs)[1]
-    assert te.te_rng_tracker(parse_config([*with_te, "--te-rng-tracker"], world_size=2)) == (True, "--te-rng-tracker")
-    assert not te.te_rng_tracker(parse_config(CUDA_PP2, world_size=2))[0]  # local layers: megatron's tracker
+    te_graphs = _plan([*with_te, "--cuda-graph-impl", "local"]).rng
+    assert te_graphs.te_tracker and te_graphs.graph_safe and "Megatron-LM" in te_graphs.te_tracker_reason
+    asked = _plan([*with_te, "--te-rng-tracker"]).rng
+    assert (asked.te_tracker, asked.te_tracker_reason, asked.graph_safe) == (True, "--te-rng-tracker", False)
+    assert _plan([*with_te, "--use-dpp"]).rng.graph_safe  # the runtime's slot graphs (its default with TE)
+    local = _plan(CUDA_PP2).rng  # local layers, megatron's schedule, no graphs: megatron's own tracker
+    assert (local.te_tracker, local.graph_safe) == (False, False)
 
 
 def test_te_rng_tracker_is_refused_where_transformer_engine_cannot_run() -> None:

@@ -77,9 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     init_megatron_parallel(topo)
     from megatron.core import tensor_parallel
 
+    rng = resolve_plan(cfg, launch.world_size).rng  # TE's tracker where megatron's graphs capture TE's layers
     torch.manual_seed(cfg.optim.seed + 100 * topo.pp_rank)
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed + 100 * topo.pp_rank)
-    model = wrap_ddp(cfg, build_model_chunks(cfg, topo, cfg.model.vocab_size))
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed + 100 * topo.pp_rank, te_rng_tracker=rng.te_tracker,
+                                                    use_cudagraphable_rng=rng.graph_safe)
+    model = wrap_ddp(cfg, build_model_chunks(cfg, topo, cfg.model.vocab_size, rng))
     o = cfg.optim
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, bf16=o.bf16,

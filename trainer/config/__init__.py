@@ -17,6 +17,7 @@ from trainer.config.plan import (
     LayerPlan,
     LinkPlan,
     PolicyOptions,
+    RngPlan,
     RunPlan,
     SchedulePlan,
     resolve_dpp_policy,
@@ -36,7 +37,6 @@ from trainer.config.transformer_engine import (
     NVTE_ATTENTION_VALUES,
     TE_ATTENTION_BACKENDS,
     attention_backend_problems,
-    te_rng_tracker,
     uses_transformer_engine_spec,
 )
 
@@ -44,8 +44,8 @@ __all__ = [
     "llama_identity", "llama_layout_problems",
     "ATTENTION_BACKENDS", "CheckpointConfig", "ConfigError", "DECAY_STYLES", "DEFAULT_TRAIN_ITERS", "DPP_POLICIES",
     "DataConfig", "LayerPlan", "LinkPlan", "ModelConfig", "NVTE_ATTENTION_ENV", "NVTE_ATTENTION_VALUES",
-    "OptimConfig", "ParallelConfig", "PolicyOptions", "RunConfig", "RunPlan", "SchedulePlan", "TE_ATTENTION_BACKENDS",
+    "OptimConfig", "ParallelConfig", "PolicyOptions", "RngPlan", "RunConfig", "RunPlan", "SchedulePlan", "TE_ATTENTION_BACKENDS",
     "TrainConfig", "attention_backend_problems", "build_parser", "field_docs", "layout_problems", "parse_config",
     "resolve_dpp_policy", "resolve_plan", "split_backward_refusals", "unsupported_flag_problems",
-    "te_rng_tracker", "uses_transformer_engine_spec",
+    "uses_transformer_engine_spec",
 ]

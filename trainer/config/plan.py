@@ -24,7 +24,12 @@ from typing import Any, Literal
 
 from trainer.config.sections import STATIC_DPP_POLICIES
 from trainer.config.training import TrainConfig
-from trainer.config.transformer_engine import TE_ATTENTION_BACKENDS, installed, uses_transformer_engine_spec
+from trainer.config.transformer_engine import (
+    TE_ATTENTION_BACKENDS,
+    installed,
+    te_rng_tracker,
+    uses_transformer_engine_spec,
+)
 from trainer.schedule.core import PipelineShape
 from trainer.schedule.dynamic import scaled_cap
 from trainer.schedule.layers import describe_split, layers_per_stage, stage_layers
@@ -117,6 +122,28 @@ class SchedulePlan:
 
 
 @dataclass(frozen=True)
+class RngPlan:
+    """Which RNG state trackers the run's CUDA seeding sets up, and why."""
+
+    graph_safe: bool = False
+    """Graphed layers run (megatron-core's --cuda-graph-impl local, or the runtime's slot graphs): the
+    tracker's states are ones a graph can register and replay (fresh dropout masks every replay)."""
+    te_tracker: bool = False
+    """Transformer Engine's tracker: asked for (--te-rng-tracker), or megatron-core's graphs capture TE's
+    layers (as Megatron-LM decides)."""
+    te_tracker_reason: str = ""
+    """Why TE's tracker is on, in words (rank 0 logs it); empty when it is off."""
+
+
+def rng_plan(cfg: TrainConfig, runtime_graphs: bool) -> RngPlan:
+    """The run's RNG trackers: graph-safe where any graphs replay layers, TE's where :func:`te_rng_tracker`
+    says so."""
+    te_tracker, why = te_rng_tracker(cfg)
+    graphs = cfg.parallel.cuda_graph_impl == "local" or runtime_graphs
+    return RngPlan(graph_safe=graphs, te_tracker=te_tracker, te_tracker_reason=why)
+
+
+@dataclass(frozen=True)
 class LayerPlan:
     """Which transformer layers each stage and chunk holds (trainer.schedule.layers's placement)."""
 
@@ -172,6 +199,8 @@ class RunPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     micro_batch_size: int = 1
     """--micro-batch-size: microbatches of an iteration = its global batch / (this x data_parallel)."""
+    rng: RngPlan = field(default_factory=RngPlan)
+    """The RNG trackers the CUDA seeding sets up (the session seeds, the model's TransformerConfig reads it)."""
 
     def microbatches_of(self, global_batch_size: int) -> int:
         """Microbatches per replica of an iteration of ``global_batch_size`` samples (--rampup-batch-size
@@ -193,9 +222,10 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> RunPlan:
                                               par.decoder_first_pipeline_num_layers,
                                               par.decoder_last_pipeline_num_layers)),
                        cfg.virtual_pipeline, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
-    return RunPlan(schedule=schedule_plan(cfg), layers=layers, links=link_plan(cfg, shape), world_size=world_size,
+    schedule = schedule_plan(cfg)
+    return RunPlan(schedule=schedule, layers=layers, links=link_plan(cfg, shape), world_size=world_size,
                    data_parallel=cfg.data_parallel(world_size), num_microbatches=shape.num_microbatches,
-                   micro_batch_size=cfg.optim.micro_batch_size)
+                   micro_batch_size=cfg.optim.micro_batch_size, rng=rng_plan(cfg, schedule.cuda_graphs))
 
 
 def uses_megatron_schedule(cfg: TrainConfig) -> bool:

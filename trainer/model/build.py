@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from trainer.config import TrainConfig, te_rng_tracker, uses_transformer_engine_spec
+from trainer.config import RngPlan, TrainConfig, uses_transformer_engine_spec
 from trainer.launch.topology import Topology
 from trainer.model.steps import uses_per_token_loss
 
@@ -48,8 +48,13 @@ def params_dtype(cfg: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.optim.bf16 else torch.float16 if cfg.optim.fp16 else torch.float32
 
 
-def transformer_config(cfg: TrainConfig, topology: Topology):
-    """megatron-core TransformerConfig; fusions that need CUDA kernels are off on CPU."""
+NO_TRACKERS = RngPlan()
+"""A plan's RNG trackers without graphs or TE's tracker (what a CPU run has)."""
+
+
+def transformer_config(cfg: TrainConfig, topology: Topology, rng: RngPlan = NO_TRACKERS):
+    """megatron-core TransformerConfig; fusions that need CUDA kernels are off on CPU. ``rng``: the
+    run plan's trackers (RunPlan.rng)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -114,7 +119,7 @@ def transformer_config(cfg: TrainConfig, topology: Topology):
         # in a dense model; alltoall is what Megatron-LM users pass, and unused without experts.
         **({"moe_token_dispatcher_type": "alltoall"} if cfg.data.variable_seq_lengths else {}),
         calculate_per_token_loss=uses_per_token_loss(m.model, cfg.data.variable_seq_lengths),
-        use_te_rng_tracker=te_rng_tracker(cfg)[0],
+        use_te_rng_tracker=rng.te_tracker,
         # --cuda-graph-impl local: megatron-core's per-layer graphs, recorded by its schedules.
         **({"cuda_graph_impl": cfg.parallel.cuda_graph_impl,
             "cuda_graph_warmup_steps": cfg.parallel.cuda_graph_warmup_steps}
@@ -221,9 +226,10 @@ def _construct(model_cls, **kwargs):
     return model_cls(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
-def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int) -> list[torch.nn.Module]:
+def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int,
+                       rng: RngPlan) -> list[torch.nn.Module]:
     """This rank's model chunks (unwrapped), on the run's device."""
-    config = transformer_config(cfg, topology)
+    config = transformer_config(cfg, topology, rng)
     spec = _layer_spec(cfg)
     padded = cfg.model.padded_vocab_size(vocab_size, topology.tensor_parallel)
     p, s, v = topology.pipeline_parallel, topology.pp_rank, topology.virtual_pipeline

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import RunPlan, SchedulePlan, TrainConfig, te_rng_tracker
+from trainer.config import RngPlan, RunPlan, SchedulePlan, TrainConfig
 from trainer.config.plan import MEGATRON
 from trainer.launch.distributed import (
     LaunchError,
@@ -97,12 +97,12 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
         raise LaunchError("--multi-node but every rank reported the same node (" + topology.describe()
                           + "): drop --multi-node, or launch on several nodes")
     init_megatron_parallel(topology)
-    _seed(cfg, topology, graphed=plan.schedule.cuda_graphs)
+    _seed(cfg, topology, plan.rng)
     feed = MicrobatchFeed(cfg, topology, device, plan.num_microbatches, consumed_samples)
     from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
     from trainer.model.steps import uses_per_token_loss
 
-    chunks = build_model_chunks(cfg, topology, feed.vocab_size)
+    chunks = build_model_chunks(cfg, topology, feed.vocab_size, plan.rng)
     if hooks.after_build is not None:
         hooks.after_build(chunks, topology)
     # Our runtime starts the overlapped DP reduction itself (trainer/pipeline/grad_sync.py).
@@ -147,7 +147,7 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
         raise
 
 
-def _seed(cfg: TrainConfig, topology: Topology, graphed: bool = False) -> None:
+def _seed(cfg: TrainConfig, topology: Topology, rng: RngPlan) -> None:
     # Megatron's rule: one seed per pipeline stage; TP ranks share it so CPU-initialised
     # weights are split from the same full matrix, DP replicas share it so they start equal.
     import random
@@ -161,14 +161,10 @@ def _seed(cfg: TrainConfig, topology: Topology, graphed: bool = False) -> None:
     if cfg.run.device == "cuda":
         from megatron.core import tensor_parallel
 
-        # Graphed layers (megatron-core's or the runtime's slot graphs) need an RNG tracker whose states
-        # a graph can register and replay (fresh dropout masks every replay).
-        graphs = cfg.parallel.cuda_graph_impl == "local" or graphed
-        te_tracker, why = te_rng_tracker(cfg)
-        if te_tracker and topology.rank == 0:
-            log.info("RNG: Transformer Engine's tracker (%s)", why)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_tracker,
-                                                        use_cudagraphable_rng=graphs)
+        if rng.te_tracker and topology.rank == 0:
+            log.info("RNG: Transformer Engine's tracker (%s)", rng.te_tracker_reason)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=rng.te_tracker,
+                                                        use_cudagraphable_rng=rng.graph_safe)
 
 
 def _optimizer(cfg: TrainConfig, model: list) -> tuple[Any, Any]:
