@@ -281,3 +281,13 @@ def test_te_backward_dw_and_graph_capture_are_refused_by_name() -> None:
     assert all(e.tensors is None for e in entries)  # the operands are let go after W
     with pytest.raises(RuntimeError, match="deferred weight GEMM of Linear ran already"):
         entries[0].accumulate()
+
+
+def test_the_slot_graphs_refuse_a_te_split_backward_before_capturing() -> None:
+    """The runtime's own line of the refusal trainer/config/plan.py makes (graphs and a TE split backward)."""
+    from trainer.pipeline.cuda_graphs import capture_chunk_graphs
+
+    split = install_split_backward([_block()])
+    with pytest.raises(ValueError, match="split backward with 2 Transformer Engine linear\\(s\\) runs eager only"):
+        capture_chunk_graphs([torch.nn.Identity()], shape=None, stage=0, slots=1, shapes=None, masks={},
+                             device=torch.device("cpu"), split=split)
