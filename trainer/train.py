@@ -382,6 +382,10 @@ class TrainingSession:
         for c, graphs in ((context.graphs or {}) if context is not None else {}).items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      stage, c, graphs.replayed, graphs.eager)
+        split = context.split_backward if context is not None else None
+        if split is not None and split.te_linears:
+            log.info("stage %d: split backward: %d Transformer Engine weight GEMM(s) deferred to W, %d run in their "
+                     "backward (no I open)", stage, split.te_deferred, split.te_at_once)
         if context is not None and context.landing_checks:
             log.info("stage %d: dpp-zb looked %d time(s) whether gradients had landed, %.3f s of host time in all",
                      stage, context.landing_checks, context.landing_check_s)

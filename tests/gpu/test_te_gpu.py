@@ -8,8 +8,7 @@ the DPP run accumulates the microbatches' weight gradients in another order, so 
 fp32 rounding of that sum. In bf16 TE runs its fused (cuDNN) attention, whose capture needs the tracker
 states registered with each slot graph (trainer/pipeline/graph_rng.py) and whose backward may pick
 non-deterministic algorithms: losses agree to bf16 rounding.
-Split backward (dpp-zb) is refused with TE's layers before start-up (trainer/config/plan.py), which
-the CPU tier checks. Two ranks on 2 GPUs (NCCL), or sharing one over gloo (where the first run is the
+Split backward (dpp-zb) with TE's layers: tests/gpu/test_te_split_gpu.py. Two ranks on 2 GPUs (NCCL), or sharing one over gloo (where the first run is the
 trainer's own 1F1B order instead of megatron-core's schedule). Skipped without an importable Transformer Engine
 (scripts/te/build.sh builds one; docs/transformer_engine.md).
 

@@ -17,6 +17,7 @@ from trainer.config import (
     resolve_plan,
     uses_transformer_engine_spec,
 )
+from trainer.config.plan import resolve_cuda_graphs
 from trainer.profiling.manual_gc import ManualGC
 
 BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--device", "cpu"]
@@ -311,9 +312,26 @@ def test_nvte_variables_against_the_backend_are_named() -> None:
         "(megatron-core refuses the mismatch): unset it"]
 
 
-def test_split_backward_names_the_te_backend() -> None:
-    cfg = _unchecked(["--attention-backend", "fused", "--pipeline-model-parallel-size", "2", "--use-dpp",
-                      "--dpp-policy", "dpp-zb", "--num-layers", "2"], device="cuda")
-    problems = config_module.split_backward_refusals(cfg)
-    assert problems == ["--dpp-policy=dpp-zb splits the backward of megatron-core's local linear layers only: pass "
-                        "--transformer-impl local (got --attention-backend=fused)"]
+def test_te_split_backward_is_kept_eager_naming_the_te_backend() -> None:
+    """A split backward runs with Transformer Engine's layers, eagerly only: an explicit dpp-zb is not
+    refused, its graphs are (the graph check names the flag that chose TE), and auto's question "could
+    dpp-zb run with these graphs?" gets the same answer."""
+    flags = ["--attention-backend", "fused", "--pipeline-model-parallel-size", "2", "--use-dpp", "--num-layers", "2"]
+    cfg = _unchecked([*flags, "--dpp-policy", "dpp-zb"], device="cuda")
+    assert config_module.split_backward_refusals(cfg) == []
+    graphs, why = resolve_cuda_graphs(cfg)
+    assert not graphs and why.startswith("eager: --dpp-cuda-graphs needs megatron-core's local layers with a split "
+                                         "backward: --dpp-policy=dpp-zb with Transformer Engine's layers "
+                                         "(--attention-backend=fused) runs eager only")
+    auto = _unchecked(flags, device="cuda")
+    assert config_module.split_backward_refusals(auto, "dpp-zb") == [
+        "--dpp-policy=dpp-zb with Transformer Engine's layers (--attention-backend=fused) runs eager only: TE's deferred "
+        "weight GEMMs keep operands their backward allocated, which the DPP slot graphs' shared backward pool would "
+        "overwrite before W (the slot graphs copy out only megatron-core's local linears' operands); use --dpp-eager, "
+        "--dpp-policy dpp, or --transformer-impl local"]
+    regather = _unchecked([*flags, "--dpp-policy", "dpp-zb", "--dpp-eager", "--sequence-parallel",
+                           "--tensor-model-parallel-size", "2", "--dpp-sp-wgrad-input", "regather"], device="cuda")
+    assert [p for p in config_module.split_backward_refusals(regather) if "regather" in p] == [
+        "--dpp-sp-wgrad-input=regather re-gathers the inputs of megatron-core's local linears in W; Transformer "
+        "Engine's linears (--attention-backend=fused) keep the operands their backward gathered for their deferred "
+        "weight GEMM: drop it (keep)"]

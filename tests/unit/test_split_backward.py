@@ -273,7 +273,8 @@ def test_config_names_every_bad_policy_combination() -> None:
                       "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                       "--global-batch-size", "4"], world_size=2)
     problems = err.value.problems
-    assert any("--transformer-impl local" in p for p in problems)
+    assert any("--transformer-impl transformer_engine needs Transformer Engine, which does not import here" in p
+               for p in problems)
     assert any("one model chunk per stage" in p for p in problems)
     assert any("add --use-dpp" in p for p in problems)
     cfg = parse_config(["--mock-data", "--use-dpp", "--dpp-policy", "dpp-zb", "--device", "cuda", "--transformer-impl", "local"],
@@ -303,7 +304,8 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
     eager = parse_config([*base, "--dpp-eager"], world_size=2)
     assert resolve_plan(eager, 2).schedule.dpp_policy == "dpp" and "without CUDA graphs" in resolve_dpp_policy(eager)[1]
     assert resolve_plan(eager, 2).schedule.policy == "dpp"
-    # Transformer Engine rules the split out: auto falls back to dpp and says why (dpp-zb asked for: refused)
+    # With graphs Transformer Engine rules the split out: auto falls back to dpp and says why (dpp-zb asked for
+    # runs eager: test_te_split_backward_runs_eager_and_its_graphs_are_refused)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
     import trainer.config.transformer_engine as te
 
@@ -317,18 +319,27 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
                             world_size=2).parallel.dpp_fill_transit
 
 
-def test_auto_impl_is_refused_for_split_backward_only_where_it_would_pick_te(monkeypatch) -> None:
+def test_te_split_backward_runs_eager_and_its_graphs_are_refused(monkeypatch) -> None:
+    """dpp-zb with Transformer Engine's layers (here picked by --transformer-impl auto, as where TE is
+    installed): --use-dpp's default graphs step aside, saying why; asked for, they are refused."""
     import importlib.util
 
-    from trainer.config import ConfigError, parse_config
+    import trainer.config.transformer_engine as te
+    from trainer.config import ConfigError, parse_config, resolve_plan
 
-    args = ["--mock-data", "--use-dpp", "--dpp-policy", "dpp-zb", "--device", "cuda"]
+    args = ["--mock-data", "--use-dpp", "--dpp-policy", "dpp-zb", "--device", "cuda", "--pipeline-model-parallel-size",
+            "2", "--num-layers", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real(name, *a))
-    assert parse_config(args, world_size=1).parallel.dpp_policy == "dpp-zb"  # auto = local without TE
+    local = resolve_plan(parse_config(args, world_size=2), 2).schedule  # auto = local without TE: graphed
+    assert (local.dpp_policy, local.cuda_graphs) == ("dpp-zb", True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
-    with pytest.raises(ConfigError, match="pass --transformer-impl local"):
-        parse_config(args, world_size=1)
+    monkeypatch.setattr(te, "import_problem", lambda module: None)  # as if it imported
+    schedule = resolve_plan(parse_config(args, world_size=2), 2).schedule
+    assert (schedule.dpp_policy, schedule.cuda_graphs) == ("dpp-zb", False)
+    assert "Transformer Engine's layers (--transformer-impl=auto) runs eager only" in schedule.graphs_reason
+    with pytest.raises(ConfigError, match="--dpp-cuda-graphs needs megatron-core's local layers with a split backward"):
+        parse_config([*args, "--dpp-cuda-graphs"], world_size=2)
 
 
 def test_the_store_keeps_the_incoming_gradient_itself_so_the_runtime_must_copy_it(group) -> None:

@@ -408,12 +408,15 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
     par, m = cfg.parallel, cfg.model
     if not par.dpp_cuda_graphs:
         return []
+    policy, te = resolve_dpp_policy(cfg)[0], te_layers_named(cfg)
     why = {
         "--use-dpp (the graphs replace ops of the DPP runtime)": par.use_dpp,
         f"--dpp-policy dpp, dpp-zb, {', '.join(STATIC_DPP_POLICIES)} (got {par.dpp_policy}); a static order "
         "gets as many slots per chunk as it holds activations at most":
-            resolve_dpp_policy(cfg)[0] in ("dpp", "dpp-zb", *STATIC_DPP_POLICIES),
+            policy in ("dpp", "dpp-zb", *STATIC_DPP_POLICIES),
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
+        "megatron-core's local layers with a split backward: " + _te_split_graph_problem(policy, str(te)):
+            not (policy in SPLIT_BACKWARD and te is not None),
         f"--distributed-backend nccl with --tensor-model-parallel-size {par.tensor_model_parallel_size} (the TP "
         "collectives are captured into the graphs; gloo's run on the host)":
             par.tensor_model_parallel_size == 1 or par.distributed_backend != "gloo",
@@ -496,23 +499,43 @@ def resolve_dpp_policy(cfg: TrainConfig) -> tuple[str, str]:
     return "dpp-zb", "--dpp-policy auto: with CUDA graphs dpp-zb is the faster at equal memory"
 
 
+def te_layers_named(cfg: TrainConfig) -> str | None:
+    """The flag that builds the model from Transformer Engine's layer spec (as the user gave it), or None."""
+    if not uses_transformer_engine_spec(cfg, installed("transformer_engine")):
+        return None
+    backend = cfg.model.attention
+    return f"--attention-backend={backend}" if backend in TE_ATTENTION_BACKENDS else \
+        f"--transformer-impl={cfg.model.transformer_impl}"
+
+
+def _te_split_graph_problem(policy: str, te: str) -> str:
+    return (f"--dpp-policy={policy} with Transformer Engine's layers ({te}) runs eager only: TE's deferred weight "
+            "GEMMs keep operands their backward allocated, which the DPP slot graphs' shared backward pool would "
+            "overwrite before W (the slot graphs copy out only megatron-core's local linears' operands); use "
+            "--dpp-eager, --dpp-policy dpp, or --transformer-impl local")
+
+
 def split_backward_refusals(cfg: TrainConfig, policy: str | None = None) -> list[str]:
     """What rules out --dpp-policy dpp-zb / zb-h1 (split backward), knowable before any process group.
     ``policy``: the one to check (default: the run's, ``auto`` resolved)."""
-    par, impl = cfg.parallel, cfg.model.transformer_impl
+    par = cfg.parallel
     if policy is None:
         policy = resolve_dpp_policy(cfg)[0]
     if policy not in ("dpp-zb", "zb-h1"):
         return []
     p = []
-    # trainer.pipeline.split_backward defers the weight GEMMs of megatron's local linears only;
-    # "auto" picks Transformer Engine on CUDA where it is installed (trainer.model.build), so only
-    # there must the choice be explicit.
-    if uses_transformer_engine_spec(cfg, installed("transformer_engine")):
-        backend = cfg.model.attention
-        why = f"--attention-backend={backend}" if backend in TE_ATTENTION_BACKENDS else f"--transformer-impl={impl}"
-        p.append(f"--dpp-policy={policy} splits the backward of megatron-core's local linear layers only: "
-                 f"pass --transformer-impl local (got {why})")
+    # Transformer Engine's linears defer their weight GEMMs through TE's own deferral
+    # (trainer/pipeline/split_backward_te.py), eagerly only (_te_split_graph_problem). "auto" picks TE on
+    # CUDA where it is installed (trainer.model.build).
+    te = te_layers_named(cfg)
+    if te is not None and par.dpp_policy not in SPLIT_BACKWARD and resolve_cuda_graphs(cfg)[0]:
+        # auto's question (could dpp-zb run here?): not with these graphs. An explicit dpp-zb / zb-h1 is
+        # held by the graph checks instead, which keep its run eager (or refuse --dpp-cuda-graphs).
+        p.append(_te_split_graph_problem(policy, te))
+    if te is not None and par.sequence_parallel and par.dpp_sp_wgrad_input == "regather":
+        p.append(f"--dpp-sp-wgrad-input=regather re-gathers the inputs of megatron-core's local linears in W; "
+                 f"Transformer Engine's linears ({te}) keep the operands their backward gathered for their deferred "
+                 "weight GEMM: drop it (keep)")
     # --sequence-parallel and --overlap-grad-reduce work: the deferred GEMM keeps (or re-gathers) its
     # gathered input, and the runtime starts the DP reduction after each chunk's last W
     # (trainer/pipeline/split_backward.py, trainer/pipeline/grad_sync.py).

@@ -178,6 +178,8 @@ class PipelineRuntime:
 
             # Before the links and shared-memory channels exist: an unsupported model fails cleanly.
             split = install_split_backward(self.model, sequence_parallel_input=schedule.sp_wgrad_input)
+            log.info("stage %d: split backward defers the weight GEMMs of %d megatron-core linear(s) and %d "
+                     "Transformer Engine linear(s) to W", topo.pp_rank, split.megatron_linears, split.te_linears)
         if topo.pipeline_parallel > 1:
             from trainer.transport.factory import make_stage_links
 

@@ -1,4 +1,5 @@
-"""Split backward (zero-bubble ``B = I + W``) for megatron-core's local-spec linear layers.
+"""Split backward (zero-bubble ``B = I + W``) for megatron-core's linear layers: its local spec's, here,
+and Transformer Engine's through TE's own deferral (trainer/pipeline/split_backward_te.py).
 
 A zero-bubble schedule runs a microbatch's backward in two steps: ``I`` computes the input gradient
 (what the upstream stage waits for) and ``W`` the weight gradients, later, in what would otherwise be
@@ -26,10 +27,17 @@ only the local 1/TP and all-gathers it again in W, as megatron's own backward do
 megatron, one TP all-gather per linear in every W (TP ranks run the same W in the same order: the
 TP leader's decisions are replayed).
 
-Refused (ValueError naming what was found): Transformer Engine layers, gradient-accumulation
-fusion, deferred embedding wgrad, GTP weight rematerialisation, and DDP's ``overlap_grad_reduce``
-when megatron's hooks start the reduction (they would count a bucket ready during ``I``, before
-``W`` has accumulated anything; trainer/model/ddp.py's wrapper leaves the start to the runtime).
+Transformer Engine's linears (``te.Linear``, ``te.LayerNormLinear``: every GEMM of megatron-core's
+dense TE spec) defer into the same per-I stores: their backward hands TE's weight-GEMM closure to the
+open store, and W runs it (trainer/pipeline/split_backward_te.py says how, and why TE's own per-module
+queue is not used). Not under CUDA graphs: trainer/config/plan.py keeps TE's layers eager with a split
+backward (:class:`StaticOperandStore` refuses a TE entry as a second line).
+
+Refused (ValueError naming what was found): TE modules other than those (split_backward_te.te_problem
+says why each), gradient-accumulation fusion, deferred embedding wgrad, GTP weight rematerialisation,
+and DDP's ``overlap_grad_reduce`` when megatron's hooks start the reduction (they would count a bucket
+ready during ``I``, before ``W`` has accumulated anything; trainer/model/ddp.py's wrapper leaves the
+start to the runtime).
 """
 
 from __future__ import annotations
@@ -44,6 +52,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.pipeline.split_backward_te import (
+    accumulate_grad,
+    install_te_split_backward,
+    te_gemm_modules,
+    te_split_backward_problems,
+)
 from trainer.problems import raise_if_any
 
 # megatron-core's own decorators for its linear Function: re-enter the forward's CUDA autocast
@@ -70,24 +84,28 @@ class _Deferred:
     """``input`` is this rank's 1/TP of the sequence, to be all-gathered over this TP group before
     the GEMM (sequence parallelism, ``"regather"``); None: ``input`` is the whole GEMM operand."""
 
+    def accumulate(self) -> None:
+        accumulate_weight_grad(self)
+
 
 @dataclass
 class WeightGradStore:
-    """The weight-gradient GEMMs that one I step left for its W step (holds input + grad_output)."""
+    """The weight-gradient GEMMs that one I step left for its W step (holds input + grad_output):
+    megatron linears' :class:`_Deferred` and Transformer Engine linears' ``TeDeferred``, in backward order."""
 
-    entries: list[_Deferred] = field(default_factory=list)
+    entries: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, entry: _Deferred) -> None:
+    def add(self, entry: Any) -> None:
         self.entries.append(entry)
 
     def replay(self) -> None:
         """Compute and accumulate every deferred weight gradient, then drop the saved tensors."""
         entries, self.entries = self.entries, []  # release input/grad_output as we go
         while entries:
-            accumulate_weight_grad(entries.pop(0))
+            entries.pop(0).accumulate()
 
 
 class StaticOperandStore(WeightGradStore):
@@ -106,7 +124,11 @@ class StaticOperandStore(WeightGradStore):
         super().__init__()
         self.buffers = buffers
 
-    def add(self, entry: _Deferred) -> None:
+    def add(self, entry: Any) -> None:
+        if not isinstance(entry, _Deferred):
+            raise RuntimeError(f"split backward with CUDA graphs: {getattr(entry, 'module_name', type(entry).__name__)} "
+                               "(Transformer Engine) deferred its weight GEMM inside a graph capture; TE's layers run "
+                               "a split backward eager only (trainer/config/plan.py)")
         i, grad = len(self.entries), entry.grad_output
         if i >= len(self.buffers):
             raise RuntimeError(f"split backward with CUDA graphs: weight GEMM {i + 1} deferred, but the slot "
@@ -142,16 +164,7 @@ def accumulate_weight_grad(entry: _Deferred) -> None:
     hook adds ``param.grad`` into ``param.main_grad`` and clears it. The Function returned None for
     the weight during I, so that hook saw nothing; we do its addition here.
     """
-    weight = entry.weight
-    grad = weight_grad(entry).to(weight.dtype)
-    main_grad = getattr(weight, "main_grad", None)
-    with torch.no_grad():
-        if main_grad is not None:
-            main_grad.add_(grad)
-        elif weight.grad is None:
-            weight.grad = grad
-        else:
-            weight.grad.add_(grad)
+    accumulate_grad(entry.weight, weight_grad(entry))
 
 
 class SplitBackward:
@@ -169,6 +182,14 @@ class SplitBackward:
         self._stores: dict[Hashable, WeightGradStore] = {}
         self.regather = sequence_parallel_input == "regather"
         """Sequence parallelism: all-gather the input again in W instead of keeping it (module docstring)."""
+        self.megatron_linears = 0
+        """How many megatron-core local linears defer their weight GEMM (set by install_split_backward)."""
+        self.te_linears = 0
+        """How many Transformer Engine linears defer theirs (trainer/pipeline/split_backward_te.py)."""
+        self.te_deferred = 0
+        """TE weight GEMMs put into an open store (run by a W step) ..."""
+        self.te_at_once = 0
+        """... and run at once because no store was open (a backward outside the runtime's I steps)."""
 
     @contextlib.contextmanager
     def capture(self, key: Hashable) -> Iterator[WeightGradStore]:
@@ -314,27 +335,13 @@ def _is_megatron_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, ColumnParallelLinear | RowParallelLinear)
 
 
-def _is_transformer_engine(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    return "transformer_engine" in cls.__module__ or cls.__name__.startswith("TE")
-
-
-def _holds_gemm_weight(module: torch.nn.Module) -> bool:
-    """Whether ``module`` itself holds a matrix parameter (a GEMM's weight; a norm's are vectors)."""
-    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
-
-
-def split_backward_problems(chunks: list[torch.nn.Module]) -> list[str]:
+def split_backward_problems(chunks: list[torch.nn.Module], sequence_parallel_input: str = "keep") -> list[str]:
     """Every reason the chunks cannot run a split backward (empty: they can)."""
-    problems: list[str] = []
-    # Only TE modules holding a GEMM weight (Linear, LayerNormLinear, LayerNormMLP, ...) keep their weight
-    # gradient out of reach; TE's norms (megatron-core builds the block's final norm from TE wherever TE is
-    # installed, even with the local layer spec) and its attention have none to defer.
-    te = sorted({type(m).__name__ for chunk in chunks for m in chunk.modules()
-                 if _is_transformer_engine(m) and _holds_gemm_weight(m)})
-    if te:
-        problems.append(f"Transformer Engine layers ({', '.join(te)}): only megatron-core's local spec "
-                        "is supported (--transformer-impl local)")
+    # Of Transformer Engine's modules only those holding a GEMM weight have a weight gradient to defer
+    # (TE's norms -- megatron-core builds the block's final norm from TE wherever TE is installed, even
+    # with the local layer spec -- and its attention have none).
+    te = te_gemm_modules(chunks)
+    problems = te_split_backward_problems(chunks, sequence_parallel_input)
     linears = [m for chunk in chunks for m in chunk.modules() if _is_megatron_linear(m)]
     if not linears and not te:
         problems.append("no ColumnParallelLinear/RowParallelLinear in the model: nothing to split")
@@ -361,13 +368,15 @@ def split_backward_problems(chunks: list[torch.nn.Module]) -> list[str]:
 
 
 def install_split_backward(chunks: list[torch.nn.Module], sequence_parallel_input: str = "keep") -> SplitBackward:
-    """Patch every megatron linear of ``chunks`` (per instance) and return their shared controller.
-    ``sequence_parallel_input``: "keep" or "regather" (the module docstring says what each costs).
+    """Patch every megatron linear of ``chunks`` (per instance), give every Transformer Engine linear a
+    store that files into the runtime's I steps (trainer/pipeline/split_backward_te.py), and return
+    their shared controller. ``sequence_parallel_input``: "keep" or "regather" (the module docstring
+    says what each costs; megatron's linears only).
 
     Raises ValueError listing every unsupported feature found; nothing is patched then. Calling it
     twice on the same chunks is an error (the second patch would wrap the first).
     """
-    problems = split_backward_problems(chunks)
+    problems = split_backward_problems(chunks, sequence_parallel_input)
     raise_if_any(problems, "split backward (--dpp-policy dpp-zb / zb-h1) is not possible here")
     controller = SplitBackward(sequence_parallel_input)
     for chunk in chunks:
@@ -379,4 +388,6 @@ def install_split_backward(chunks: list[torch.nn.Module], sequence_parallel_inpu
                                  "(split backward installed twice?)")
             original = module._forward_impl  # the class's bound method: megatron's own path
             module._forward_impl = functools.partial(_split_forward_impl, module, original, controller)
+            controller.megatron_linears += 1
+    controller.te_linears = install_te_split_backward(chunks, controller)
     return controller

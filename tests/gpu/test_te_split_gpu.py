@@ -1,0 +1,90 @@
+"""Split backward (dpp-zb) with Transformer Engine's layers (``--transformer-impl transformer_engine``):
+the W steps run TE's own deferred weight GEMMs (trainer/pipeline/split_backward_te.py), youngest first,
+and the run trains to megatron-core's 1F1B losses with the gradients of the unsplit DPP runtime.
+
+Three runs from the same seed and data, dropout 0: megatron-core's own 1F1B (interleaved at v = 2), DPP
+dpp (eager, unsplit) and DPP dpp-zb (eager: --use-dpp's default graphs step aside for a TE split
+backward, and the log says why). fp32 at one chunk per stage: dpp-zb splits the last stage only (stage
+0's input gradients feed nobody) and runs its W youngest first -- the order TE's own per-module FIFO
+could not serve; bf16 at v = 2: every stage and chunk splits, I taking its gradient from downstream.
+Checked: every splitting stage's TE linears are installed (4 per layer: linear_qkv and linear_fc1 are
+te.LayerNormLinear, linear_proj and linear_fc2 te.Linear) and every one of their weight GEMMs in every
+microbatch went to a W step, none ran inside I; dpp-zb's losses equal megatron-core's (fp32: to the
+rounding of another summation order of the microbatches' weight gradients; bf16: to bf16 rounding);
+every gradient dpp-zb dumped -- TE's weights and GEMM-fused biases included, which a lost or doubled W
+would change by the whole of a microbatch's share -- equals the unsplit DPP run's. Two ranks on 2 GPUs
+(NCCL), or sharing one over gloo (where the first run is the trainer's own 1F1B order instead of
+megatron-core's schedule). Skipped without an importable Transformer Engine (scripts/te/build.sh
+builds one; docs/transformer_engine.md).
+
+    python -m pytest -m gpu tests/gpu/test_te_split_gpu.py -s
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpu.same_run import grad_dumps, train
+from tests.gpu.test_te_gpu import ITERS, TE_GPT, M, _needs_te
+
+pytestmark = pytest.mark.gpu
+
+LAYERS_PER_STAGE = 2  # GPU_SMALL's 4 layers over PP=2
+TE_LINEARS_PER_LAYER = 4
+INSTALLED = re.compile(r"stage (\d+): split backward defers the weight GEMMs of (\d+) megatron-core linear\(s\) "
+                       r"and (\d+) Transformer Engine linear\(s\) to W")
+DEFERRED = re.compile(r"stage (\d+): split backward: (\d+) Transformer Engine weight GEMM\(s\) deferred to W, "
+                      r"(\d+) run in their backward")
+
+
+def _assert_grads_close(want_dir: Path, got_dir: Path, rel: float) -> int:
+    """Every dumped gradient of ``got_dir`` within ``rel`` of ``want_dir``'s in relative norm; returns
+    how many tensors were compared."""
+    dumps = grad_dumps(want_dir)
+    assert dumps and dumps == grad_dumps(got_dir)
+    compared = 0
+    for dump in dumps:
+        want, got = torch.load(want_dir / dump), torch.load(got_dir / dump)
+        assert sorted(got) == sorted(want), dump
+        for name, (grad, *_) in want.items():
+            diff = (got[name][0] - grad).norm().item()
+            assert diff <= rel * grad.norm().item() + 1e-12, f"{dump} {name}: |diff| {diff:.3e}, |grad| {grad.norm():.3e}"
+            compared += 1
+    return compared
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("precision", "chunks"), [("fp32", 1), ("bf16", 2)])
+def test_te_split_backward_trains_like_megatron_1f1b(tmp_path: Path, precision: str, chunks: int) -> None:
+    _needs_te()
+    gpt = TE_GPT + (["--distributed-backend", "gloo"] if torch.cuda.device_count() < 2 else [])
+    gpt += ["--bf16"] if precision == "bf16" else []
+    gpt += ["--num-layers-per-virtual-pipeline-stage", str(LAYERS_PER_STAGE // chunks)] if chunks > 1 else []
+    splitting = {1} if chunks == 1 else {0, 1}  # dpp-zb leaves stage 0 unsplit at v = 1
+    _, megatron = train(tmp_path / "1f1b", 2, ["--dump-grads", "2", "--", *gpt], last_rank=1)
+    _, unsplit = train(tmp_path / "dpp", 2, ["--dump-grads", "2", "--", *gpt, "--use-dpp", "--dpp-policy", "dpp",
+                                             "--dpp-eager"], last_rank=1)
+    results, split = train(tmp_path / "dpp-zb", 2, ["--dump-grads", "2", "--", *gpt, "--use-dpp", "--dpp-policy",
+                                                    "dpp-zb"], last_rank=1)
+    logs = "".join(r.output for r in results)
+    installed = {int(m[1]): (int(m[2]), int(m[3])) for m in INSTALLED.finditer(logs)}
+    deferred = {int(m[1]): (int(m[2]), int(m[3])) for m in DEFERRED.finditer(logs)}
+    print("installed (megatron-core, TE linears) per stage:", installed)
+    print("TE weight GEMMs (deferred to W, run in I) per stage:", deferred)
+    te_linears = LAYERS_PER_STAGE * TE_LINEARS_PER_LAYER
+    assert {s: te for s, (_, te) in installed.items()} == dict.fromkeys(splitting, te_linears), installed
+    assert deferred == dict.fromkeys(splitting, (ITERS * M * te_linears, 0)), deferred
+    assert "replayed from CUDA graphs" not in logs  # a TE split backward runs eager
+    names = set(torch.load(next((tmp_path / "dpp-zb").glob("grads_rank0_it*.pt"))))
+    assert any("linear_qkv.layer_norm_weight" in n for n in names), sorted(names)[:20]  # TE's spec trained
+    rel = 1e-4 if precision == "fp32" else 2e-2
+    print(f"{precision}, v={chunks}: megatron-core, DPP dpp (eager), DPP dpp-zb (eager, TE's deferred weight GEMMs)")
+    for it in sorted(megatron, key=int):
+        print(it, megatron[it]["lm loss"], unsplit[it]["lm loss"], split[it]["lm loss"])
+        assert split[it]["lm loss"] == pytest.approx(megatron[it]["lm loss"], rel=rel), f"iteration {it}"
+    compared = _assert_grads_close(tmp_path / "dpp", tmp_path / "dpp-zb", rel=1e-5 if precision == "fp32" else 2e-2)
+    print(f"{compared} gradient tensors of dpp-zb equal the unsplit run's")
