@@ -582,11 +582,9 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int
     per_chunk = (slots,) * len(chunks) if isinstance(slots, int) else tuple(slots)
     if len(per_chunk) != len(chunks):
         raise ValueError(f"stage {stage}: {len(per_chunk)} slot counts for {len(chunks)} chunk(s)")
-    if split is not None and split.te_linears:
-        # trainer/config/plan.py keeps such runs eager; this is the runtime's own line of that refusal.
+    if split is not None and split.te_linears:  # the plan keeps such runs eager: the runtime's own check
         raise ValueError(f"stage {stage}: split backward with {split.te_linears} Transformer Engine linear(s) runs "
-                         "eager only: the slot graphs copy out the deferred operands of megatron-core's local "
-                         "linears only (trainer/pipeline/split_backward_te.py)")
+                         "eager only: the slot graphs copy out only the local linears' deferred operands")
     graphs = {}
     before = torch.cuda.memory_reserved(device)
     backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)
