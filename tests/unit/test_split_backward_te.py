@@ -288,6 +288,6 @@ def test_the_slot_graphs_refuse_a_te_split_backward_before_capturing() -> None:
     from trainer.pipeline.cuda_graphs import capture_chunk_graphs
 
     split = install_split_backward([_block()])
-    with pytest.raises(ValueError, match="split backward with 2 Transformer Engine linear\\(s\\) runs eager only"):
+    with pytest.raises(ValueError, match="split backward with Transformer Engine linears runs eager only"):
         capture_chunk_graphs([torch.nn.Identity()], shape=None, stage=0, slots=1, shapes=None, masks={},
                              device=torch.device("cpu"), split=split)

@@ -576,15 +576,13 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int
     """Graph slots for each chunk of this stage (``slots``: one count for every chunk, or one per chunk --
     a static order's own peak per chunk; ``masks``: each captured length's attention mask;
     ``recompute_slots`` of each chunk's slots recompute the core attention, at most all of them;
-    ``split``: the split-backward controller when the policy splits backwards into I and W).
-    Runs each block's forward and backward a few times with zero inputs (warm-up and capture; no
-    gradient is accumulated anywhere): call it before the first step."""
+    ``split``: the split-backward controller when the policy splits backwards into I and W). Before the
+    first step: runs each block a few times on zero inputs (warm-up, capture; no gradient accumulates)."""
     per_chunk = (slots,) * len(chunks) if isinstance(slots, int) else tuple(slots)
     if len(per_chunk) != len(chunks):
         raise ValueError(f"stage {stage}: {len(per_chunk)} slot counts for {len(chunks)} chunk(s)")
     if split is not None and split.te_linears:  # the plan keeps such runs eager: the runtime's own check
-        raise ValueError(f"stage {stage}: split backward with {split.te_linears} Transformer Engine linear(s) runs "
-                         "eager only: the slot graphs copy out only the local linears' deferred operands")
+        raise ValueError(f"stage {stage}: split backward with Transformer Engine linears runs eager only")
     graphs = {}
     before = torch.cuda.memory_reserved(device)
     backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)
