@@ -95,9 +95,9 @@ def dataset(tmp_path_factory) -> Path:
     return Path(f"{prefix}_text_document")
 
 
-def submit_training(out: Path, dataset: Path) -> tuple[str, Path]:
+def submit_training(out: Path, dataset: Path, train_iters: int = TRAIN_ITERS) -> tuple[str, Path]:
     out.mkdir(parents=True)
-    env = {**os.environ, "OUTPUT_DIR": str(out), "DATASET": str(dataset), "TRAIN_ITERS": str(TRAIN_ITERS),
+    env = {**os.environ, "OUTPUT_DIR": str(out), "DATASET": str(dataset), "TRAIN_ITERS": str(train_iters),
            "SAVE_INTERVAL": "4"}
     job_id = slurm.sbatch(str(REPO / "sbatch" / "2.distributed-training.sbatch"),
                           ["--nodes=2", f"--output={out}/train_%j.out", f"--chdir={REPO}"], env)
