@@ -1,6 +1,6 @@
 """Every way a training job can be interrupted ends it requeued or non-zero, never COMPLETED early.
 
-The training sbatch file is submitted by hand (as a user would) on a dataset tokenized once here;
+The training sbatch file is submitted by hand (as a user would) on the test run's tokenized corpus;
 each job trains TRAIN_ITERS iterations and is interrupted in its own way:
 
 * ``ranks-term``: ``scancel --signal=TERM`` reaches the ranks only. Before: they checkpointed and
@@ -49,15 +49,12 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.corpus import small_corpus
 from tests.slurm.test_chain import job_state, release_when_held, wait_until, wait_until_started
 from workflows import slurm
 
@@ -84,15 +81,11 @@ def last_iteration(log: Path | str) -> int:
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("signals")
-    corpus = small_corpus(root / "corpus.jsonl", 200)
-    prefix = root / "data" / "sample"
-    subprocess.run([sys.executable, "-m", "trainer.preprocess", "--input", str(corpus), "--output-prefix",
-                    str(prefix), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "datasets/gpt2/vocab.json",
-                    "--merge-file", "datasets/gpt2/merges.txt", "--append-eod"], cwd=REPO, check=True,
-                   capture_output=True, timeout=300)
-    return Path(f"{prefix}_text_document")
+def dataset(gpt2_corpus: str) -> Path:
+    """The test run's tokenized corpus slice (tests/conftest.py), read by every job here: tokenizing
+    a corpus of their own cost each module using it a preprocessing run (~5 s of CPU, a minute when
+    the host is loaded)."""
+    return Path(gpt2_corpus)
 
 
 def submit_training(out: Path, dataset: Path, train_iters: int = TRAIN_ITERS) -> tuple[str, Path]:
