@@ -22,6 +22,7 @@ from tests.slurm.test_signals import PERIODIC_SAVE, dataset, last_iteration, sub
 from workflows import slurm
 
 ENDS_WITHIN_S = 20.0
+TRAIN_ITERS = 100  # killed a few iterations in: the rest only leave room for the kill (~0.3 s an iteration alone)
 
 
 def processes_of(job_id: str) -> dict[int, str]:
@@ -56,7 +57,7 @@ def rank_process(job_id: str, rank: int) -> int:
 
 @pytest.mark.timeout(900)
 def test_a_rank_killed_hard_ends_the_job_in_seconds_leaving_nothing(dataset, tmp_path):  # noqa: F811
-    job_id, log = submit_training(tmp_path / "run", dataset)
+    job_id, log = submit_training(tmp_path / "run", dataset, TRAIN_ITERS)
     wait_until(lambda: log.exists() and PERIODIC_SAVE.search(log.read_text()) is not None
                and last_iteration(log) > int(PERIODIC_SAVE.search(log.read_text()).group(1)),
                600, "an iteration after the first periodic checkpoint")

@@ -1,16 +1,17 @@
 """Every way a training job can be interrupted ends it requeued or non-zero, never COMPLETED early.
 
-The training sbatch file is submitted by hand (as a user would) on a dataset tokenized once here;
+The training sbatch file is submitted by hand (as a user would) on the test run's tokenized corpus;
 each job trains TRAIN_ITERS iterations and is interrupted in its own way:
 
 * ``ranks-term``: ``scancel --signal=TERM`` reaches the ranks only. Before: they checkpointed and
   exited 0, and the job ended COMPLETED after a few of its iterations.
-* ``usr1-start-batch`` / ``usr1-start-ranks``: USR1 to the batch shell before srun runs, or to the
-  ranks as soon as their step exists. Before: the ranks had no handler until set-up was done and
-  died of it; the batch shell had no trap yet while it probed the node addresses. Now the shell's
-  trap comes first and the ranks note the signal before importing torch; only the interpreter's own
-  start (a fraction of a second) remains, where a rank still dies and the job ends FAILED, which
-  the invariant below allows.
+* ``usr1-start-batch`` / ``usr1-start-ranks``: USR1 to the batch shell as soon as it runs (its trap,
+  set by the file's first lines, seen in /proc), long before srun, or to the ranks as soon as their
+  step exists. Before: the ranks had no handler until set-up was done and died of it; the batch
+  shell had no trap yet while it probed the node addresses. Now the shell's trap comes first and
+  the ranks note the signal before importing torch; only the interpreter's own start (a fraction of
+  a second) remains, where a rank still dies and the job ends FAILED, which the invariant below
+  allows (the shell's own start is waited out: a signal there would end the job whatever it held).
 
 Whatever happens, a job that ends COMPLETED must have logged its last iteration; a requeued one is
 released at once (tests/slurm/test_chain.py's release_when_held) and must then finish for real.
@@ -47,15 +48,13 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
-import sys
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.corpus import small_corpus
 from tests.slurm.test_chain import job_state, release_when_held, wait_until, wait_until_started
 from workflows import slurm
 
@@ -82,20 +81,16 @@ def last_iteration(log: Path | str) -> int:
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("signals")
-    corpus = small_corpus(root / "corpus.jsonl", 200)
-    prefix = root / "data" / "sample"
-    subprocess.run([sys.executable, "-m", "trainer.preprocess", "--input", str(corpus), "--output-prefix",
-                    str(prefix), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "datasets/gpt2/vocab.json",
-                    "--merge-file", "datasets/gpt2/merges.txt", "--append-eod"], cwd=REPO, check=True,
-                   capture_output=True, timeout=300)
-    return Path(f"{prefix}_text_document")
+def dataset(gpt2_corpus: str) -> Path:
+    """The test run's tokenized corpus slice (tests/conftest.py), read by every job here: tokenizing
+    a corpus of their own cost each module using it a preprocessing run (~5 s of CPU, a minute when
+    the host is loaded)."""
+    return Path(gpt2_corpus)
 
 
-def submit_training(out: Path, dataset: Path) -> tuple[str, Path]:
+def submit_training(out: Path, dataset: Path, train_iters: int = TRAIN_ITERS) -> tuple[str, Path]:
     out.mkdir(parents=True)
-    env = {**os.environ, "OUTPUT_DIR": str(out), "DATASET": str(dataset), "TRAIN_ITERS": str(TRAIN_ITERS),
+    env = {**os.environ, "OUTPUT_DIR": str(out), "DATASET": str(dataset), "TRAIN_ITERS": str(train_iters),
            "SAVE_INTERVAL": "4"}
     job_id = slurm.sbatch(str(REPO / "sbatch" / "2.distributed-training.sbatch"),
                           ["--nodes=2", f"--output={out}/train_%j.out", f"--chdir={REPO}"], env)
@@ -162,9 +157,29 @@ def interrupt_after_a_periodic_save(kind: str, job_id: str, log: Path, out: Path
     assert job_state(urgent) == "COMPLETED", job_state(urgent)
 
 
+def batch_shell_traps(job_id: str, signum: int) -> bool:
+    """Whether the job's batch shell runs and has set its trap for ``signum`` (the training file's
+    first lines do): its SigCgt mask in /proc, the local cluster's nodes being this host. Until then
+    the shell is still being started by slurmstepd, where the signal's default action ends the job:
+    no file can trap a signal before its first line."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if not (proc / "cmdline").read_bytes().endswith(b"/slurm_script\0"):
+                continue
+            if f"SLURM_JOB_ID={job_id}".encode() not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            caught = re.search(r"^SigCgt:\s*([0-9a-f]+)$", (proc / "status").read_text(), re.M)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        return caught is not None and bool(int(caught.group(1), 16) >> (signum - 1) & 1)
+    return False
+
+
 def interrupt(kind: str, job_id: str, log: Path) -> None:
     wait_until_running(job_id)
     if kind == "usr1-start-batch":  # the batch shell, before srun exists
+        wait_until(lambda: batch_shell_traps(job_id, signal.SIGUSR1), TIMEOUT_S, "the batch shell's USR1 trap",
+                   job_id)
         slurm.run(["scancel", "--batch", "--signal=USR1", job_id])
         return
     if kind == "usr1-start-ranks":  # the ranks, as soon as their step exists (still importing torch)
