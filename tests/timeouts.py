@@ -16,6 +16,7 @@ wait's own message comes first.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -83,6 +84,25 @@ def wait_until(done: Callable[[], bool], idle_s: float, what: str, state: Callab
             raise AssertionError(budget.describe() + (f"; last seen: {state()}" if state is not None else ""))
         time.sleep(poll_s)
     return budget.elapsed_s()
+
+
+def communicate_within(proc: subprocess.Popen, budget: Budget | float, what: str = "",
+                       state: Callable[[], str] | None = None) -> tuple[str, str]:
+    """``proc.communicate()`` within a load-stretched budget (a Budget already running, or an idle
+    budget in seconds for ``what``), its pipes drained all along; past it the process is killed and
+    AssertionError names what was waited for, the budget, the load, ``state()`` and the process's
+    output so far."""
+    budget = budget if isinstance(budget, Budget) else Budget(budget, what)
+    while True:
+        try:
+            return proc.communicate(timeout=min(max(budget.remaining_s(), 1.0), 10.0))
+        except subprocess.TimeoutExpired:
+            if not budget.expired():
+                continue
+        seen = f"; last seen: {state()}" if state is not None else ""
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{budget.describe()}{seen}\nstdout:\n{out}\nstderr:\n{err}")
 
 
 def _load() -> str:
