@@ -88,8 +88,9 @@ def _attempt(rank: int, world: int, port: int, timeout_s: float = TIMEOUT_S) -> 
         return err
 
 
-def test_a_rank_that_finds_something_else_listening_at_the_address_gives_up_within_its_deadline():
+def test_a_rank_that_finds_something_else_listening_at_the_address_gives_up_within_its_deadline(monkeypatch):
     # torch's own store client waits for an answer without a bound: here nothing ever answers.
+    monkeypatch.setattr("trainer.launch.rendezvous.CONNECT_S", TIMEOUT_S)  # the least it allows to connect
     with socket.socket() as foreign:
         foreign.bind(("127.0.0.1", 0))
         foreign.listen()
@@ -97,6 +98,6 @@ def test_a_rank_that_finds_something_else_listening_at_the_address_gives_up_with
         started = time.monotonic()
         with pytest.raises(RendezvousError) as caught:
             rendezvous(1, 2, "127.0.0.1", port, TIMEOUT_S)
-    assert time.monotonic() - started < BOUND_S + 10  # CONNECT_S at least, to connect at all
+    assert time.monotonic() - started < BOUND_S
     assert f"rank 1 connected to 127.0.0.1:{port}" in str(caught.value), caught.value
     assert "no rendezvous store answered" in str(caught.value), caught.value
