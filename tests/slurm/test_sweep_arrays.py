@@ -38,6 +38,7 @@ from tests.slurm.test_chain import (
     release_when_held,
     small_corpus,
     wait_for_iteration,
+    wait_until_started,
 )
 from tests.timeouts import Budget, ceiling, communicate_within
 from workflows import slurm, sweep
@@ -113,6 +114,9 @@ class TaskInterrupter(threading.Thread):
         try:
             manifest = self.run_.manifest()
             task = manifest["points"][self.point]["train"]
+            # The task may queue for minutes behind the other sweeps' runs (the cluster's CPUs are all
+            # taken), longer under load: its progress is timed from its start, as a chain's is.
+            wait_until_started(task, timeout_s=SWEEP_TIMEOUT_S)
             wait_for_iteration(sweep.log_path(manifest, "train", task), INTERRUPT_AFTER, timeout_s=SWEEP_TIMEOUT_S,
                                job_id=task)
             slurm.run([*self.command, task])
