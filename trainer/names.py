@@ -61,6 +61,17 @@ def launcher_prefix(env: dict[str, str]) -> str:
     return "" if run_id in ("", "none") else run_id  # "none": torchrun's default, shared by every job
 
 
+RUN_TAG_ENV = "MDPP_RUN_TAG"
+"""Environment: a tag put in front of every run token drawn under it ([A-Za-z0-9_.] kept, the rest
+becomes ``_``), so a harness running many jobs on one host can find its own runs' segments."""
+
+
+def token_prefix(env: dict[str, str]) -> str:
+    """What goes in front of a run token's random suffix: the caller's tag (RUN_TAG_ENV), then the
+    launcher's id (trainer/launch/run_token.py draws the suffix)."""
+    return "_".join(part for part in (env.get(RUN_TAG_ENV, ""), launcher_prefix(env)) if part)
+
+
 def make_token(prefix: str, suffix: int) -> str:
     """``prefix-suffix`` with only [A-Za-z0-9_.-], at most RUN_TOKEN_MAX_LENGTH characters (the
     suffix kept; a ``-`` inside the prefix becomes ``_``, so the last ``-`` starts the suffix)."""
@@ -106,3 +117,15 @@ def is_segment_of(job: str, name: str) -> bool:
     if len(parts) == 3 and parts[2] == "tpdecide":
         return parts[0][:2] == "pp" and parts[0][2:].isdigit() and parts[1][:2] == "dp" and parts[1][2:].isdigit()
     return False
+
+
+def is_segment_of_prefix(prefix: str, name: str) -> bool:
+    """Whether ``name`` is a segment of any run whose token :func:`make_token` made from ``prefix``
+    (whatever its random suffix): how a launcher that knows only the environment it gave its ranks
+    finds their run's segments once it has had to kill them (trainer/launch/local_ranks.py)."""
+    head = make_token(prefix, 0)[:-8]  # "<prefix>-" as the token spells it ("" without a prefix)
+    if not head or not name.startswith(f"mdpp-{head}"):
+        return False
+    suffix = name[len(f"mdpp-{head}"):][:8]
+    return len(suffix) == 8 and all(c in "0123456789abcdef" for c in suffix) and \
+        is_segment_of(f"{head}{suffix}", name)

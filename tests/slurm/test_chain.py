@@ -44,10 +44,16 @@ from pathlib import Path
 import pytest
 
 from tests.corpus import small_corpus
+from tests.timeouts import Budget, ceiling, communicate_within
 from workflows import chain, slurm
 
 REPO = Path(__file__).resolve().parents[2]
-CHAIN_TIMEOUT_S = 900  # one chain alone takes ~1 min here; the module's five at once on 2 cores ~5 min (CI: 2 cores, no other load)
+CHAIN_TIMEOUT_S = 900
+"""A chain's budget on an unloaded machine: one chain alone takes ~1 min here, the module's five at once
+on 2 cores ~5 min (CI: 2 cores, nothing else). Every wait stretches it by the load seen meanwhile
+(tests/timeouts.py): two test runs at once (load ~7) make the same chains take ~3.5 times as long.
+The driver's own --timeout is the stretched budget's ceiling, so the test's wait, which names what
+it waited for and the state seen, comes first."""
 INTERRUPT_AFTER = 8  # iterations logged before an interruption: past the first checkpoint (5)
 INTERRUPTIONS = {
     "requeue": ["scontrol", "requeue"],
@@ -82,19 +88,17 @@ class SubmitResult:
 
 
 def start_submit(runs_dir: Path, corpus: Path, *args: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "workflows.submit", *args, "--wait", "--timeout", str(CHAIN_TIMEOUT_S),
+    argv = [sys.executable, "-m", "workflows.submit", *args, "--wait", "--timeout", str(ceiling(CHAIN_TIMEOUT_S)),
             "--runs-dir", str(runs_dir), "--env", f"INPUT={corpus}"]
     return subprocess.Popen(argv, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 def finish_submit(proc: subprocess.Popen) -> SubmitResult:
-    try:
-        stdout, stderr = proc.communicate(timeout=CHAIN_TIMEOUT_S + 60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"submit --wait did not return within {CHAIN_TIMEOUT_S + 60} s:\n{stdout}\n{stderr}")
+    """Wait for `submit --wait` (CHAIN_TIMEOUT_S, stretched by the load); past it, fail with what it
+    printed so far (its jobs and the states --wait saw)."""
+    stdout, stderr = communicate_within(proc, CHAIN_TIMEOUT_S + 60,
+                                        f"`submit {' '.join(map(str, proc.args[3:]))[:300]}` to return")
     job_ids = dict(re.findall(r"^(preprocess|train|aggregate)\s+job (\d+)$", stdout, re.M))
     logs = re.search(r"^logs:\s+(\S+)$", stdout, re.M)
     run_dir = Path(logs.group(1)).parent if logs else Path()
@@ -123,25 +127,32 @@ def train_log(submitted: chain.Chain) -> Path:
 
 
 def wait_for_iteration(log: Path, iteration: int, timeout_s: float, job_id: str = "") -> None:
-    deadline, text = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
+    """Wait until the training log shows ``iteration``: ``timeout_s`` on an unloaded machine, stretched
+    by the load (tests/timeouts.py); the failure names the job's state, the last iteration seen and
+    the log's end."""
+    budget, text = Budget(timeout_s, f"training ({log.name}) to log iteration {iteration}"), ""
+    done: list[int] = []
+    while not budget.expired():
         text = log.read_text() if log.exists() else ""
         done = [int(i) for i in re.findall(r"iteration\s+(\d+)/\s*\d+ \|", text)]
         if done and max(done) >= iteration:
             return
         time.sleep(0.2)
+    seen = f"last iteration logged: {max(done) if done else 'none'}"
+    if job_id:
+        seen += f"; job {job_id} is {job_state(job_id)}"
     shown = slurm.call(["scontrol", "show", "job", job_id]).stdout if job_id else ""
-    raise AssertionError(f"training never logged iteration {iteration} within {timeout_s:.0f} s:\n"
-                         f"{text[-3000:]}\n{shown}")
+    raise AssertionError(f"{budget.describe()}; {seen}\n{text[-3000:]}\n{shown}")
 
 
 def wait_until(predicate, timeout_s: float, what: str, job_id: str = "") -> None:
-    """Poll `predicate`; fail after `timeout_s`, or as soon as job `job_id` has ended, naming its state."""
-    deadline, next_look = time.monotonic() + timeout_s, 0.0
+    """Poll `predicate`; fail after `timeout_s` (stretched by the load, tests/timeouts.py), or as soon
+    as job `job_id` has ended, naming its state."""
+    budget, next_look = Budget(timeout_s, what), 0.0
     while not predicate():
         now = time.monotonic()
-        assert now < deadline, (f"timed out after {timeout_s:.0f} s waiting for {what}"
-                                + (f" (job {job_id} is {job_state(job_id)})" if job_id else ""))
+        assert not budget.expired(), (budget.describe()
+                                      + (f" (job {job_id} is {job_state(job_id)})" if job_id else ""))
         if job_id and now >= next_look:
             state, next_look = job_state(job_id), now + 5
             assert state not in slurm.TERMINAL_STATES, f"job {job_id} ended {state} before {what}"
@@ -166,14 +177,16 @@ def release_when_held(job_id: str, timeout_s: float) -> None:
     resolution, when it ends; a new run whose credential is stamped in that same second is killed
     as "credential revoked" (seen here when released at once). Two seconds stay clear of that.
     """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if "JobState=PENDING" in slurm.run(["scontrol", "show", "job", job_id]):
+    budget, shown = Budget(timeout_s, f"requeued job {job_id} to be PENDING again"), ""
+    while not budget.expired():
+        shown = slurm.run(["scontrol", "show", "job", job_id])
+        if "JobState=PENDING" in shown:
             time.sleep(2)
             slurm.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
             return
         time.sleep(0.5)
-    raise AssertionError(f"requeued job {job_id} never became PENDING again within {timeout_s:.0f} s")
+    state = re.search(r"JobState=(\S+)", shown)
+    raise AssertionError(f"{budget.describe()}; last seen: JobState={state.group(1) if state else '?'}")
 
 
 class Interrupter(threading.Thread):
@@ -256,14 +269,14 @@ def assert_trained_chain(result: SubmitResult, model: str) -> None:
     assert iteration == 20
 
 
-@pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
+@pytest.mark.timeout(ceiling(CHAIN_TIMEOUT_S) + 120)
 @pytest.mark.parametrize("model", ["gpt", "bert"])
 def test_submit_wait_completes_the_whole_chain(chains, model):
     result, _ = chains
     assert_trained_chain(result(model), model)
 
 
-@pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
+@pytest.mark.timeout(ceiling(CHAIN_TIMEOUT_S) + 120)
 def test_status_shows_the_chain_from_any_job_id(chains):
     result = chains[0]("gpt")
     assert result.returncode == 0, result.describe()
@@ -277,7 +290,7 @@ def test_status_shows_the_chain_from_any_job_id(chains):
         assert status.stdout.rstrip().endswith("chain: COMPLETED")
 
 
-@pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
+@pytest.mark.timeout(ceiling(CHAIN_TIMEOUT_S) + 120)
 def test_a_failing_training_job_fails_the_chain_fast_and_aggregation_still_reports(chains):
     result = chains[0]("bad_train_flag")
     assert result.returncode == 1, result.describe()
@@ -292,7 +305,7 @@ def test_a_failing_training_job_fails_the_chain_fast_and_aggregation_still_repor
     assert "chain failed: train" in result.stderr
 
 
-@pytest.mark.timeout(CHAIN_TIMEOUT_S + 120)
+@pytest.mark.timeout(ceiling(CHAIN_TIMEOUT_S) + 120)
 def test_a_failing_preprocessing_job_cancels_training_and_aggregation_still_runs(chains):
     result = chains[0]("bad_tokenizer")
     assert result.returncode == 1, result.describe()
@@ -312,17 +325,17 @@ def test_status_of_an_unknown_job_is_one_line_and_status_2():
     assert time.monotonic() - started < 30
 
 
-@pytest.mark.timeout(4 * CHAIN_TIMEOUT_S)
+@pytest.mark.timeout(ceiling(3 * CHAIN_TIMEOUT_S) + 300)
 @pytest.mark.parametrize("interruption", CHAIN_INTERRUPTIONS)
 def test_interrupted_training_resumes_and_matches_an_uninterrupted_run(chains, interruption):
     result, interrupted = chains
     submitted, interrupter = interrupted[interruption]
     train_id = submitted.job_ids["train"]
-    interrupter.join(timeout=2 * CHAIN_TIMEOUT_S + 180)
+    interrupter.join(timeout=ceiling(2 * CHAIN_TIMEOUT_S) + 180)  # its own waits are stretched budgets
     assert not interrupter.is_alive(), "the interrupter thread did not finish"
     if interrupter.error is not None:
         raise interrupter.error
-    final = chain.wait(submitted, CHAIN_TIMEOUT_S, on_change=lambda record, step: None)
+    final = chain.wait(submitted, Budget(CHAIN_TIMEOUT_S, "").allowed_s, on_change=lambda record, step: None)
     log = train_log(submitted).read_text()
     assert [r.state for r in final] == ["COMPLETED"] * 3, log[-4000:]
 

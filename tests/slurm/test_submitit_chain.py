@@ -9,18 +9,25 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.corpus import small_corpus
-from tests.slurm.test_chain import REPO, finish_submit, start_submit
+from tests.slurm.test_chain import CHAIN_TIMEOUT_S, REPO, finish_submit, start_submit
+from tests.timeouts import ceiling
 
 SHORT = ["--train-iters", "4"]
+FEW_DOCUMENTS = 20  # the failing chain's corpus: its training stops at the flag check, before any sample
 
 
+# The chains' waits are stretched by the load (tests/slurm/test_chain.py, CHAIN_TIMEOUT_S): the bound
+# here only backs them up (pytest's default, 600 s, struck first under two test runs at once).
+@pytest.mark.timeout(ceiling(CHAIN_TIMEOUT_S) + 120)
 def test_submitit_chain_returns_the_summary_and_reports_a_failed_step_with_its_traceback(tmp_path):
     corpus = small_corpus(tmp_path / "corpus.jsonl")
     good = start_submit(tmp_path / "runs", corpus, "gpt", "--nodes", "2", *SHORT,
                         "--sbatch-arg", "comment=nightly", "--time", "00:20:00")
-    bad = start_submit(tmp_path / "runs", corpus, "gpt", "--nodes", "2", *SHORT,
-                       "--env", "EXTRA_TRAIN_ARGS=--no-such-flag")
+    bad = start_submit(tmp_path / "runs", small_corpus(tmp_path / "few.jsonl", FEW_DOCUMENTS), "gpt", "--nodes", "2",
+                       *SHORT, "--env", "EXTRA_TRAIN_ARGS=--no-such-flag")
     ok, failed = finish_submit(good), finish_submit(bad)
 
     assert ok.returncode == 0, ok.describe()

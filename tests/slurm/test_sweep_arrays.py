@@ -38,10 +38,15 @@ from tests.slurm.test_chain import (
     release_when_held,
     small_corpus,
     wait_for_iteration,
+    wait_until_started,
 )
+from tests.timeouts import Budget, ceiling, communicate_within
 from workflows import slurm, sweep
 
-SWEEP_TIMEOUT_S = 900  # the three sweeps share 2 cores (and the cluster's 16 declared CPUs)
+SWEEP_TIMEOUT_S = 900
+"""A sweep's budget on an unloaded machine (the three sweeps share 2 cores and the cluster's 16 declared
+CPUs: their ~22 ranks start at once, each importing megatron-core). Every wait stretches it by the
+load seen meanwhile (tests/timeouts.py); the driver's --timeout is the stretched budget's ceiling."""
 INTERRUPTED = {0: "requeue", 2: "usr1"}  # task -> tests/slurm/test_chain.py's INTERRUPTIONS
 SWEEPS = {
     "arrays": ["--sweep", "pp=2,4", "--sweep", "schedule=1f1b,dpp", "--train-iters", "4"],
@@ -56,7 +61,7 @@ class SweepRun:
     def __init__(self, runs_dir: Path, corpus: Path, args: list[str]):
         self.runs_dir = runs_dir
         argv = [sys.executable, "-m", "workflows.submit", "gpt", "--nodes", "2", *args, "--env", f"INPUT={corpus}",
-                "--runs-dir", str(runs_dir), "--wait", "--timeout", str(SWEEP_TIMEOUT_S)]
+                "--runs-dir", str(runs_dir), "--wait", "--timeout", str(ceiling(SWEEP_TIMEOUT_S))]
         self.proc = subprocess.Popen(argv, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.returncode: int | None = None
@@ -64,8 +69,8 @@ class SweepRun:
 
     def manifest(self, timeout_s: float = 120) -> dict:
         """sweep.json, once the driver has written it (right after submitting)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        budget = Budget(timeout_s, f"{sweep.MANIFEST} under {self.runs_dir}")
+        while not budget.expired():
             found = list(self.runs_dir.glob(f"*/{sweep.MANIFEST}"))
             if found:
                 try:
@@ -73,19 +78,22 @@ class SweepRun:
                 except ValueError:  # caught mid-write
                     pass
             time.sleep(0.5)
-        raise AssertionError(f"no {sweep.MANIFEST} under {self.runs_dir} within {timeout_s:.0f} s")
+        raise AssertionError(f"{budget.describe()}; driver {'running' if self.proc.poll() is None else 'ended'}")
 
     def finish(self) -> SweepRun:
         if self.returncode is None:
-            try:
-                self.stdout, self.stderr = self.proc.communicate(timeout=SWEEP_TIMEOUT_S + 60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.stdout, self.stderr = self.proc.communicate()
-                pytest.fail(f"submit --sweep --wait did not return in {SWEEP_TIMEOUT_S + 60} s:\n"
-                            f"{self.stdout}\n{self.stderr}")
+            self.stdout, self.stderr = communicate_within(
+                self.proc, SWEEP_TIMEOUT_S + 60, f"`submit --sweep --wait` of {self.runs_dir.name} to return",
+                state=self.job_states)
             self.returncode = self.proc.returncode
         return self
+
+    def job_states(self) -> str:
+        """Every job of the sweep and its state now (for a failure's message)."""
+        try:
+            return str(states(self.manifest(timeout_s=1)))
+        except AssertionError:
+            return f"no {sweep.MANIFEST} yet"
 
     def describe(self) -> str:
         logs = ""
@@ -106,9 +114,13 @@ class TaskInterrupter(threading.Thread):
         try:
             manifest = self.run_.manifest()
             task = manifest["points"][self.point]["train"]
-            wait_for_iteration(sweep.log_path(manifest, "train", task), INTERRUPT_AFTER, timeout_s=SWEEP_TIMEOUT_S)
+            # The task may queue for minutes behind the other sweeps' runs (the cluster's CPUs are all
+            # taken), longer under load: its progress is timed from its start, as a chain's is.
+            wait_until_started(task, timeout_s=SWEEP_TIMEOUT_S)
+            wait_for_iteration(sweep.log_path(manifest, "train", task), INTERRUPT_AFTER, timeout_s=SWEEP_TIMEOUT_S,
+                               job_id=task)
             slurm.run([*self.command, task])
-            release_when_held(task, timeout_s=120)
+            release_when_held(task, timeout_s=120)  # stretched by the load, as every wait here
         except BaseException as exc:  # re-raised by the test in the main thread
             self.error = exc
 
@@ -146,7 +158,7 @@ def states(manifest: dict) -> dict[str, str]:
     return {job_id: sweep.state_of(records, job_id) for job_id in sweep.job_ids(manifest)}
 
 
-@pytest.mark.timeout(2 * SWEEP_TIMEOUT_S)
+@pytest.mark.timeout(ceiling(2 * SWEEP_TIMEOUT_S))
 def test_a_sweep_over_allocations_runs_as_several_arrays_and_status_shows_every_run(sweeps):
     run = sweeps[0]["arrays"].finish()
     assert run.returncode == 0, run.describe()
@@ -195,12 +207,12 @@ def test_a_sweep_over_allocations_runs_as_several_arrays_and_status_shows_every_
     assert lost.returncode == 2 and "--runs-dir" in lost.stderr, lost.stderr
 
 
-@pytest.mark.timeout(2 * SWEEP_TIMEOUT_S)
+@pytest.mark.timeout(ceiling(2 * SWEEP_TIMEOUT_S))
 def test_interrupted_array_tasks_resume_and_match_their_undisturbed_sibling(sweeps):
     runs, interrupters = sweeps
     run = runs["requeue"].finish()
     for thread in interrupters.values():
-        thread.join(timeout=60)
+        thread.join(timeout=ceiling(60))
         assert not thread.is_alive(), "an interrupter thread did not finish"
         if thread.error is not None:
             raise thread.error
@@ -237,7 +249,7 @@ def test_interrupted_array_tasks_resume_and_match_their_undisturbed_sibling(swee
         assert final_loss(second_run) == final_loss(sibling), kind
 
 
-@pytest.mark.timeout(2 * SWEEP_TIMEOUT_S)
+@pytest.mark.timeout(ceiling(2 * SWEEP_TIMEOUT_S))
 def test_a_failed_array_task_is_reported_with_its_log_tail_and_remote_traceback(sweeps):
     run = sweeps[0]["failing"].finish()
     assert run.returncode == 1, run.describe()

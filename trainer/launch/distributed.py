@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.launch.node_addresses import read_node_ips
+from trainer.launch.rendezvous import rendezvous, rendezvous_timeout
 from trainer.launch.topology import Topology
 from trainer.problems import raise_if_any
 
@@ -149,7 +150,9 @@ def init_process_group(
     launch: LaunchInfo, device: str, timeout_s: float = 600.0, backend_choice: str = "auto"
 ) -> torch.device:
     """Create the default process group (NCCL on CUDA, gloo on CPU, unless ``backend_choice`` names
-    one); returns this rank's device."""
+    one); returns this rank's device. ``timeout_s`` bounds its collectives; the rendezvous before it
+    has a deadline of its own (trainer.launch.rendezvous: RENDEZVOUS_TIMEOUT_S, or
+    $MDPP_RENDEZVOUS_TIMEOUT), past which a rank fails naming what it waited for."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise LaunchError("--device cuda but torch sees no CUDA device (use --device cpu)")
@@ -160,13 +163,11 @@ def init_process_group(
         if backend_choice == "nccl":
             raise LaunchError("--distributed-backend nccl needs --device cuda")
         dev, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    store = rendezvous(launch.rank, launch.world_size, launch.master_addr, launch.master_port,
+                       rendezvous_timeout())
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))  # every rank is there: collectives' bound from now on
+    dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return dev
 
 

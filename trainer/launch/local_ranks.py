@@ -13,13 +13,14 @@ Two ways, both bounded by a deadline past which every rank still running is kill
   (trainer/transport/bench.py) and the transport tests run so.
 
 Not test tooling: both benchmarks are user commands that start their own ranks. It sits beside the
-trainer's leaves (it imports only trainer.launch.ports and trainer.launch.cpu_binding, and torch only inside a
+trainer's leaves (it imports only trainer.launch.ports, trainer.launch.cpu_binding and trainer.names, and torch only inside a
 forked rank), so the two benchmarks, which nothing else in trainer imports, can share it and the
 import graph stays a tree; the training runtime never imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -34,9 +35,11 @@ from typing import Any
 
 from trainer.launch.cpu_binding import format_cpu_list
 from trainer.launch.ports import free_port
+from trainer.names import is_segment_of_prefix, token_prefix
 
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set (unless already set) for every benchmark rank on CUDA: NVLink multicast stays off on the lent machines."""
+SHM_DIR = Path("/dev/shm")
 FAILURE_GRACE_S = 15.0
 """After one benchmark rank fails, how long its peers get to finish before they are killed."""
 
@@ -49,6 +52,8 @@ class Ranks:
     procs: list[subprocess.Popen]
     logs: list[Path]
     started: float
+    token_prefix: str = ""
+    """What the ranks' run token begins with (trainer.names.token_prefix of their environment)."""
 
     def output(self, rank: int) -> str:
         return self.logs[rank].read_text(errors="replace") if self.logs[rank].exists() else ""
@@ -68,11 +73,30 @@ class Ranks:
                 break
             time.sleep(0.2)
         timed_out = any(p.poll() is None for p in self.procs) and time.monotonic() > deadline
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        killed = [rank for rank, proc in enumerate(self.procs) if proc.poll() is None]
+        for rank in killed:
+            self.procs[rank].kill()
+            self.procs[rank].wait()
+        if killed:
+            self._remove_run_segments(killed)
         return timed_out
+
+    def _remove_run_segments(self, killed: list[int]) -> None:
+        """Remove what the run left in /dev/shm once ranks had to be killed: a SIGKILLed rank cannot
+        unlink its own, and when every rank was killed no survivor does it for them. Only segments of
+        a run token drawn from this launch's prefix (never another run's); said in rank 0's log."""
+        if not self.token_prefix or not SHM_DIR.is_dir():
+            return
+        removed = []
+        for entry in os.scandir(SHM_DIR):
+            if is_segment_of_prefix(self.token_prefix, entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+        if removed:
+            with open(self.logs[0], "a") as log:
+                log.write(f"[launcher] killed rank(s) {', '.join(map(str, killed))}; removed their run's "
+                          f"shared-memory segment(s): {', '.join(sorted(removed))}\n")
 
 
 def start_ranks(module_args: list[str], world_size: int, folder: Path, *, run_id: str,
@@ -83,12 +107,13 @@ def start_ranks(module_args: list[str], world_size: int, folder: Path, *, run_id
     ``env`` goes on top of those. ``cpu_sets[r]``: the CPUs rank r may run on (set before it starts)."""
     folder.mkdir(parents=True, exist_ok=True)
     port, started = free_port(), time.monotonic()
-    procs, logs = [], []
+    procs, logs, prefix = [], [], ""
     for rank in range(world_size):
         rank_env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(local_world_size or world_size), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"{run_id}{port}",
                     "PYTHONWARNINGS": "ignore", **(env or {})}
+        prefix = token_prefix(rank_env)
         log = folder / f"rank{rank}.log"
         logs.append(log)
         cpus = cpu_sets[rank] if cpu_sets else None
@@ -99,7 +124,7 @@ def start_ranks(module_args: list[str], world_size: int, folder: Path, *, run_id
             procs.append(subprocess.Popen([sys.executable, "-m", *module_args], cwd=cwd, env=rank_env,
                                           stdout=out, stderr=subprocess.STDOUT,
                                           preexec_fn=(lambda c=cpus: os.sched_setaffinity(0, c)) if cpus else None))
-    return Ranks(procs, logs, started)
+    return Ranks(procs, logs, started, prefix)
 
 
 @dataclass

@@ -29,13 +29,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.names import is_segment_of, job_name_part, launcher_prefix, make_token
+from trainer.names import RUN_TAG_ENV, is_segment_of, job_name_part, make_token, token_prefix
+
+__all__ = ["RUN_TAG_ENV", "SHM_DIR", "agreed_run_token", "remove_run_segments", "token_prefix"]
 
 log = logging.getLogger(__name__)
 
-RUN_TAG_ENV = "MDPP_RUN_TAG"
-"""Environment: a tag put in front of every run token drawn under it ([A-Za-z0-9_.] kept, the rest
-becomes ``_``), so a harness running many jobs on one host can find its own runs' segments."""
 SHM_DIR = Path("/dev/shm")
 
 
@@ -55,11 +54,6 @@ def agreed_run_token(group: dist.ProcessGroup | None = None, device: torch.devic
         dist.broadcast(value, src=source, group=group)
         suffix = int(value.item())
     return make_token(token_prefix(dict(os.environ)), suffix)
-
-
-def token_prefix(env: dict[str, str]) -> str:
-    """What goes in front of the random suffix: the caller's tag (RUN_TAG_ENV), then the launcher's id."""
-    return "_".join(part for part in (env.get(RUN_TAG_ENV, ""), launcher_prefix(env)) if part)
 
 
 def remove_run_segments(token: str | None, shm_dir: Path = SHM_DIR) -> list[str]:

@@ -7,8 +7,9 @@ What runs the pipeline is the run plan's (trainer/config/plan.py): megatron-core
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +76,8 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
     import_megatron_core()  # first: megatron-core's fused kernels then import no TorchDynamo (see there)
     device = init_process_group(launch, cfg.run.device, timeout_s=max(600.0, cfg.parallel.dpp_timeout_s),
                                 backend_choice=cfg.parallel.distributed_backend)
-    run_token = agreed_run_token(device=device)
+    with waiting_for_every_rank(launch.rank, "agreeing on the run token"):
+        run_token = agreed_run_token(device=device)
     shims = None
     if cfg.run.device == "cpu":
         from trainer.megatron.compat import apply_cpu_shims
@@ -91,12 +93,14 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
 
         graph_stream = run_on_side_stream(device)  # before the model: see its docstring
     par = cfg.parallel
-    topology = build_topology(launch, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                              plan.layers.virtual_pipeline)
+    with waiting_for_every_rank(launch.rank, "gathering every rank's node"):
+        topology = build_topology(launch, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                                  plan.layers.virtual_pipeline)
     if cfg.run.multi_node and len(set(topology.node_of_rank)) < 2:
         raise LaunchError("--multi-node but every rank reported the same node (" + topology.describe()
                           + "): drop --multi-node, or launch on several nodes")
-    init_megatron_parallel(topology)
+    with waiting_for_every_rank(launch.rank, "building megatron-core's process groups"):
+        init_megatron_parallel(topology)
     _seed(cfg, topology, plan.rng)
     feed = MicrobatchFeed(cfg, topology, device, plan.num_microbatches, consumed_samples)
     from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
@@ -145,6 +149,27 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
         if runtime is not None:  # what the trace has so far, as on any crash after the runtime opened
             runtime.flush_traces()
         raise
+
+
+class SetupCollectiveError(RuntimeError):
+    """A collective of the set-up broke: the message names the rank and the step it waited in."""
+
+
+@contextlib.contextmanager
+def waiting_for_every_rank(rank: int, step: str) -> Iterator[None]:
+    """Name the set-up step whose collective (one every rank joins) failed on this rank. A peer that
+    died there or failed before it breaks the collective at once (gloo: connection reset; the store:
+    connection closed), or after the process group's timeout; either way the error, raised from
+    torch's, says who waited for what, where torch's names only a socket."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, (SetupCollectiveError, LaunchError)):
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise SetupCollectiveError(
+            f"rank {rank} failed during set-up while {step} (a collective with every rank): {first} -- a "
+            "peer that died or failed before it breaks it; the first rank to fail says why in its log") from err
 
 
 def _seed(cfg: TrainConfig, topology: Topology, rng: RngPlan) -> None:
