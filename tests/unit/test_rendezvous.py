@@ -101,3 +101,17 @@ def test_a_rank_that_finds_something_else_listening_at_the_address_gives_up_with
     assert time.monotonic() - started < BOUND_S
     assert f"rank 1 connected to 127.0.0.1:{port}" in str(caught.value), caught.value
     assert "no rendezvous store answered" in str(caught.value), caught.value
+
+
+def test_a_process_that_trains_again_meets_its_peers_again_at_the_same_port():
+    # A run's store server can outlive it in the process (a group of that run still holds it): the next
+    # run's rank 0 shares it rather than failing to bind, and waits for the new run's check-ins, not
+    # the old ones.
+    port = free_port()
+    first = rendezvous(0, 1, "127.0.0.1", port, TIMEOUT_S)
+    again = rendezvous(0, 1, "127.0.0.1", port, TIMEOUT_S)
+    assert again.check(["mdpp/rendezvous/arrived/2/0"]) and first is not again
+    started = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"for rank\(s\) 1 of 2, which never arrived"):
+        rendezvous(0, 2, "127.0.0.1", port, TIMEOUT_S)  # rank 1 checked in with no earlier run here
+    assert time.monotonic() - started < BOUND_S

@@ -36,8 +36,12 @@ RENDEZVOUS_TIMEOUT_S = 300.0
 RENDEZVOUS_TIMEOUT_ENV = "MDPP_RENDEZVOUS_TIMEOUT"
 """Environment: the rendezvous deadline in seconds, instead of RENDEZVOUS_TIMEOUT_S."""
 ARRIVED_KEY = "mdpp/rendezvous/arrived/"
-"""Store key prefix: ``<prefix><rank>`` is set once that rank has checked in (outside torch's own
-``default_pg`` prefix, so the process group built on the store never reads it)."""
+"""Store key prefix: ``<prefix><generation>/<rank>`` is set once that rank has checked in (outside
+torch's own ``default_pg`` prefix, so the process group built on the store never reads it)."""
+_generations: dict[tuple[str, int, int], int] = {}
+"""Rendezvous made by this process per address and rank: a process that trains several times (tests, notebooks)
+meets its peers again at rank 0's store, whose server may outlive a run (see :func:`rendezvous`), so each
+run's check-ins carry its own generation -- the same on every rank, which repeat the same runs."""
 POLL_S = 0.25
 CONNECT_S = 10.0
 """Seconds a rank allows for connecting to a store that listens already (a moment, on any network)."""
@@ -71,7 +75,9 @@ def rendezvous(rank: int, world_size: int, host: str, port: int, timeout_s: floa
     deadline = started + timeout_s
     if rank == 0:
         try:
-            store = dist.TCPStore(host, port, world_size, is_master=True,
+            # multi_tenant, as torch's own tcp:// rendezvous: a server this process still holds on the port
+            # (a group of an earlier run in the same process keeps it alive) is shared, not a bind error.
+            store = dist.TCPStore(host, port, world_size, is_master=True, multi_tenant=True,
                                   timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         except (RuntimeError, OSError) as err:
             raise RendezvousError(f"rank 0 could not listen at {where} for the rendezvous: {_first_line(err)} "
@@ -80,8 +86,10 @@ def rendezvous(rank: int, world_size: int, host: str, port: int, timeout_s: floa
         _wait_until_listening(rank, host, port, where, deadline, timeout_s)
         store = _connect(rank, host, port, world_size, where, max(deadline - time.monotonic(), CONNECT_S))
     try:
-        store.set(f"{ARRIVED_KEY}{rank}", "1")
-        _wait_for_everyone(store, rank, world_size, where, deadline, timeout_s)
+        _generations[(host, port, rank)] = generation = _generations.get((host, port, rank), 0) + 1
+        arrived = f"{ARRIVED_KEY}{generation}/"
+        store.set(f"{arrived}{rank}", "1")
+        _wait_for_everyone(store, arrived, rank, world_size, where, deadline, timeout_s)
     except (RuntimeError, OSError) as err:
         if isinstance(err, RendezvousError):
             raise
@@ -135,11 +143,11 @@ def _wait_until_listening(rank: int, host: str, port: int, where: str, deadline:
         time.sleep(POLL_S)
 
 
-def _wait_for_everyone(store: dist.TCPStore, rank: int, world_size: int, where: str, deadline: float,
-                       timeout_s: float) -> None:
+def _wait_for_everyone(store: dist.TCPStore, arrived: str, rank: int, world_size: int, where: str,
+                       deadline: float, timeout_s: float) -> None:
     missing = list(range(world_size))
     while True:
-        missing = [r for r in missing if not store.check([f"{ARRIVED_KEY}{r}"])]
+        missing = [r for r in missing if not store.check([f"{arrived}{r}"])]
         if not missing:
             return
         if time.monotonic() >= deadline:
