@@ -49,6 +49,9 @@ GROUPS: dict[str, list[str]] = {
     # part 8: Transformer Engine's layers under 1F1B, eager DPP and graphed DPP (2 GPUs; skips without TE:
     # carry .te/whl and .te/wheel, which call_4gpu_tier.sh installs for this part)
     "TE": [f"{_G}/test_te_gpu.py"],
+    # part 9: split backward with Transformer Engine's linears (eager dpp-zb) against megatron-core's 1F1B and
+    # the unsplit run's gradients (2 GPUs; carry .te/whl and .te/wheel as for part 8)
+    "TS": [f"{_G}/test_te_split_gpu.py"],
 }
 PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "1": (("A", "B"), "C", 400, 140),
@@ -59,6 +62,7 @@ PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "6": ((), "S", 0, 560),
     "7": ((), "P", 0, 500),
     "8": ((), "TE", 0, 300),
+    "9": ((), "TS", 0, 540),
 }
 """Part -> (groups run side by side on GPU pairs 0,1 and 2,3; the group run on all four GPUs after
 them; seconds for the pairs; seconds for the last group)."""
