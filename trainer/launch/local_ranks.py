@@ -13,14 +13,13 @@ Two ways, both bounded by a deadline past which every rank still running is kill
   (trainer/transport/bench.py) and the transport tests run so.
 
 Not test tooling: both benchmarks are user commands that start their own ranks. It sits beside the
-trainer's leaves (it imports only trainer.launch.ports, trainer.launch.cpu_binding and trainer.names, and torch only inside a
-forked rank), so the two benchmarks, which nothing else in trainer imports, can share it and the
-import graph stays a tree; the training runtime never imports it.
+trainer's leaves (it imports only trainer.launch.ports, trainer.launch.cpu_binding, trainer.launch.shm_segments
+and trainer.names, and torch only inside a forked rank), so the two benchmarks, which nothing else in
+trainer imports, can share it and the import graph stays a tree; the training runtime never imports it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import multiprocessing
 import os
@@ -35,11 +34,11 @@ from typing import Any
 
 from trainer.launch.cpu_binding import format_cpu_list
 from trainer.launch.ports import free_port
+from trainer.launch.shm_segments import unlink_segments
 from trainer.names import is_segment_of_prefix, token_prefix
 
 CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set (unless already set) for every benchmark rank on CUDA: NVLink multicast stays off on the lent machines."""
-SHM_DIR = Path("/dev/shm")
 FAILURE_GRACE_S = 15.0
 """After one benchmark rank fails, how long its peers get to finish before they are killed."""
 
@@ -85,14 +84,9 @@ class Ranks:
         """Remove what the run left in /dev/shm once ranks had to be killed: a SIGKILLed rank cannot
         unlink its own, and when every rank was killed no survivor does it for them. Only segments of
         a run token drawn from this launch's prefix (never another run's); said in rank 0's log."""
-        if not self.token_prefix or not SHM_DIR.is_dir():
+        if not self.token_prefix:
             return
-        removed = []
-        for entry in os.scandir(SHM_DIR):
-            if is_segment_of_prefix(self.token_prefix, entry.name):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed.append(entry.name)
+        removed = unlink_segments(lambda name: is_segment_of_prefix(self.token_prefix, name))
         if removed:
             with open(self.logs[0], "a") as log:
                 log.write(f"[launcher] killed rank(s) {', '.join(map(str, killed))}; removed their run's "

@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.launch.shm_segments import SHM_DIR, unlink_segments
 from trainer.names import RUN_TAG_ENV, is_segment_of, job_name_part, make_token, token_prefix
 
 __all__ = ["RUN_TAG_ENV", "SHM_DIR", "agreed_run_token", "remove_run_segments", "token_prefix"]
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
 
 
 def agreed_run_token(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> str:
@@ -62,16 +62,10 @@ def remove_run_segments(token: str | None, shm_dir: Path = SHM_DIR) -> list[str]
     Safe to call from any rank, any number of times, at any point after set-up began: names are
     unlinked, not unmapped, so a rank that still has a segment mapped keeps using it. A name another
     process removes first is skipped. None (no token drawn yet): nothing to do."""
-    if not token or not shm_dir.is_dir():
+    if not token:
         return []
-    job, removed = job_name_part(token), []
-    for entry in os.scandir(shm_dir):
-        if is_segment_of(job, entry.name):
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:  # a peer of the same run got there first
-                continue
-            removed.append(entry.name)
+    job = job_name_part(token)
+    removed = unlink_segments(lambda name: is_segment_of(job, name), shm_dir)
     if removed:
         log.warning("removed %d shared-memory segment(s) run %s left in %s: %s",
                     len(removed), token, shm_dir, ", ".join(sorted(removed)))
