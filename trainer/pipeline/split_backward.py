@@ -341,7 +341,7 @@ def split_backward_problems(chunks: list[torch.nn.Module], sequence_parallel_inp
     # (TE's norms -- megatron-core builds the block's final norm from TE wherever TE is installed, even
     # with the local layer spec -- and its attention have none).
     te = te_gemm_modules(chunks)
-    problems = te_split_backward_problems(chunks, sequence_parallel_input)
+    problems = te_split_backward_problems(te, sequence_parallel_input)
     linears = [m for chunk in chunks for m in chunk.modules() if _is_megatron_linear(m)]
     if not linears and not te:
         problems.append("no ColumnParallelLinear/RowParallelLinear in the model: nothing to split")

@@ -152,8 +152,8 @@ class RoutingWgradStore:
     """Stands in for a TE module's ``wgrad_store`` (module docstring): always deferring, and each
     ``put`` goes into the store the runtime opened for the running I (``controller.active``).
 
-    With no store open -- a backward outside the runtime's I steps, e.g. a CUDA graph warm-up -- the GEMM
-    runs at once and its gradient is added as W would, so such a backward still yields every gradient."""
+    With no store open -- a backward outside the runtime's I steps -- the GEMM runs at once and its
+    gradient is added as W would, so such a backward still yields every gradient."""
 
     enabled = True
     context = None  # TE's FIFO queue: not used (GroupedLinear's backward_dw reads it; it is refused)
@@ -209,10 +209,11 @@ def te_gemm_modules(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
             if is_transformer_engine(m) and any(p.dim() >= 2 for p in m.parameters(recurse=False))]
 
 
-def te_split_backward_problems(chunks: list[torch.nn.Module], sequence_parallel_input: str = "keep") -> list[str]:
-    """Why the TE linears of ``chunks`` cannot run a split backward, one line per kind (empty: they can)."""
+def te_split_backward_problems(modules: list[torch.nn.Module], sequence_parallel_input: str = "keep") -> list[str]:
+    """Why these TE modules (:func:`te_gemm_modules` of the chunks) cannot run a split backward, one line
+    per kind (empty: they can)."""
     found: dict[str, None] = {}
-    for module in te_gemm_modules(chunks):
+    for module in modules:
         problem = te_problem(module, sequence_parallel_input)
         if problem is not None:
             found.setdefault(f"Transformer Engine layer {problem}")
