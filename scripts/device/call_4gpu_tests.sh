@@ -10,9 +10,5 @@ files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_transport_gpu.py tests/gpu/test_transport_nccl_gpu.py
                                  tests/gpu/test_dpp_nccl_split.py tests/gpu/test_gpu_spans.py tests/dist/test_train_gpu.py)
 for t in "${files[@]}"; do
-    echo "=== $t"
-    start=$SECONDS
-    timeout "$per" python3 -m pytest -q -s -m gpu -p no:cacheprovider "$t" > /tmp/t.log 2>&1; echo "rc=$? in $((SECONDS - start)) s"
-    grep -vE "UserWarning|warnings.warn|^$" /tmp/t.log | grep -E "^ *[0-9]+ |iteration|passed|failed|Error|assert|skipped" | tail -16
-    cp /tmp/t.log "$OUT/$(basename "$t" .py).log"
+    gpu_pytest "$t" "$per" "^ *[0-9]+ |iteration|passed|failed|Error|assert|skipped" 16
 done

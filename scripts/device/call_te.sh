@@ -13,19 +13,14 @@ source scripts/te/install.sh || exit 1
 left() { echo $((BUDGET - (SECONDS - start))); }
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
-t0=$SECONDS
-timeout 420 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_te_gpu.py > "$OUT/test_te_gpu.log" 2>&1
-echo "== test_te_gpu: rc=$? in $((SECONDS - t0)) s"
-grep -vE "UserWarning|warnings.warn" "$OUT/test_te_gpu.log" | grep -E "^[0-9]+ |replayed|passed|failed|Error|assert|skipped" | tail -24
+gpu_pytest tests/gpu/test_te_gpu.py 420 "^[0-9]+ |replayed|passed|failed|Error|assert|skipped" 24
 
 limit=$(( $(left) - 20 ))
 if [ "$gpus" -lt 2 ]; then
     echo "== transformer-engine experiment: needs 2 GPUs (PP=2), $gpus here"
-    t0=$SECONDS  # one GPU: the graphed-vs-eager tests, both ranks sharing it over gloo
-    timeout $(( $(left) - 10 )) python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_dpp_cuda_graphs.py \
-        ${TE_CALL_GRAPH_TESTS:+-k "$TE_CALL_GRAPH_TESTS"} > "$OUT/test_dpp_cuda_graphs.log" 2>&1
-    echo "== test_dpp_cuda_graphs: rc=$? in $((SECONDS - t0)) s"
-    grep -E "passed|failed|Error|assert" "$OUT/test_dpp_cuda_graphs.log" | tail -12
+    # one GPU: the graphed-vs-eager tests, both ranks sharing it over gloo
+    gpu_pytest tests/gpu/test_dpp_cuda_graphs.py $(( $(left) - 10 )) "passed|failed|Error|assert" 12 \
+        ${TE_CALL_GRAPH_TESTS:+-k "$TE_CALL_GRAPH_TESTS"}
 elif [ "$limit" -gt 120 ]; then
     python3 -m trainer.bench.run transformer-engine --gpus "$gpus" --results "$OUT" --time-limit "$limit" 2>&1 \
         | grep -E "^\[bench|Headline|^\[bench.run\]" | tail -20
@@ -33,10 +28,6 @@ else
     echo "== transformer-engine experiment: skipped, $(left) s left"
 fi
 if [ "$(left)" -gt 150 ]; then
-    t0=$SECONDS
-    timeout $(( $(left) - 10 )) python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_llama_gpu.py \
-        > "$OUT/test_llama_gpu.log" 2>&1
-    echo "== test_llama_gpu: rc=$? in $((SECONDS - t0)) s"
-    grep -vE "UserWarning|warnings.warn" "$OUT/test_llama_gpu.log" | grep -E "^[0-9]+ |passed|failed|Error|assert" | tail -12
+    gpu_pytest tests/gpu/test_llama_gpu.py $(( $(left) - 10 )) "^[0-9]+ |passed|failed|Error|assert" 12
 fi
 echo "all in $((SECONDS - start)) s"

@@ -11,16 +11,8 @@ source scripts/device/env.sh || exit 1
 source scripts/te/install.sh || exit 1
 left() { echo $((BUDGET - (SECONDS - start))); }
 
-t0=$SECONDS
-timeout 420 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_te_split_gpu.py > "$OUT/test_te_split_gpu.log" 2>&1
-echo "== test_te_split_gpu: rc=$? in $((SECONDS - t0)) s"
-grep -vE "UserWarning|warnings.warn" "$OUT/test_te_split_gpu.log" \
-    | grep -E "^[0-9]+ |installed|deferred|gradient tensors|passed|failed|Error|assert|skipped" | tail -30
+gpu_pytest tests/gpu/test_te_split_gpu.py 420 "^[0-9]+ |installed|deferred|gradient tensors|passed|failed|Error|assert|skipped" 30
 if [ "$(left)" -gt 200 ]; then
-    t0=$SECONDS
-    timeout $(( $(left) - 10 )) python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_te_gpu.py \
-        > "$OUT/test_te_gpu.log" 2>&1
-    echo "== test_te_gpu: rc=$? in $((SECONDS - t0)) s"
-    grep -vE "UserWarning|warnings.warn" "$OUT/test_te_gpu.log" | grep -E "^[0-9]+ |passed|failed|Error|assert" | tail -12
+    gpu_pytest tests/gpu/test_te_gpu.py $(( $(left) - 10 )) "^[0-9]+ |passed|failed|Error|assert" 12
 fi
 echo "all in $((SECONDS - start)) s"

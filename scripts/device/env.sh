@@ -13,3 +13,14 @@ python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 || { tail -20 /
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+# One GPU test file, bounded: `gpu_pytest FILE SECONDS PATTERN LINES [pytest args]` writes $OUT/<file>.log and
+# prints its exit status, its time and its last LINES lines matching PATTERN (warnings left out).
+gpu_pytest() {
+    local file=$1 limit=$2 pattern=$3 lines=$4 t0=$SECONDS name rc
+    shift 4
+    name=$(basename "$file" .py)
+    timeout "$limit" python3 -m pytest -q -s -m gpu -p no:cacheprovider "$file" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+    grep -vE "UserWarning|warnings.warn" "$OUT/$name.log" | grep -E "$pattern" | tail -"$lines"
+}
