@@ -4,9 +4,11 @@ or absent, which is the point."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -49,11 +51,17 @@ def test_rank_0_names_the_ranks_that_never_arrived():
     assert len(joined) == 1 and isinstance(joined[0], RendezvousError), joined
 
 
+@contextlib.contextmanager
+def _foreign_listener() -> Iterator[int]:
+    """A plain socket (not a store) listening on a loopback port: its port."""
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()
+        yield foreign.getsockname()[1]
+
+
 def test_rank_0_that_cannot_listen_fails_at_once():
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
+    with _foreign_listener() as port:
         started = time.monotonic()
         with pytest.raises(RendezvousError) as caught:
             rendezvous(0, 2, "127.0.0.1", port, 60.0)
@@ -91,10 +99,7 @@ def _attempt(rank: int, world: int, port: int, timeout_s: float = TIMEOUT_S) -> 
 def test_a_rank_that_finds_something_else_listening_at_the_address_gives_up_within_its_deadline(monkeypatch):
     # torch's own store client waits for an answer without a bound: here nothing ever answers.
     monkeypatch.setattr("trainer.launch.rendezvous.CONNECT_S", TIMEOUT_S)  # the least it allows to connect
-    with socket.socket() as foreign:
-        foreign.bind(("127.0.0.1", 0))
-        foreign.listen()
-        port = foreign.getsockname()[1]
+    with _foreign_listener() as port:
         started = time.monotonic()
         with pytest.raises(RendezvousError) as caught:
             rendezvous(1, 2, "127.0.0.1", port, TIMEOUT_S)
