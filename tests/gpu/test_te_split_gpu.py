@@ -41,18 +41,25 @@ DEFERRED = re.compile(r"stage (\d+): split backward: (\d+) Transformer Engine we
                       r"(\d+) run in their backward")
 
 
-def _assert_grads_close(want_dir: Path, got_dir: Path, rel: float) -> int:
-    """Every dumped gradient of ``got_dir`` within ``rel`` of ``want_dir``'s in relative norm; returns
-    how many tensors were compared."""
+def _assert_grads_close(want_dir: Path, got_dir: Path, rel: float, rel_after_step: float) -> int:
+    """Every dumped gradient of ``got_dir`` within ``rel`` of ``want_dir``'s in relative norm (the first
+    iteration's), ``rel_after_step`` from the second on; returns how many tensors were compared. Why two
+    bounds: W's order changes only the summation order of the microbatches' weight gradients, so the first
+    iteration's gradients differ by rounding; the next iteration's are taken at weights that one optimizer
+    step moved from those, and Adam's first step (about lr times the gradient's sign) turns the rounding
+    of a near-zero gradient into a whole lr (fp32, 2xH200: 8.8e-5 of the embedding gradient's norm). A lost
+    or doubled W moves a weight's gradient by a microbatch's share, far above either bound."""
     dumps = grad_dumps(want_dir)
     assert dumps and dumps == grad_dumps(got_dir)
     compared = 0
     for dump in dumps:
         want, got = torch.load(want_dir / dump), torch.load(got_dir / dump)
         assert sorted(got) == sorted(want), dump
+        bound = rel if dump.endswith("_it0.pt") else rel_after_step
         for name, (grad, *_) in want.items():
             diff = (got[name][0] - grad).norm().item()
-            assert diff <= rel * grad.norm().item() + 1e-12, f"{dump} {name}: |diff| {diff:.3e}, |grad| {grad.norm():.3e}"
+            assert diff <= bound * grad.norm().item() + 1e-12, \
+                f"{dump} {name}: |diff| {diff:.3e}, |grad| {grad.norm():.3e} (bound {bound:g} of |grad|)"
             compared += 1
     return compared
 
@@ -86,5 +93,6 @@ def test_te_split_backward_trains_like_megatron_1f1b(tmp_path: Path, precision: 
     for it in sorted(megatron, key=int):
         print(it, megatron[it]["lm loss"], unsplit[it]["lm loss"], split[it]["lm loss"])
         assert split[it]["lm loss"] == pytest.approx(megatron[it]["lm loss"], rel=rel), f"iteration {it}"
-    compared = _assert_grads_close(tmp_path / "dpp", tmp_path / "dpp-zb", rel=1e-5 if precision == "fp32" else 2e-2)
+    compared = _assert_grads_close(tmp_path / "dpp", tmp_path / "dpp-zb", *((1e-5, 1e-3) if precision == "fp32"
+                                                                           else (2e-2, 2e-2)))
     print(f"{compared} gradient tensors of dpp-zb equal the unsplit run's")

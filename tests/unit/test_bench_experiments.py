@@ -173,3 +173,16 @@ def test_the_result_header_names_the_layouts_the_tool_ran() -> None:
         == ["4x1x1@bert16-h2048"]
     assert layouts_as_run(["x", "--layouts=2x1x2+overlap"]) == ["2x1x2+overlap"]
     assert layouts_as_run(["x", "--lines", "a"]) == []
+
+
+def test_the_result_header_names_the_lines_the_tool_ran() -> None:
+    """A call that gives its own --lines after ``--`` (the experiment's come first) is described by them."""
+    from trainer.bench.run import as_run
+
+    exp = EXPERIMENTS["layouts"]
+    tool = ["x", "--lines", ",".join(exp.lines), "--layouts", "4x1x1", "--lines", "megatron-1f1b-best,1f1b-graphs"]
+    assert as_run(tool, "--lines") == ["megatron-1f1b-best", "1f1b-graphs"]
+    when = datetime.datetime(2026, 11, 28, tzinfo=datetime.timezone.utc)
+    text = "\n".join(header(exp, when, "4 x H200", {}, "abc", exp.model, 4, "cmd", "tool", [], None,
+                            as_run(tool, "--layouts"), as_run(tool, "--lines")))
+    assert "lines megatron-1f1b-best, 1f1b-graphs; scenarios" in text and "dpp-default" not in text

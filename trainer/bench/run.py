@@ -58,11 +58,17 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def layouts_as_run(tool: list[str]) -> list[str]:
-    """The layouts the tool runs: its last --layouts (flags after ``--`` may override the experiment's)."""
-    given = [tool[i + 1] if a == "--layouts" else a.split("=", 1)[1] for i, a in enumerate(tool)
-             if (a == "--layouts" and i + 1 < len(tool)) or a.startswith("--layouts=")]
+def as_run(tool: list[str], flag: str) -> list[str]:
+    """What the tool runs for a comma-separated ``flag`` (--layouts, --lines): its last value, since flags
+    after ``--`` may override the experiment's."""
+    given = [tool[i + 1] if a == flag else a.split("=", 1)[1] for i, a in enumerate(tool)
+             if (a == flag and i + 1 < len(tool)) or a.startswith(flag + "=")]
     return given[-1].split(",") if given else []
+
+
+def layouts_as_run(tool: list[str]) -> list[str]:
+    """The layouts the tool runs (:func:`as_run`)."""
+    return as_run(tool, "--layouts")
 
 
 def layouts_for(exp: Experiment, device: str) -> list[str]:
@@ -189,12 +195,14 @@ def headline_lines(report_text: str) -> list[str]:
 
 def header(exp: Experiment, when: datetime.datetime, hw: str, versions: dict[str, str], rev: str,
            model: str, gpus: int, command: str, tool: str, notes: list[str],
-           scenarios: list[str] | None = None, layouts: list[str] | None = None) -> list[str]:
-    """``layouts``: the layouts as run (:func:`layouts_for`; default the experiment's)."""
+           scenarios: list[str] | None = None, layouts: list[str] | None = None,
+           lines: list[str] | None = None) -> list[str]:
+    """``layouts``, ``lines``: as run (:func:`as_run`; default, or empty: the experiment's)."""
     layouts = list(exp.layouts) if layouts is None else layouts
+    lines = lines or list(exp.lines)
     configuration = (f"model **{model}** ({MODELS[model].describe()})" if exp.tool == "pipeline" else "") + (
-        f"; lines {', '.join(exp.lines)}; scenarios {', '.join(scenarios or exp.scenarios)}; rounds {exp.rounds}"
-        if exp.lines else "")
+        f"; lines {', '.join(lines)}; scenarios {', '.join(scenarios or exp.scenarios)}; rounds {exp.rounds}"
+        if lines else "")
     configuration += f"; layouts {', '.join(layouts)}" if layouts else (f"; PP={gpus}" if exp.tool == "pipeline" else "")
     for name in dict.fromkeys(lay.partition("@")[2] for lay in layouts if "@" in lay):  # a layout's own model
         configuration += f"; @{name}: model **{name}** ({MODELS[name].describe()})"
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         if run.returncode:
             body += ["", f"Exit {run.returncode}; stderr tail:", "", "```", run.stderr[-2000:].rstrip(), "```"]
     head = header(exp, when, hw, versions, commit(), model, gpus, command, shlex.join(["python", *tool[1:]]), notes,
-                  scenarios, layouts_as_run(tool))
+                  scenarios, layouts_as_run(tool), as_run(tool, "--lines"))
     path.write_text("\n".join(head + body) + "\n")
     print(f"[bench.run] wrote {path}", flush=True)
     return run.returncode
