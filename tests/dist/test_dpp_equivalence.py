@@ -196,6 +196,16 @@ def test_dpp_variable_lengths_match_single_process_reference(layout: str, policy
     _check_layout(layout, varlen_references[model], TINY + MODELS[model] + flags + VARLEN + schedule, tmp_path)
 
 
+# --dpp-held-cap stage: dpp-zb held to each stage's own 1F1B bound (at PP=2 the last stage holds one
+# microbatch until its W, where the default holds stage 0's two), on BERT, whose last stage's microbatch
+# costs as much memory as stage 0's. Other caps change the order of the ops, never the maths.
+@pytest.mark.timeout(900)
+def test_dpp_zb_at_each_stage_s_own_held_cap_matches_the_reference(references, tmp_path: Path) -> None:
+    model, _, flags = LAYOUTS["bert-pp2"]
+    _check_layout("bert-pp2", references[model], TINY + MODELS[model] + flags
+                  + ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-held-cap", "stage"], tmp_path)
+
+
 # dpp-zb asks the links whether a gradient's payload has landed (StageLinks.landed): a landed
 # gradient's I goes before a travelling one's, and while every ready gradient travels a deferred W
 # runs. CPU payloads are always there, so the harness makes the links answer "not yet" to each

@@ -182,7 +182,7 @@ def test_the_result_header_names_the_lines_the_tool_ran() -> None:
     exp = EXPERIMENTS["layouts"]
     tool = ["x", "--lines", ",".join(exp.lines), "--layouts", "4x1x1", "--lines", "megatron-1f1b-best,1f1b-graphs"]
     assert as_run(tool, "--lines") == ["megatron-1f1b-best", "1f1b-graphs"]
-    when = datetime.datetime(2026, 11, 28, tzinfo=datetime.timezone.utc)
+    when = datetime.datetime(2026, 11, 28, tzinfo=datetime.UTC)
     text = "\n".join(header(exp, when, "4 x H200", {}, "abc", exp.model, 4, "cmd", "tool", [], None,
                             as_run(tool, "--layouts"), as_run(tool, "--lines")))
     assert "lines megatron-1f1b-best, 1f1b-graphs; scenarios" in text and "dpp-default" not in text

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCHEDULE_FLAGS = frozenset({"use_dpp", "dpp_policy", "dpp_cuda_graphs", "dpp_max_queued_ops", "dpp_max_inflight",
                             "dpp_cap_factor", "dpp_fill_transit", "dpp_recompute_slots",
-                            "dpp_sp_wgrad_input", "dpp_eager"})
+                            "dpp_sp_wgrad_input", "dpp_eager", "dpp_held_cap"})
 """ParallelConfig fields that decide which schedule runs and with which options: the plan's alone."""
 DECIDERS = frozenset({"resolve_dpp_policy", "resolve_cuda_graphs", "auto_graph_problems", "uses_megatron_schedule",
                       "schedule_plan", "split_backward_refusals", "te_rng_tracker", "rng_plan"})
@@ -127,6 +127,32 @@ def test_the_plan_holds_the_options_the_runtime_uses() -> None:
     assert not _plan([*CUDA_PP2, "--use-dpp", "--overlap-grad-reduce"]).schedule.runtime_param_gather
     with pytest.raises(dataclasses.FrozenInstanceError):
         eager.policy = "zb-h1"  # type: ignore[misc]
+
+
+def test_the_held_cap_basis_reaches_each_stage_s_policy_and_its_graph_slots() -> None:
+    """--dpp-held-cap stage: dpp-zb holds each stage's own 1F1B bound (4/3/2/1 graph slots at PP=4) instead of
+    stage 0's on every stage (auto); refused beside a fixed cap or without a dynamic policy."""
+    from trainer.pipeline.runtime import graph_slots
+    from trainer.schedule.registry import make_policy
+
+    pp4 = ["--mock-data", "--num-layers", "8", "--pipeline-model-parallel-size", "4", "--global-batch-size", "16",
+           "--device", "cuda", "--transformer-impl", "local", *GRAPHS, "--dpp-policy", "dpp-zb"]
+
+    def slots(argv: list[str]) -> list[int]:
+        plan = _plan(argv, world_size=4)
+        policies = [make_policy(plan.schedule.policy, plan.shape, s, **plan.schedule.policy_kwargs) for s in range(4)]
+        return [graph_slots(p, plan.shape, s)[0] for s, p in enumerate(policies)]
+
+    assert "cap_basis" not in _plan(pp4, world_size=4).schedule.policy_kwargs
+    assert slots(pp4) == [4, 4, 4, 4]
+    assert _plan([*pp4, "--dpp-held-cap", "stage"], world_size=4).schedule.policy_kwargs["cap_basis"] == "stage"
+    assert slots([*pp4, "--dpp-held-cap", "stage"]) == [4, 3, 2, 1]
+    assert slots([*pp4[:-1], "dpp", "--dpp-held-cap", "peak"]) == [4, 4, 4, 4]
+    for argv, why in (([*pp4, "--dpp-held-cap", "stage", "--dpp-max-inflight", "3"], "give one"),
+                      ([*CPU_PP2, "--dpp-held-cap", "stage"], "applies to --use-dpp with --dpp-policy dpp/dpp-zb"),
+                      ([*CPU_PP2, "--use-dpp", "--dpp-policy", "zb-h1", "--dpp-held-cap", "peak"], "applies to")):
+        with pytest.raises(ConfigError, match=f"--dpp-held-cap=.*{why}"):
+            _plan(argv)
 
 
 def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:

@@ -84,6 +84,12 @@ CATALOGUE = {
                           "0's slots recompute the core attention)", 1,
                           ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2"],
                           True),
+    # dpp-zb held to each stage's own 1F1B bound (4/3/2/1 slots at PP=4) instead of stage 0's on every stage:
+    # the memory of the graphed 1F1B order, where a last stage's microbatch costs as much as stage 0's (BERT).
+    "dpp-zb-graphs-held-stage": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --dpp-held-cap stage (each "
+                                 "stage holds its own 1F1B bound: 4/3/2/1 slots at PP=4)", 1,
+                                 ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-held-cap",
+                                  "stage"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-eager --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-eager", "--dpp-policy",
                                                                          "dpp-zb"], True),
     # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the fair bars for the

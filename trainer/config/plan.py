@@ -55,11 +55,15 @@ class PolicyOptions:
     """--dpp-cap-factor."""
     fill_transit: bool | None = None
     """dpp-zb only (--no-dpp-fill-transit); None for the other policies."""
+    cap_basis: str | None = None
+    """--dpp-held-cap stage/peak; None for auto (the policy's own default)."""
 
     def as_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"max_inflight": self.max_inflight, "cap_factor": self.cap_factor}
         if self.fill_transit is not None:
             out["fill_transit"] = self.fill_transit
+        if self.cap_basis is not None:
+            out["cap_basis"] = self.cap_basis
         return out
 
 
@@ -293,7 +297,8 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
                             megatron_grad_sync=par.overlap_grad_reduce, log_text="megatron-core", **common)
     if par.use_dpp and dpp_policy not in STATIC_DPP_POLICIES:
         options = PolicyOptions(par.dpp_max_inflight, par.dpp_cap_factor,
-                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None)
+                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None,
+                                None if par.dpp_held_cap == "auto" else par.dpp_held_cap)
         return SchedulePlan(RUNTIME, dpp_policy, reason=why, options=options,
                             split_backward=dpp_policy in SPLIT_BACKWARD, log_text=named, **common)
     if dpp_policy in STATIC_DPP_POLICIES:  # a static order asked for (zb-h1 also without --use-dpp)

@@ -274,6 +274,13 @@ class ParallelConfig:
     gives 6/4/3/1. Headroom on the early stages hides the stage-to-stage round trip (a stage at
     1F1B's cap must wait for its oldest microbatch's gradient before the next forward) at the
     memory of the extra activations; the last stage keeps 1F1B's cap (its F and B are adjacent)."""
+    dpp_held_cap: Literal["auto", "stage", "peak"] = "auto"
+    """Which 1F1B bound caps a stage's *held* activations under the dynamic policies
+    (``--dpp-held-cap``; --dpp-cap-factor multiplies it): ``stage`` = the stage's own (p - s at PP=p), as
+    1F1B holds; ``peak`` = stage 0's (p) on every stage, ZB-H1's memory, which lets later stages defer
+    their W's; ``auto`` = ``stage`` for dpp, ``peak`` for dpp-zb. ``peak`` assumes every stage's microbatch
+    costs stage 0's memory; where the last stage's is as large (BERT's tied head: with graphs each held
+    microbatch is a slot, 4 on every stage at PP=4), ``stage`` keeps that stage at 1F1B's memory."""
     dpp_max_queued_ops: int | None = None
     """How many of its queued ops a DPP stage's host may have unfinished on the GPU before it decides
     the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
@@ -380,13 +387,9 @@ class ParallelConfig:
     PyTorch; --no-batch-p2p-sync turns it off (Megatron-LM has no flag; the name follows its
     --no-<field> convention for TransformerConfig.batch_p2p_sync). Only megatron-core's schedules use it."""
 
-    def _dpp_problems(self) -> list[str]:
-        """The DPP runtime's own knobs: policy, caps."""
+    def _cap_problems(self) -> list[str]:
+        """The dynamic policies' caps: --dpp-cap-factor, --dpp-held-cap, --dpp-max-inflight."""
         p: list[str] = []
-        if self.dpp_max_queued_ops is not None and self.dpp_max_queued_ops < 0:
-            p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} must be >= 0")
-        elif self.dpp_max_queued_ops and not self.use_dpp:
-            p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} applies to --use-dpp")
         if not (math.isfinite(self.dpp_cap_factor) and self.dpp_cap_factor >= 1.0):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} must be a finite number >= 1")
         elif self.dpp_cap_factor != 1.0 and self.dpp_max_inflight is not None:
@@ -394,8 +397,25 @@ class ParallelConfig:
                      "give one (a fixed cap for every stage, or a multiple of each stage's 1F1B cap)")
         elif self.dpp_cap_factor != 1.0 and not (self.use_dpp and self.dpp_policy not in STATIC_DPP_POLICIES):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
+        if self.dpp_held_cap not in ("auto", "stage", "peak"):
+            p.append(f"--dpp-held-cap={self.dpp_held_cap!r} must be one of auto, stage, peak")
+        elif self.dpp_held_cap != "auto" and self.dpp_max_inflight is not None:
+            p.append(f"--dpp-held-cap={self.dpp_held_cap} and --dpp-max-inflight={self.dpp_max_inflight}: give one "
+                     "(which 1F1B bound caps each stage, or a fixed cap for every stage)")
+        elif self.dpp_held_cap != "auto" and not (self.use_dpp and self.dpp_policy not in STATIC_DPP_POLICIES):
+            p.append(f"--dpp-held-cap={self.dpp_held_cap} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
         if self.dpp_max_inflight is not None and self.dpp_max_inflight < 1:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
+        return p
+
+    def _dpp_problems(self) -> list[str]:
+        """The DPP runtime's own knobs: policy, caps."""
+        p: list[str] = []
+        if self.dpp_max_queued_ops is not None and self.dpp_max_queued_ops < 0:
+            p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} must be >= 0")
+        elif self.dpp_max_queued_ops and not self.use_dpp:
+            p.append(f"--dpp-max-queued-ops={self.dpp_max_queued_ops} applies to --use-dpp")
+        p += self._cap_problems()
         if self.dpp_policy not in DPP_POLICIES:
             p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
         elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
