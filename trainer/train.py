@@ -47,6 +47,7 @@ from trainer.launch.run_token import remove_run_segments
 from trainer.launch.topology import Topology
 from trainer.pipeline.runtime import link_options as link_options  # re-exported: callers import it from here
 from trainer.profiling.manual_gc import GcPauses, ManualGC
+from trainer.profiling.memory_history import MemoryHistory
 from trainer.session.build import BuiltRun, build_run
 
 log = logging.getLogger("trainer.train")
@@ -115,11 +116,14 @@ class TrainingSession:
         self.built: BuiltRun | None = None
         self.manual_gc = ManualGC.from_config(cfg.run)  # --manual-gc's collection schedule
         self.gc_pauses = GcPauses()  # collections inside steps (end-of-run log line)
+        self.memory_history = MemoryHistory(cfg.run.record_memory_history, cfg.run.memory_snapshot_path,
+                                            cfg.run.log_interval, launch.rank)
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> BuiltRun:
         cfg = self.cfg
         preflight(cfg.checkpoint.load, cfg.checkpoint.save)  # an unreadable --load fails before any process group
+        self.memory_history.start()  # before the model is built, as Megatron-LM's model provider starts it
         self.built = run = build_run(cfg, self.plan, self.launch, self.hooks, lambda: self.state.consumed_samples)
         if cfg.checkpoint.load:
             loaded = load_checkpoint(cfg.checkpoint.load, run.model, run.optimizer, run.scheduler,
@@ -160,6 +164,7 @@ class TrainingSession:
                 return self._save_on_signal()
             with self.gc_pauses.in_step():
                 self._train_step()
+            self.memory_history.after_iteration(self.state.iteration)
             if cfg.validates and self.state.iteration % cfg.run.eval_interval == 0:
                 self.manual_gc.before_eval()
                 self._evaluate()
@@ -374,6 +379,7 @@ class TrainingSession:
         self.preempt.restore()
         self.manual_gc.stop()
         self.gc_pauses.uninstall()
+        self.memory_history.stop()
         run = self.built
         stage = run.topology.pp_rank
         if self.state.iteration:

@@ -19,7 +19,8 @@ GROUPS: dict[str, list[str]] = {
     # part 1: A and B side by side on GPUs 0,1 and 2,3, then C on all four
     "A": [f"{_G}/test_transport_gpu.py", f"{_GRAPHS}[v1]", f"{_GRAPHS}[v2]", f"{_GRAPHS}[v1-varlen]"],
     "B": [f"{_G}/test_transport_nccl_gpu.py", f"{_GRAPHS}[v1-recompute]", f"{_GRAPHS}[v1-queued1]",
-          f"{_GRAPHS}[v1-recompute-slot]", f"{_G}/test_checkpoint_gpu.py", f"{_G}/test_gpu_spans.py"],
+          f"{_GRAPHS}[v1-recompute-slot]", f"{_G}/test_checkpoint_gpu.py", f"{_G}/test_gpu_spans.py",
+          f"{_G}/test_memory_history_gpu.py"],
     "C": [f"{_G}/test_dpp_nccl_split.py"],
     # part 2: the split-backward graphs, side by side, then the 2-rank loss test and the NCCL clock sync
     "Z1": [f"{_GRAPHS}[zb-v1]", f"{_GRAPHS}[zb-v2]",

@@ -96,9 +96,9 @@ def _plan(argv: list[str], world_size: int = 2) -> RunPlan:
     (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "zb-h1"], "runtime", "zb-h1", f"zb-h1; {CPU_EAGER}",
      True),
     ([*CUDA_PP2, *GRAPHS], "runtime", "dpp-zb", "dpp-zb (--dpp-policy auto: with CUDA graphs dpp-zb is the "
-     "faster at equal memory); graphs: --dpp-cuda-graphs", True),
+     "faster (it holds stage 0's 1F1B bound on every stage: --dpp-held-cap)); graphs: --dpp-cuda-graphs", True),
     ([*CUDA_PP2, "--use-dpp"], "runtime", "dpp-zb", "dpp-zb (--dpp-policy auto: with CUDA graphs dpp-zb is the "
-     f"faster at equal memory); {AUTO_GRAPHS}", True),
+     f"faster (it holds stage 0's 1F1B bound on every stage: --dpp-held-cap)); {AUTO_GRAPHS}", True),
     ([*CUDA_PP2, "--use-dpp", "--dpp-eager"], "runtime", "dpp", "dpp (--dpp-policy auto: without CUDA graphs dpp-zb "
      "was not measured faster); eager: --dpp-eager", False),
 ])

@@ -246,6 +246,15 @@ class RunConfig:
     manual_gc_eval: bool = True
     """With --manual-gc: a full collection before each evaluation and a young-generation one after it
     (Megatron-LM's default); ``--no-manual-gc-eval`` skips both."""
+    record_memory_history: bool = False
+    """Megatron-LM's ``--record-memory-history``: the CUDA allocator records every allocation and free with
+    its stack from before the model is built; snapshots after iteration 1, every --log-interval iterations
+    and at an out-of-memory error (trainer/profiling/memory_history.py). Every rank writes its own file
+    (Megatron-LM: the last rank only). ``python -m trainer.profiling.memory_summary FILE`` says where the
+    reserved memory goes; https://pytorch.org/memory_viz draws it. CUDA only."""
+    memory_snapshot_path: str | None = None
+    """With --record-memory-history: the snapshot file, ``snapshot.pickle`` if not given (Megatron-LM's
+    ``--memory-snapshot-path``); rank R writes ``<stem>_rank<R><suffix>`` beside it."""
     cuda_sync_debug: Literal["warn", "error"] | None = None
     """Run every forward-backward step under ``torch.cuda.set_sync_debug_mode`` (``--cuda-sync-debug``):
     "error" makes any host synchronisation inside the step raise, the check that the pipeline never
@@ -276,6 +285,11 @@ class RunConfig:
             p.extend(f"{flag} needs --manual-gc (without it the automatic collector runs and it means nothing)"
                      for flag, given in ((f"--manual-gc-interval={self.manual_gc_interval}", self.manual_gc_interval),
                                          ("--no-manual-gc-eval", not self.manual_gc_eval)) if given)
+        if self.record_memory_history and self.device != "cuda":
+            p.append(f"--record-memory-history records the CUDA allocator: it needs --device cuda (got {self.device})")
+        if self.memory_snapshot_path is not None and not self.record_memory_history:
+            p.append(f"--memory-snapshot-path={self.memory_snapshot_path} needs --record-memory-history (without it "
+                     "no snapshot is taken)")
         p.extend(stall_problems(self.inject_stalls))
         _check(p)
 
