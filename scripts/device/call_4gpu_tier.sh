@@ -4,10 +4,10 @@
 # of what it sees, so CUDA_VISIBLE_DEVICES=0,1 and =2,3 are each the configuration it has on a
 # 4-GPU machine), then one group on all four. The groups: scripts/device/gpu_tier_groups.py (a unit
 # test holds them to the collected GPU tests). Logs and junit XML under $OUT.
-#   scripts/device/call_4gpu_tier.sh [PART (1|2|3|4|5|6|7|8|9)] [SECONDS_FOR_THE_PAIRS] [SECONDS_FOR_THE_4_GPU_GROUP]
+#   scripts/device/call_4gpu_tier.sh [PART (1|2|3|4|5|6|7|8|9|10)] [SECONDS_FOR_THE_PAIRS] [SECONDS_FOR_THE_4_GPU_GROUP]
 # On a 2-GPU machine the side-by-side groups get one GPU each (their two ranks share it over gloo,
 # as the tests do on one GPU) and the last group runs on both: parts 2, 4, 6, 8 and 9 fit there (4's TP=2
-# tests skip on one GPU), parts 3, 5 and 7 need four.
+# tests skip on one GPU), parts 3, 5, 7 and 10 need four.
 set -u
 source scripts/device/env.sh >/dev/null || exit 1
 part=${1:-1}

@@ -53,6 +53,9 @@ GROUPS: dict[str, list[str]] = {
     # part 9: split backward with Transformer Engine's linears (eager dpp-zb) against megatron-core's 1F1B and
     # the unsplit run's gradients (2 GPUs; carry .te/whl and .te/wheel as for part 8)
     "TS": [f"{_G}/test_te_split_gpu.py"],
+    # part 10: --use-dpp alone against megatron-core's 1F1B losses on the layouts benchmark's other layouts
+    # (PP=2 x TP=2 + SP, PP=2 x DP=2 + overlap + distributed optimizer, BERT PP=4), 4 GPUs
+    "LY": [f"{_G}/test_layouts_gpu.py"],
 }
 PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "1": (("A", "B"), "C", 400, 140),
@@ -64,6 +67,7 @@ PARTS: dict[str, tuple[tuple[str, ...], str, int, int]] = {
     "7": ((), "P", 0, 500),
     "8": ((), "TE", 0, 300),
     "9": ((), "TS", 0, 540),
+    "10": ((), "LY", 0, 560),
 }
 """Part -> (groups run side by side on GPU pairs 0,1 and 2,3; the group run on all four GPUs after
 them; seconds for the pairs; seconds for the last group)."""
