@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.measure.run_metrics import RunMeasurement
     from trainer.model import build_model_chunks, make_forward_step, wrap_ddp
     from trainer.model.build import params_dtype
+    from trainer.session.optimizer_impl import select_torch_impl
 
     launch = read_launch_env()
     cfg = parse_config(argv, launch.world_size)
@@ -86,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, bf16=o.bf16,
         fp16=o.fp16, params_dtype=params_dtype(cfg)), model)
+    select_torch_impl(optimizer, o.torch_optimizer_impl)  # the trainer's own step (trainer/session/build.py)
     config = model[0].config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [c.no_sync for c in model]
     config.finalize_model_grads_func = finalize_model_grads

@@ -226,6 +226,9 @@ class BenchConfig:
     """Iterations left out of the timings at the start (warm-up): statistics use iterations 3+."""
     optimizer: str = "sgd"
     """Optimizer of every line (sgd, as the reference megatron-core measurement, docs/benchmarks.md)."""
+    torch_optimizer_impl: str = "foreach"
+    """Every line's --torch-optimizer-impl (foreach: torch's default step; fused: no temporaries the size of
+    the parameters, as Transformer Engine's and Apex's fused optimizers)."""
     bf16: bool = True
     """bfloat16 (fp32 main weights)."""
     head_weight: float = 2.0
@@ -328,7 +331,7 @@ def common_args(cfg: BenchConfig) -> list[str]:
             "--vocab-size", str(cfg.vocab_size), "--micro-batch-size", str(cfg.micro_batch_size),
             "--global-batch-size", str(cfg.global_batch_size),
             "--pipeline-model-parallel-size", str(cfg.pipeline_parallel), "--train-iters", str(cfg.train_iters),
-            "--optimizer", cfg.optimizer, "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--optimizer", cfg.optimizer, "--torch-optimizer-impl", cfg.torch_optimizer_impl, "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--seed", str(SEED), "--log-interval", "1", "--gpu-busy-iters", str(cfg.gpu_busy_iters)]
     layout = cfg.layout.trainer_args() if cfg.layout is not None else []
     return args + layout + (["--bf16"] if cfg.bf16 else []) + list(cfg.model_flags) + list(cfg.extra)

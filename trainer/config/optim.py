@@ -64,6 +64,15 @@ class OptimConfig:
     optimizer: Literal["adam", "sgd"] = "adam"
     """``--optimizer`` (Megatron-LM's): megatron-core's Adam(W) or SGD (momentum 0.9, Megatron's
     default), both with fp32 main weights under --bf16/--fp16."""
+    torch_optimizer_impl: Literal["foreach", "fused"] = "foreach"
+    """Where megatron-core falls back to torch's own AdamW / SGD (neither Transformer Engine nor Apex
+    installed), which torch step runs (``--torch-optimizer-impl``; trainer/session/optimizer_impl.py):
+    ``foreach`` (torch's default) allocates temporaries as large as all of the rank's fp32 main parameters,
+    ``fused`` none (what Transformer Engine's and Apex's FusedAdam do). Under the DPP runtime's CUDA graphs
+    those temporaries add to the peak reserved memory (the activations sit in the graphs' own pools, so the
+    step cannot reuse their memory as it does under megatron-core's eager schedules). Not with --load yet:
+    a restored torch optimizer state keeps its step counts on the CPU, where the fused step wants them on
+    the parameters' device."""
     seed: int = 1234
     """Seed for initialisation, dropout and mock data (``--seed``)."""
     bf16: bool = False
@@ -92,6 +101,8 @@ class OptimConfig:
             p.append("--bf16 and --fp16 are mutually exclusive")
         if self.optimizer not in ("adam", "sgd"):
             p.append(f"--optimizer={self.optimizer!r} must be adam or sgd")
+        if self.torch_optimizer_impl not in ("foreach", "fused"):
+            p.append(f"--torch-optimizer-impl={self.torch_optimizer_impl!r} must be foreach or fused")
         _check(p)
 
     def _schedule_problems(self) -> list[str]:

@@ -197,6 +197,7 @@ def _optimizer(cfg: TrainConfig, model: list) -> tuple[Any, Any]:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from trainer.model.build import params_dtype
+    from trainer.session.optimizer_impl import select_torch_impl
 
     o = cfg.optim
     optimizer = get_megatron_optimizer(
@@ -205,6 +206,9 @@ def _optimizer(cfg: TrainConfig, model: list) -> tuple[Any, Any]:
                         bf16=o.bf16, fp16=o.fp16, params_dtype=params_dtype(cfg),
                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
         model)
+    fused = select_torch_impl(optimizer, o.torch_optimizer_impl)
+    if fused:
+        log.info("optimizer: torch's fused step in %d param group(s) (--torch-optimizer-impl fused)", fused)
     # Steps are samples (the scheduler advances by the global batch each iteration), so
     # iteration- and sample-based settings land on the same scheduler, as in Megatron-LM.
     warmup, decay, wd_incr = o.lr_schedule_samples

@@ -1,0 +1,78 @@
+"""trainer.session.optimizer_impl: --torch-optimizer-impl fused makes torch's own AdamW / SGD inside
+megatron-core's optimizer step with torch's fused kernels (no temporaries the size of all parameters): the
+step is then exactly the one torch's fused=True optimizer takes, chosen before any state exists; other
+optimizers (TE's or Apex's fused ones) are left alone. torch's fused step runs on the CPU too, so the CPU
+checks the real kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.config import ConfigError, parse_config, resolve_plan
+from trainer.session.optimizer_impl import select_torch_impl, torch_optimizers
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((64, 32), (32,), (7, 5))]
+
+
+def _train(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int = 4) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+class _Wrapped:
+    """Stands in for megatron-core's optimizer: the torch one is its ``optimizer``; chained ones list them."""
+
+    def __init__(self, inner) -> None:
+        self.optimizer = inner
+
+
+@pytest.mark.parametrize("make", [lambda ps, **k: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **k),
+                                  lambda ps, **k: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, **k)],
+                         ids=["adamw", "sgd"])
+def test_the_switched_step_is_torch_s_fused_step(make) -> None:
+    switched_params, fused_params, foreach_params = _params(), _params(), _params()
+    switched = make(switched_params)
+    assert select_torch_impl(_Wrapped(switched), "fused") == 1 and switched.param_groups[0]["fused"]
+    got = _train(switched, switched_params)
+    want = _train(make(fused_params, fused=True), fused_params)
+    default = _train(make(foreach_params, foreach=True), foreach_params)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert all(torch.allclose(g, d, rtol=1e-5, atol=1e-6) for g, d in zip(got, default, strict=True))  # the same maths
+
+
+def test_foreach_leaves_the_optimizer_as_built_and_nothing_switches_after_the_first_step() -> None:
+    params = _params()
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    assert select_torch_impl(_Wrapped(opt), "foreach") == 0 and not opt.param_groups[0]["fused"]
+    _train(opt, params, steps=1)
+    with pytest.raises(RuntimeError, match="before the first step"):
+        select_torch_impl(_Wrapped(opt), "fused")
+    with pytest.raises(ValueError, match="'apex': foreach or fused"):
+        select_torch_impl(_Wrapped(opt), "apex")
+
+
+def test_chained_optimizers_are_each_switched_and_foreign_ones_left_alone() -> None:
+    class Foreign(torch.optim.Optimizer):  # e.g. Transformer Engine's FusedAdam: not torch's own
+        def __init__(self, params) -> None:
+            super().__init__(params, {"lr": 1e-2})
+
+    a, b, c = torch.optim.AdamW(_params(), lr=1e-2), torch.optim.SGD(_params(), lr=1e-2), Foreign(_params())
+    chained = type("Chained", (), {"chained_optimizers": [_Wrapped(a), _Wrapped(b), _Wrapped(c)]})()
+    assert torch_optimizers(chained) == [a, b, c]
+    assert select_torch_impl(chained, "fused") == 2
+    assert a.param_groups[0]["fused"] and b.param_groups[0]["fused"] and "fused" not in c.param_groups[0]
+
+
+def test_the_flag_is_refused_with_a_resume_before_start() -> None:
+    base = ["--mock-data", "--num-layers", "2", "--device", "cpu", "--torch-optimizer-impl", "fused"]
+    assert parse_config(base, world_size=1).optim.torch_optimizer_impl == "fused"
+    with pytest.raises(ConfigError, match="--torch-optimizer-impl fused with --load ckpt: a restored torch optimizer"):
+        resolve_plan(parse_config([*base, "--load", "ckpt"], world_size=1), 1)

@@ -1,0 +1,55 @@
+"""Which of torch's implementations steps megatron-core's optimizer where megatron-core falls back to torch's
+own Adam(W) / SGD (neither Transformer Engine nor Apex installed: the GPU machines here, every CPU run).
+
+Why it matters: torch's default ("foreach") step allocates temporaries as large as all of a rank's fp32 main
+parameters at once (AdamW's sqrt of exp_avg_sq; SGD's weight-decayed gradients): 1.32 GiB on the benchmark
+model's stage 0. Under megatron-core's eager schedules they land in memory the step's activations just
+freed, so the peak does not move; under the DPP runtime's CUDA graphs the activations live in the graphs'
+private pools, the temporaries need memory of their own, and the run's peak reserved memory grows by them.
+The "fused" step (one kernel per group, no temporaries) is what Megatron-LM users run anyway (Transformer
+Engine's or Apex's FusedAdam). ``--torch-optimizer-impl`` picks it for every schedule alike."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TORCH_STEPPERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+"""torch's optimizers with a fused step; megatron-core's fallback builds AdamW (as "adam") and SGD."""
+
+
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron-core optimizer (chained ones included)."""
+    out = []
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", sub)
+        if isinstance(inner, torch.optim.Optimizer):
+            out.append(inner)
+    return out
+
+
+def select_torch_impl(optimizer: Any, impl: str) -> int:
+    """Make torch's own optimizers inside ``optimizer`` step with ``impl`` ("foreach": torch's default, left
+    as built; "fused"); returns how many param groups now step fused. Others (TE's or Apex's FusedAdam,
+    already fused) are left alone. torch reads ``fused``/``foreach`` from each param group at every step and
+    keeps each parameter's ``step`` count on its device once fused (a loaded CPU count moves there at the
+    next step's state set-up only through load_state_dict, so the switch happens before any step)."""
+    if impl == "foreach":
+        return 0
+    if impl != "fused":
+        raise ValueError(f"torch optimizer implementation {impl!r}: foreach or fused")
+    switched = 0
+    for inner in torch_optimizers(optimizer):
+        if not isinstance(inner, TORCH_STEPPERS):
+            continue
+        if inner.state:
+            raise RuntimeError("the torch optimizer implementation is chosen before the first step (its state "
+                               "already exists)")
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+    return switched
