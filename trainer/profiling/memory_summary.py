@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.cli import OneLineParser
+
 GIB, MIB = 2**30, 2**20
 ORDINARY = (0, 0)
 """segment_pool_id of the allocator's ordinary pool; any other id is a private pool (CUDA graphs)."""
@@ -132,8 +134,8 @@ def report(snapshot: dict, top: int = 12) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.profiling.memory_summary", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m trainer.profiling.memory_summary", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("snapshots", nargs="+", type=Path)
     parser.add_argument("--top", type=int, default=12, help="how many allocating places to list")
     args = parser.parse_args(argv)
