@@ -35,9 +35,9 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 def select_torch_impl(optimizer: Any, impl: str) -> int:
     """Make torch's own optimizers inside ``optimizer`` step with ``impl`` ("foreach": torch's default, left
     as built; "fused"); returns how many param groups now step fused. Others (TE's or Apex's FusedAdam,
-    already fused) are left alone. torch reads ``fused``/``foreach`` from each param group at every step and
-    keeps each parameter's ``step`` count on its device once fused (a loaded CPU count moves there at the
-    next step's state set-up only through load_state_dict, so the switch happens before any step)."""
+    already fused) are left alone. torch reads ``fused``/``foreach`` from each param group at every step, and
+    creates a parameter's state (its ``step`` count on the parameter's device when fused, on the CPU when
+    not) at its first step: so the switch is made before any state exists, and refused after."""
     if impl == "foreach":
         return 0
     if impl != "fused":
