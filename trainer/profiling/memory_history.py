@@ -42,7 +42,6 @@ class MemoryHistory:
     def __init__(self, enabled: bool, path: str | None, log_interval: int, rank: int) -> None:
         self.enabled, self.log_interval, self.rank = enabled, log_interval, rank
         self.path, self.oom = rank_path(path, rank), oom_path(path, rank)
-        self.written = 0
 
     def start(self) -> None:
         if not self.enabled:
@@ -64,7 +63,6 @@ class MemoryHistory:
         each replacing the last (the history in it reaches back MAX_ENTRIES events)."""
         if self.enabled and (iteration == 1 or iteration % self.log_interval == 0):
             _dump(self.path)
-            self.written += 1
 
     def stop(self) -> None:
         if self.enabled:
