@@ -4,11 +4,13 @@ measures what a run with one GPU per rank would reserve; times mean nothing here
 lines cannot run so (NCCL refuses two ranks on one GPU): the eager ``dpp`` line, at 1F1B's caps,
 stands in for them (on 2xH100, PP=2, the two reserved 8.62 vs 8.55 GiB).
 
-    python3 scripts/device/mem_1gpu.py [--pp4] [--graph-mem] LINE [LINE ...]   (bench line names, e.g. dpp dpp-graphs-rc)
+    python3 scripts/device/mem_1gpu.py [--pp4|--bert] [--adam] [--fused] [--graph-mem] LINE [LINE ...]
+    (bench line names, e.g. dpp dpp-graphs-rc)
 
 The lines and their flags are the benchmark's own (trainer.bench.lines.plan, scenario a) with
 --distributed-backend gloo added: PP=2, GPT 8 layers, or with --pp4 the benchmark model gpt16-h2048
-(16 layers, PP=4, M=32). Short runs: 4 iterations.
+(16 layers, PP=4, M=32), or with --bert bert16-h2048 at PP=4. Short runs: 4 iterations. --adam: Adam, as
+the layouts experiment runs (SGD otherwise); --fused: every line with --torch-optimizer-impl fused.
 
 --graph-mem (graphed lines): each line twice through scripts/device/graph_mem_probe.py, first with each
 chunk's warm-up cache kept through its captures (as before it was released ahead of them), then as the
@@ -21,8 +23,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from trainer.bench.experiments import MODELS
 from trainer.bench.lines import BenchConfig, Line, plan
 from trainer.bench.results import line_result
 from trainer.config import DPP_POLICIES
@@ -37,21 +41,30 @@ PROBE = "scripts.device.graph_mem_probe"
 KEEP = "GRAPH_MEM_KEEP_WARM_UP_CACHE"
 
 
-def parse(argv: list[str]) -> tuple[bool, bool, list[str]]:
-    """(--pp4, --graph-mem, line names); an unknown option is an error naming it."""
+OPTIONS = ("--pp4", "--bert", "--adam", "--fused", "--graph-mem")
+
+
+def parse(argv: list[str]) -> tuple[BenchConfig, bool, list[str]]:
+    """(the benchmark configuration, --graph-mem, line names); an unknown option is an error naming it."""
     flags = [a for a in argv if a.startswith("-")]
-    unknown = sorted(set(flags) - {"--pp4", "--graph-mem"})
+    unknown = sorted(set(flags) - set(OPTIONS))
     if unknown:
-        raise SystemExit(f"mem_1gpu.py: unknown option(s) {', '.join(unknown)} (--pp4, --graph-mem)")
+        raise SystemExit(f"mem_1gpu.py: unknown option(s) {', '.join(unknown)} ({', '.join(OPTIONS)})")
     names = [a for a in argv if not a.startswith("-")]
     graph_mem = "--graph-mem" in flags
     default = ["dpp-zb-graphs", "interleaved-graphs"] if graph_mem else \
         ["dpp", "dpp-graphs", "dpp-graphs-rc", "dpp-graphs-rc-cf1.5"]
-    return "--pp4" in flags, graph_mem, names or default
+    cfg = PP4 if "--pp4" in flags else PP2
+    if "--bert" in flags:
+        cfg = replace(PP4, **{**MODELS["bert16-h2048"].bench_fields(), "train_iters": PP4.train_iters})
+    cfg = replace(cfg, optimizer="adam" if "--adam" in flags else cfg.optimizer,
+                  torch_optimizer_impl="fused" if "--fused" in flags else cfg.torch_optimizer_impl)
+    return cfg, graph_mem, names or default
 
 
 def run_line(cfg: BenchConfig, line: Line, tag: str, module: str, timeout_s: float, folder: str = "") -> None:
-    out = Path("/tmp/mem1") / f"pp{cfg.pipeline_parallel}-{line.name}{folder}"
+    out = Path("/tmp/mem1") / (f"{cfg.model}-pp{cfg.pipeline_parallel}-{cfg.optimizer}-{cfg.torch_optimizer_impl}"
+                               f"-{line.name}{folder}")
     start = time.monotonic()
     run = run_ranks(module, [*line.args, "--distributed-backend", "gloo", "--metrics-dir", str(out)],
                     cfg.pipeline_parallel, out, "cuda", timeout_s=timeout_s, threads=4)
@@ -64,6 +77,8 @@ def run_line(cfg: BenchConfig, line: Line, tag: str, module: str, timeout_s: flo
     for probe in sorted(ln for ln in text.splitlines() if ln.startswith("GRAPH_MEM ")):
         print("   ", probe)
     peak = "steady-state peak" if module == PROBE else "peak"
+    for doc in [d for d in result.metrics if d["rank"] == 0]:
+        print("    schedule:", doc.get("schedule"))
     for doc in sorted(result.metrics, key=lambda d: d["rank"]):
         print(f"    rank {doc['rank']}: {peak} reserved {(doc['peak_reserved_bytes'] or 0) / GIB:.2f} GiB, "
               f"allocated {(doc['peak_memory_bytes'] or 0) / GIB:.2f} GiB")
@@ -72,8 +87,9 @@ def run_line(cfg: BenchConfig, line: Line, tag: str, module: str, timeout_s: flo
 
 
 def main(argv: list[str]) -> int:
-    pp4, graph_mem, names = parse(argv)
-    cfg = PP4 if pp4 else PP2
+    cfg, graph_mem, names = parse(argv)
+    print(f"== {cfg.model} PP={cfg.pipeline_parallel} {cfg.num_layers} layers, {cfg.optimizer}, "
+          f"--torch-optimizer-impl {cfg.torch_optimizer_impl}", flush=True)
     for line in plan(cfg, names, ["a"], DPP_POLICIES):
         if not isinstance(line, Line):
             print(f"== {line.name}: not run: {line.reason}")
