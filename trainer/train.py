@@ -49,6 +49,7 @@ from trainer.pipeline.runtime import link_options as link_options  # re-exported
 from trainer.profiling.manual_gc import GcPauses, ManualGC
 from trainer.profiling.memory_history import MemoryHistory
 from trainer.session.build import BuiltRun, build_run
+from trainer.session.optimizer_impl import select_torch_impl
 
 log = logging.getLogger("trainer.train")
 _PROCESS_START = time.time()  # --exit-duration-in-mins counts from here (Megatron-LM: its _TRAIN_START_TIME)
@@ -130,6 +131,10 @@ class TrainingSession:
                                      self._checkpoint_facts(), cfg.checkpoint)
             if loaded is not None:
                 self.state = loaded
+                # The restored param groups and step counts are the saving run's: this run's step again.
+                if select_torch_impl(run.optimizer, self.plan.torch_optimizer_impl):
+                    log.info("optimizer: the restored state steps with torch's fused step (%s)",
+                             self.plan.torch_optimizer_impl_reason)
         if self.plan.schedule.cuda_graphs and run.runtime is not None:
             # Last in set-up: the graphs hold the parameters' storage, which a checkpoint load could replace.
             run.runtime.capture_graphs()

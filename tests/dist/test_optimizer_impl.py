@@ -33,3 +33,23 @@ def test_the_fused_torch_step_trains_to_the_default_step_s_losses(tmp_path: Path
     for it, losses in default.items():
         assert fused[it]["lm loss"] == pytest.approx(losses["lm loss"], rel=1e-5), it
     assert fused["4"]["lm loss"] != default["1"]["lm loss"]  # the steps moved the weights
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("saved_with", "resumed_with", "optimizer"),
+                         [("foreach", "fused", ()), ("fused", "foreach", ("--use-distributed-optimizer",))],
+                         ids=["foreach-to-fused", "fused-to-foreach-distopt"])
+def test_a_checkpoint_resumes_with_the_other_step(tmp_path: Path, saved_with: str, resumed_with: str,
+                                                  optimizer: tuple[str, ...]) -> None:
+    """The restored param groups and step counts are the saving run's; the resumed run steps with its own
+    implementation (its log says so) and continues the straight run within the equivalence tolerance."""
+    from tests.dist.test_checkpoint_layouts import LOSS_RTOL, straight_run_with_checkpoint_at_3, train
+
+    straight, ckpt = straight_run_with_checkpoint_at_3(tmp_path, 1, *optimizer, "--torch-optimizer-impl", saved_with)
+    resumed, output = train(tmp_path / "resumed", 1, *optimizer, "--torch-optimizer-impl", resumed_with,
+                            "--load", str(ckpt))
+    assert "resuming at iteration 3" in output and sorted(resumed) == [4, 5, 6], output[-3000:]
+    assert ("optimizer: torch's fused step in" in output) == (resumed_with == "fused")
+    assert ("the restored state steps with torch's fused step" in output) == (resumed_with == "fused")
+    for it in (4, 5, 6):
+        assert resumed[it] == pytest.approx(straight[it], rel=LOSS_RTOL), (it, resumed[it], straight[it])

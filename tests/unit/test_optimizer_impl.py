@@ -1,7 +1,7 @@
 """trainer.session.optimizer_impl: --torch-optimizer-impl fused makes torch's own AdamW / SGD inside
 megatron-core's optimizer step with torch's fused kernels (no temporaries the size of all parameters): the
-step is then exactly the one torch's fused=True optimizer takes, chosen before any state exists; other
-optimizers (TE's or Apex's fused ones) are left alone. torch's fused step runs on the CPU too, so the CPU
+step is then exactly the one torch's fused=True optimizer takes, and can switch between steps (a resume);
+other optimizers (TE's or Apex's fused ones) are left alone. torch's fused step runs on the CPU too, so the CPU
 checks the real kernels."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, parse_config, resolve_plan
+from trainer.config.optim import resolve_torch_optimizer_impl
 from trainer.session.optimizer_impl import select_torch_impl, torch_optimizers
 
 
@@ -48,13 +49,22 @@ def test_the_switched_step_is_torch_s_fused_step(make) -> None:
     assert all(torch.allclose(g, d, rtol=1e-5, atol=1e-6) for g, d in zip(got, default, strict=True))  # the same maths
 
 
-def test_foreach_leaves_the_optimizer_as_built_and_nothing_switches_after_the_first_step() -> None:
-    params = _params()
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    assert select_torch_impl(_Wrapped(opt), "foreach") == 0 and not opt.param_groups[0]["fused"]
-    _train(opt, params, steps=1)
-    with pytest.raises(RuntimeError, match="before the first step"):
-        select_torch_impl(_Wrapped(opt), "fused")
+def test_foreach_leaves_the_optimizer_as_built_and_the_step_can_switch_between_steps() -> None:
+    """Switching after state exists moves each step count to where the new step keeps it, and the maths goes
+    on unchanged: a checkpoint saved with either implementation resumes with either."""
+    params, ref_params = _params(), _params()
+    opt, ref = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    assert select_torch_impl(_Wrapped(opt), "foreach") == 0
+    assert opt.param_groups[0]["fused"] is None and opt.param_groups[0]["foreach"] is None  # as megatron builds it
+    _train(opt, params, steps=2)
+    assert select_torch_impl(_Wrapped(opt), "fused") == 1
+    assert all(s["step"].dtype == torch.float32 and s["step"].device == p.device for p, s in opt.state.items())
+    _train(ref, ref_params, steps=2)
+    got, want = _train(opt, params, steps=2), _train(ref, ref_params, steps=2)
+    assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want, strict=True))
+    assert all(float(s["step"]) == 4 for s in opt.state.values())
+    assert select_torch_impl(_Wrapped(opt), "foreach") == 0 and opt.param_groups[0]["fused"] is None
+    assert all(s["step"].device.type == "cpu" for s in opt.state.values())
     with pytest.raises(ValueError, match="'apex': foreach or fused"):
         select_torch_impl(_Wrapped(opt), "apex")
 
@@ -71,8 +81,13 @@ def test_chained_optimizers_are_each_switched_and_foreign_ones_left_alone() -> N
     assert a.param_groups[0]["fused"] and b.param_groups[0]["fused"] and "fused" not in c.param_groups[0]
 
 
-def test_the_flag_is_refused_with_a_resume_before_start() -> None:
-    base = ["--mock-data", "--num-layers", "2", "--device", "cpu", "--torch-optimizer-impl", "fused"]
-    assert parse_config(base, world_size=1).optim.torch_optimizer_impl == "fused"
-    with pytest.raises(ConfigError, match="--torch-optimizer-impl fused with --load ckpt: a restored torch optimizer"):
-        resolve_plan(parse_config([*base, "--load", "ckpt"], world_size=1), 1)
+def test_auto_is_fused_on_cuda_and_foreach_on_the_cpu_and_a_resume_is_allowed() -> None:
+    base = ["--mock-data", "--num-layers", "2", "--device", "cpu"]
+    assert parse_config(base, world_size=1).optim.torch_optimizer_impl == "auto"
+    assert resolve_plan(parse_config(base, world_size=1), 1).torch_optimizer_impl == "foreach"
+    assert resolve_torch_optimizer_impl("auto", "cuda")[0] == "fused"
+    assert resolve_torch_optimizer_impl("foreach", "cuda") == ("foreach", "--torch-optimizer-impl foreach")
+    plan = resolve_plan(parse_config([*base, "--torch-optimizer-impl", "fused", "--load", "ckpt"], world_size=1), 1)
+    assert plan.torch_optimizer_impl == "fused"
+    with pytest.raises(ConfigError, match="--torch-optimizer-impl='apex' must be one of auto, foreach, fused"):
+        parse_config([*base, "--torch-optimizer-impl", "apex"], world_size=1)

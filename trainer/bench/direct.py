@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     init_megatron_parallel(topo)
     from megatron.core import tensor_parallel
 
-    rng = resolve_plan(cfg, launch.world_size).rng  # TE's tracker where megatron's graphs capture TE's layers
+    plan = resolve_plan(cfg, launch.world_size)
+    rng = plan.rng  # TE's tracker where megatron's graphs capture TE's layers
     torch.manual_seed(cfg.optim.seed + 100 * topo.pp_rank)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed + 100 * topo.pp_rank, te_rng_tracker=rng.te_tracker,
                                                     use_cudagraphable_rng=rng.graph_safe)
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, bf16=o.bf16,
         fp16=o.fp16, params_dtype=params_dtype(cfg)), model)
-    select_torch_impl(optimizer, o.torch_optimizer_impl)  # the trainer's own step (trainer/session/build.py)
+    select_torch_impl(optimizer, plan.torch_optimizer_impl)  # the trainer's own step (trainer/session/build.py)
     config = model[0].config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [c.no_sync for c in model]
     config.finalize_model_grads_func = finalize_model_grads

@@ -226,9 +226,9 @@ class BenchConfig:
     """Iterations left out of the timings at the start (warm-up): statistics use iterations 3+."""
     optimizer: str = "sgd"
     """Optimizer of every line (sgd, as the reference megatron-core measurement, docs/benchmarks.md)."""
-    torch_optimizer_impl: str = "foreach"
-    """Every line's --torch-optimizer-impl (foreach: torch's default step; fused: no temporaries the size of
-    the parameters, as Transformer Engine's and Apex's fused optimizers)."""
+    torch_optimizer_impl: str = "auto"
+    """Every line's --torch-optimizer-impl (auto: the trainer's default, fused on CUDA; foreach: torch's
+    default step, whose temporaries the size of the parameters add to graphed lines' memory)."""
     bf16: bool = True
     """bfloat16 (fp32 main weights)."""
     head_weight: float = 2.0

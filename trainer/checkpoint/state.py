@@ -157,7 +157,8 @@ def _materialize_adam_state(optimizer) -> None:
     appears only at the first step; the distributed optimizer's ``state_dict`` then fails on a fresh
     optimizer (it reads every parameter's ``step``: a save at iteration 0, and every load, which builds
     the state dict to load into), and a plain optimizer saved at iteration 0 lacks the moments a load
-    asks for. Fused Adams (TE, Apex) are left alone: megatron-core handles them.
+    asks for. Fused Adams (TE, Apex) are left alone: megatron-core handles them; torch's own with
+    ``fused=True`` get their step where that step keeps it.
     """
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(sub, "optimizer", None)
@@ -168,7 +169,9 @@ def _materialize_adam_state(optimizer) -> None:
                 state = inner.state[param]
                 if state:
                     continue
-                state["step"] = torch.tensor(0.0)  # torch's own initial value (non-capturable, non-fused)
+                # torch's own initial value: on the parameter's device for a fused (or capturable) step.
+                on_device = group.get("fused") or group.get("capturable")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 if group.get("amsgrad"):

@@ -81,10 +81,6 @@ def layout_problems(cfg: TrainConfig, world_size: int, ranks_per_node: int | Non
     p.extend(graph_problems(cfg))
     p.extend(static_order_problems(cfg, world_size))
     p.extend(attention_backend_problems(cfg))
-    if cfg.optim.torch_optimizer_impl == "fused" and cfg.checkpoint.load:
-        p.append(f"--torch-optimizer-impl fused with --load {cfg.checkpoint.load}: a restored torch optimizer keeps "
-                 "its step counts on the CPU, where the fused step needs them on the parameters' device; resume "
-                 "with the default (foreach)")
     if cfg.run.inject_stalls is not None and int(cfg.run.inject_stalls.split(":")[0]) >= world_size:
         p.append(f"--inject-stalls={cfg.run.inject_stalls!r} names rank {cfg.run.inject_stalls.split(':')[0]} "
                  f"but the world size is {world_size}")

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainer.config.optim import resolve_torch_optimizer_impl
 from trainer.config.sections import STATIC_DPP_POLICIES
 from trainer.config.training import TrainConfig
 from trainer.config.transformer_engine import (
@@ -205,6 +206,11 @@ class RunPlan:
     """--micro-batch-size: microbatches of an iteration = its global batch / (this x data_parallel)."""
     rng: RngPlan = field(default_factory=RngPlan)
     """The RNG trackers the CUDA seeding sets up (the session seeds, the model's TransformerConfig reads it)."""
+    torch_optimizer_impl: str = "foreach"
+    """Which torch step megatron-core's torch-fallback optimizer takes (foreach or fused;
+    trainer/session/optimizer_impl.py), resolved from --torch-optimizer-impl and the device."""
+    torch_optimizer_impl_reason: str = ""
+    """Why, in words (the optimizer's log line)."""
 
     def microbatches_of(self, global_batch_size: int) -> int:
         """Microbatches per replica of an iteration of ``global_batch_size`` samples (--rampup-batch-size
@@ -227,9 +233,11 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> RunPlan:
                                               par.decoder_last_pipeline_num_layers)),
                        cfg.virtual_pipeline, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
     schedule = schedule_plan(cfg)
+    impl, impl_reason = resolve_torch_optimizer_impl(cfg.optim.torch_optimizer_impl, cfg.run.device)
     return RunPlan(schedule=schedule, layers=layers, links=link_plan(cfg, shape), world_size=world_size,
                    data_parallel=cfg.data_parallel(world_size), num_microbatches=shape.num_microbatches,
-                   micro_batch_size=cfg.optim.micro_batch_size, rng=rng_plan(cfg, schedule.cuda_graphs))
+                   micro_batch_size=cfg.optim.micro_batch_size, rng=rng_plan(cfg, schedule.cuda_graphs),
+                   torch_optimizer_impl=impl, torch_optimizer_impl_reason=impl_reason)
 
 
 def uses_megatron_schedule(cfg: TrainConfig) -> bool:

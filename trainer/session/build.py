@@ -120,7 +120,7 @@ def build_run(cfg: TrainConfig, plan: RunPlan, launch: LaunchInfo, hooks: Any,
         # One cached mask tensor shared by every microbatch's layer graphs broke megatron-core's graph
         # creation at PP > 1; without a mask its causal attention applies its own (docs/benchmarks.md).
         forward_step = causal_mask_from_attention(forward_step)
-    optimizer, scheduler = _optimizer(cfg, model)
+    optimizer, scheduler = _optimizer(cfg, plan, model)
     wire_grad_sync(model, optimizer, plan.schedule, scheduled_by_hook=hooks.forward_backward_func is not None)
     runtime = None
     if hooks.forward_backward_func is not None:
@@ -192,7 +192,7 @@ def _seed(cfg: TrainConfig, topology: Topology, rng: RngPlan) -> None:
                                                         use_cudagraphable_rng=rng.graph_safe)
 
 
-def _optimizer(cfg: TrainConfig, model: list) -> tuple[Any, Any]:
+def _optimizer(cfg: TrainConfig, plan: RunPlan, model: list) -> tuple[Any, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -206,9 +206,9 @@ def _optimizer(cfg: TrainConfig, model: list) -> tuple[Any, Any]:
                         bf16=o.bf16, fp16=o.fp16, params_dtype=params_dtype(cfg),
                         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
         model)
-    fused = select_torch_impl(optimizer, o.torch_optimizer_impl)
+    fused = select_torch_impl(optimizer, plan.torch_optimizer_impl)
     if fused:
-        log.info("optimizer: torch's fused step in %d param group(s) (--torch-optimizer-impl fused)", fused)
+        log.info("optimizer: torch's fused step in %d param group(s) (%s)", fused, plan.torch_optimizer_impl_reason)
     # Steps are samples (the scheduler advances by the global batch each iteration), so
     # iteration- and sample-based settings land on the same scheduler, as in Megatron-LM.
     warmup, decay, wd_incr = o.lr_schedule_samples

@@ -7,7 +7,8 @@ model's stage 0. Under megatron-core's eager schedules they land in memory the s
 freed, so the peak does not move; under the DPP runtime's CUDA graphs the activations live in the graphs'
 private pools, the temporaries need memory of their own, and the run's peak reserved memory grows by them.
 The "fused" step (one kernel per group, no temporaries) is what Megatron-LM users run anyway (Transformer
-Engine's or Apex's FusedAdam). ``--torch-optimizer-impl`` picks it for every schedule alike."""
+Engine's or Apex's FusedAdam). ``--torch-optimizer-impl`` (auto: fused on CUDA; trainer/config/optim.py)
+picks it for every schedule alike."""
 
 from __future__ import annotations
 
@@ -33,23 +34,29 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def select_torch_impl(optimizer: Any, impl: str) -> int:
-    """Make torch's own optimizers inside ``optimizer`` step with ``impl`` ("foreach": torch's default, left
-    as built; "fused"); returns how many param groups now step fused. Others (TE's or Apex's FusedAdam,
-    already fused) are left alone. torch reads ``fused``/``foreach`` from each param group at every step, and
-    creates a parameter's state (its ``step`` count on the parameter's device when fused, on the CPU when
-    not) at its first step: so the switch is made before any state exists, and refused after."""
-    if impl == "foreach":
-        return 0
-    if impl != "fused":
+    """Make torch's own optimizers inside ``optimizer`` step with ``impl`` ("foreach": torch's default;
+    "fused": one kernel per group); returns how many param groups step fused. Others (TE's or Apex's
+    FusedAdam, already fused) are left alone.
+
+    torch reads ``fused``/``foreach`` from each param group at every step, so the switch can be made at any
+    time between steps, as long as each parameter's ``step`` count sits where that step keeps it: on the
+    parameter's device (float32) when fused, on the CPU when not. Called once after the optimizer is built
+    (no state yet) and again after a checkpoint load, whose param groups and step counts are the saving
+    run's: a checkpoint saved with either implementation resumes with either."""
+    if impl not in ("foreach", "fused"):
         raise ValueError(f"torch optimizer implementation {impl!r}: foreach or fused")
+    fused = impl == "fused"
     switched = 0
     for inner in torch_optimizers(optimizer):
         if not isinstance(inner, TORCH_STEPPERS):
             continue
-        if inner.state:
-            raise RuntimeError("the torch optimizer implementation is chosen before the first step (its state "
-                               "already exists)")
         for group in inner.param_groups:
-            group["fused"], group["foreach"] = True, False
-            switched += 1
+            # foreach: both None, as megatron-core builds it (torch then picks its foreach kernels; fused=False
+            # with foreach=None would be its one-tensor-at-a-time loop).
+            group["fused"], group["foreach"] = (True, False) if fused else (None, None)
+            switched += 1 if fused else 0
+            for param in group["params"]:
+                step = inner.state.get(param, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    inner.state[param]["step"] = step.to(param.device if fused else "cpu", torch.float32)
     return switched
