@@ -125,18 +125,27 @@ def _bounded(work: Callable[[], object], timeout_s: float) -> None:
 
 
 def _kill_child_processes() -> None:
-    """SIGKILL what this rank started (megatron-core's forked writers, its spawned Manager)."""
+    """SIGKILL what this rank started (megatron-core's forked writers, its spawned Manager), and wait
+    (at most 5 s) until they are gone."""
     try:
         import psutil  # megatron-core's writer needs it: present wherever --save works
     except ImportError:
         import multiprocessing
 
-        for child in multiprocessing.active_children():
+        children = multiprocessing.active_children()
+        for child in children:
             child.kill()
+        for child in children:
+            child.join(5.0)
         return
-    for child in psutil.Process().children(recursive=True):
+    children = psutil.Process().children(recursive=True)
+    for child in children:
         with contextlib.suppress(psutil.Error):
             child.kill()
+    # SIGKILL is delivered when the child is next scheduled: on a loaded host this rank could otherwise
+    # exit while its writers still run. Bounded: a child stuck in the kernel (D state) is not waited out.
+    with contextlib.suppress(psutil.Error):
+        psutil.wait_procs(children, timeout=5.0)
 
 
 def _stall_if_asked(rank: int, action: str, iteration: int | None, phase: str) -> None:
