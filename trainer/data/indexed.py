@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import struct
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,11 +29,8 @@ def open_indexed_dataset(prefix: str | Path, vocab_size: int | None = None):
             raise FileNotFoundError(
                 f"indexed dataset file not found: {prefix}{suffix} (make it with python -m trainer.preprocess)"
             )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
     try:
-        dataset = IndexedDataset(prefix)
+        dataset = _dataset_class()(prefix)
     except (ValueError, AssertionError, struct.error, IndexError, TypeError) as err:
         # A cut-off or foreign .idx: numpy's "buffer is smaller than requested size", megatron-core's
         # bare assertion on the header, ... none of which says which file.
@@ -43,6 +41,24 @@ def open_indexed_dataset(prefix: str | Path, vocab_size: int | None = None):
     if vocab_size is not None:
         check_token_ids(prefix, dataset.index, vocab_size)
     return dataset
+
+
+@functools.cache
+def _dataset_class() -> type:
+    """megatron-core's ``IndexedDataset`` whose ``__del__`` tolerates a failed ``__init__``: megatron-core's
+    deletes ``index`` and ``bin_reader`` unconditionally, so a damaged .idx would print "Exception ignored
+    in IndexedDataset.__del__ ... has no attribute 'index'" after the error that names the file."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    class Dataset(IndexedDataset):
+        def __del__(self) -> None:
+            for name in ("bin_reader", "index"):  # what megatron-core's __del__ drops, where set
+                self.__dict__.pop(name, None)
+
+    Dataset.__name__ = Dataset.__qualname__ = "IndexedDataset"
+    return Dataset
 
 
 _SCAN_TOKENS = 1 << 24  # tokens per read while checking ids: 32-64 MiB at a time, whatever the file's size
