@@ -49,7 +49,7 @@ from trainer.pipeline.runtime import link_options as link_options  # re-exported
 from trainer.profiling.manual_gc import GcPauses, ManualGC
 from trainer.profiling.memory_history import MemoryHistory
 from trainer.session.build import BuiltRun, build_run
-from trainer.session.optimizer_impl import select_torch_impl
+from trainer.session.optimizer_impl import pending_state_bytes, select_torch_impl
 
 log = logging.getLogger("trainer.train")
 _PROCESS_START = time.time()  # --exit-duration-in-mins counts from here (Megatron-LM: its _TRAIN_START_TIME)
@@ -137,7 +137,7 @@ class TrainingSession:
                              self.plan.torch_optimizer_impl_reason)
         if self.plan.schedule.cuda_graphs and run.runtime is not None:
             # Last in set-up: the graphs hold the parameters' storage, which a checkpoint load could replace.
-            run.runtime.capture_graphs()
+            run.runtime.capture_graphs(pending_state_bytes(run.optimizer))
         run.log.layout(run.chunks, run.feed.vocab_size, self.state.iteration)
         return run
 

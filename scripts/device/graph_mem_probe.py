@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from trainer.pipeline import cuda_graphs
+from trainer.pipeline import cuda_graphs, stage_graphs
 
 GIB = 2**30
 
@@ -34,7 +34,7 @@ def _keep_warm_up_cache() -> None:
 
 
 def _report_after_capture() -> None:
-    capture = cuda_graphs.capture_chunk_graphs
+    capture = stage_graphs.capture_chunk_graphs
 
     def capture_and_report(*args, **kwargs):
         graphs = capture(*args, **kwargs)
@@ -48,7 +48,7 @@ def _report_after_capture() -> None:
         torch.cuda.reset_peak_memory_stats(device)  # from here on: the steady state's peak
         return graphs
 
-    cuda_graphs.capture_chunk_graphs = capture_and_report
+    stage_graphs.capture_chunk_graphs = capture_and_report
 
 
 def main() -> None:

@@ -72,7 +72,8 @@ def run_line(cfg: BenchConfig, line: Line, tag: str, module: str, timeout_s: flo
     print(f"== {line.name}{tag}: rc={run.returncode} {time.monotonic() - start:.0f}s losses {result.losses[-2:]}",
           flush=True)
     text = "".join(log.read_text(errors="replace") for log in run.logs)
-    for graphs in sorted({ln.split("INFO ")[-1] for ln in text.splitlines() if "reserved for them" in ln}):
+    for graphs in sorted({ln.split("INFO ")[-1] for ln in text.splitlines()
+                          if "reserved for them" in ln or "held cap fitted" in ln}):
         print("   ", graphs)
     for probe in sorted(ln for ln in text.splitlines() if ln.startswith("GRAPH_MEM ")):
         print("   ", probe)

@@ -179,7 +179,7 @@ def test_each_chunks_warm_up_cache_is_released_before_its_slots_capture(monkeypa
     recorded stand-ins (tests/gpu/test_dpp_cuda_graphs.py checks the peak on a GPU)."""
     from types import SimpleNamespace
 
-    from trainer.pipeline import cuda_graphs
+    from trainer.pipeline import cuda_graphs, stage_graphs
 
     events = []
     warm_up = cuda_graphs._warm_up
@@ -206,7 +206,7 @@ def test_each_chunks_warm_up_cache_is_released_before_its_slots_capture(monkeypa
     shapes = GraphShapes(activation=(S, B, H), activation_dtype=torch.float32, tokens=(B, S))
     masks = {S: torch.ones(1, 1, S, S, dtype=torch.bool)}
     shape = SimpleNamespace(is_first_virtual=lambda stage, c: False)
-    graphs = cuda_graphs.capture_chunk_graphs(chunks, shape, 1, (2, 3), shapes, masks, torch.device("cpu"),
+    graphs = stage_graphs.capture_chunk_graphs(chunks, shape, 1, (2, 3), shapes, masks, torch.device("cpu"),
                                               recompute_slots=1)
     # recompute_slots: two warm-ups per chunk (both attention code paths), one release after both
     assert events == [("warm-up", 0), ("warm-up", 0), ("release",), ("capture", 0), ("capture", 0),

@@ -11,7 +11,7 @@ import torch
 
 from trainer.config import ConfigError, parse_config, resolve_plan
 from trainer.config.optim import resolve_torch_optimizer_impl
-from trainer.session.optimizer_impl import select_torch_impl, torch_optimizers
+from trainer.session.optimizer_impl import pending_state_bytes, select_torch_impl, torch_optimizers
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -91,3 +91,14 @@ def test_auto_is_fused_on_cuda_and_foreach_on_the_cpu_and_a_resume_is_allowed() 
     assert plan.torch_optimizer_impl == "fused"
     with pytest.raises(ConfigError, match="--torch-optimizer-impl='apex' must be one of auto, foreach, fused"):
         parse_config([*base, "--torch-optimizer-impl", "apex"], world_size=1)
+
+
+def test_the_state_a_first_step_will_allocate_is_counted_until_it_exists() -> None:
+    """What --dpp-held-cap fit adds to the memory the graph capture measures (trainer/pipeline/stage_graphs.py)."""
+    numel = sum(p.numel() for p in _params())  # 64 x 32 + 32 + 7 x 5, fp32
+    adam, sgd = torch.optim.AdamW(_params(), lr=1e-2), torch.optim.SGD(_params(), lr=1e-2, momentum=0.9)
+    plain_sgd = torch.optim.SGD(_params(), lr=1e-2)
+    chained = type("Chained", (), {"chained_optimizers": [_Wrapped(adam), _Wrapped(sgd), _Wrapped(plain_sgd)]})()
+    assert pending_state_bytes(chained) == (2 + 1 + 0) * 4 * numel
+    _train(adam, adam.param_groups[0]["params"], steps=1)  # its state exists now (as after a checkpoint load)
+    assert pending_state_bytes(chained) == 4 * numel

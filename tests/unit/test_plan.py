@@ -73,6 +73,10 @@ CUDA_PP2 = [*CPU_PP2, "--device", "cuda", "--transformer-impl", "local"]
 GRAPHS = ["--use-dpp", "--dpp-cuda-graphs", "--hidden-dropout", "0", "--attention-dropout", "0"]
 CPU_EAGER = "eager: --dpp-cuda-graphs needs --device cuda (got cpu)"
 AUTO_GRAPHS = "graphs: --use-dpp's default where they can run (--dpp-eager turns them off)"
+AUTO_ZB = ("dpp-zb (--dpp-policy auto: with CUDA graphs dpp-zb is the faster (its later stages may hold up to stage "
+           "0's 1F1B bound: --dpp-held-cap))")
+FIT = ("held cap fitted to memory: each stage's own 1F1B bound, then slots up to stage 0's while within the "
+       "largest rank's memory (--dpp-held-cap auto)")
 
 
 def _plan(argv: list[str], world_size: int = 2) -> RunPlan:
@@ -95,10 +99,8 @@ def _plan(argv: list[str], world_size: int = 2) -> RunPlan:
     (CPU_PP2 + ["--device", "cpu", "--dpp-policy", "zb-h1"], "runtime", "zb-h1", "zb-h1", True),
     (CPU_PP2 + ["--device", "cpu", "--use-dpp", "--dpp-policy", "zb-h1"], "runtime", "zb-h1", f"zb-h1; {CPU_EAGER}",
      True),
-    ([*CUDA_PP2, *GRAPHS], "runtime", "dpp-zb", "dpp-zb (--dpp-policy auto: with CUDA graphs dpp-zb is the "
-     "faster (it holds stage 0's 1F1B bound on every stage: --dpp-held-cap)); graphs: --dpp-cuda-graphs", True),
-    ([*CUDA_PP2, "--use-dpp"], "runtime", "dpp-zb", "dpp-zb (--dpp-policy auto: with CUDA graphs dpp-zb is the "
-     f"faster (it holds stage 0's 1F1B bound on every stage: --dpp-held-cap)); {AUTO_GRAPHS}", True),
+    ([*CUDA_PP2, *GRAPHS], "runtime", "dpp-zb", f"{AUTO_ZB}; graphs: --dpp-cuda-graphs; {FIT}", True),
+    ([*CUDA_PP2, "--use-dpp"], "runtime", "dpp-zb", f"{AUTO_ZB}; {AUTO_GRAPHS}; {FIT}", True),
     ([*CUDA_PP2, "--use-dpp", "--dpp-eager"], "runtime", "dpp", "dpp (--dpp-policy auto: without CUDA graphs dpp-zb "
      "was not measured faster); eager: --dpp-eager", False),
 ])
@@ -143,8 +145,13 @@ def test_the_held_cap_basis_reaches_each_stage_s_policy_and_its_graph_slots() ->
         policies = [make_policy(plan.schedule.policy, plan.shape, s, **plan.schedule.policy_kwargs) for s in range(4)]
         return [graph_slots(p, plan.shape, s)[0] for s, p in enumerate(policies)]
 
-    assert "cap_basis" not in _plan(pp4, world_size=4).schedule.policy_kwargs
-    assert slots(pp4) == [4, 4, 4, 4]
+    auto = _plan(pp4, world_size=4).schedule  # graphed dpp-zb: fit, built at the peak bound, the capture decides
+    assert auto.held_fit and auto.policy_kwargs["cap_basis"] == "peak" and slots(pp4) == [4, 4, 4, 4]
+    assert _plan([*pp4, "--dpp-held-cap", "fit"], world_size=4).schedule.held_fit
+    assert not _plan([*pp4, "--dpp-held-cap", "peak"], world_size=4).schedule.held_fit
+    assert not _plan([*pp4, "--dpp-cap-factor", "1.5"], world_size=4).schedule.held_fit  # auto keeps peak there
+    eager = [*CPU_PP2, "--device", "cpu", "--use-dpp", "--dpp-policy", "dpp-zb"]
+    assert not _plan(eager).schedule.held_fit and "cap_basis" not in _plan(eager).schedule.policy_kwargs
     assert _plan([*pp4, "--dpp-held-cap", "stage"], world_size=4).schedule.policy_kwargs["cap_basis"] == "stage"
     assert slots([*pp4, "--dpp-held-cap", "stage"]) == [4, 3, 2, 1]
     assert slots([*pp4[:-1], "dpp", "--dpp-held-cap", "peak"]) == [4, 4, 4, 4]
@@ -153,6 +160,10 @@ def test_the_held_cap_basis_reaches_each_stage_s_policy_and_its_graph_slots() ->
                       ([*CPU_PP2, "--use-dpp", "--dpp-policy", "zb-h1", "--dpp-held-cap", "peak"], "applies to")):
         with pytest.raises(ConfigError, match=f"--dpp-held-cap=.*{why}"):
             _plan(argv)
+    for argv, world, why in (([*eager, "--dpp-held-cap", "fit"], 2, "graphs off, 1 chunk"),
+                             ([*pp4, "--dpp-held-cap", "fit", "--dpp-cap-factor", "1.5"], 4, "cap factor 1.5")):
+        with pytest.raises(ConfigError, match=f"--dpp-held-cap fit measures the CUDA graph slots' memory.*{why}"):
+            _plan(argv, world_size=world)
 
 
 def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
@@ -162,7 +173,7 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
     from trainer.config import ConfigError
     auto = _plan([*CUDA_PP2, "--use-dpp"]).schedule
     assert (auto.cuda_graphs, auto.policy, auto.split_backward, auto.max_queued_ops) == (True, "dpp-zb", True, 1)
-    assert auto.graphs_reason == AUTO_GRAPHS and auto.log_text.endswith(AUTO_GRAPHS)
+    assert auto.graphs_reason == AUTO_GRAPHS and auto.log_text.endswith(f"{AUTO_GRAPHS}; {FIT}")
     assert _plan([*CUDA_PP2, "--use-dpp", "--dpp-policy", "dpp"]).schedule.cuda_graphs  # an explicit policy too
     eager = _plan([*CUDA_PP2, "--use-dpp", "--dpp-eager"]).schedule
     assert (eager.cuda_graphs, eager.policy, eager.max_queued_ops, eager.graphs_reason) == \

@@ -285,7 +285,7 @@ def test_te_backward_dw_and_graph_capture_are_refused_by_name() -> None:
 
 def test_the_slot_graphs_refuse_a_te_split_backward_before_capturing() -> None:
     """The runtime's own line of the refusal trainer/config/plan.py makes (graphs and a TE split backward)."""
-    from trainer.pipeline.cuda_graphs import capture_chunk_graphs
+    from trainer.pipeline.stage_graphs import capture_chunk_graphs
 
     split = install_split_backward([_block()])
     with pytest.raises(ValueError, match="split backward with Transformer Engine linears runs eager only"):

@@ -105,6 +105,10 @@ class SchedulePlan:
     the optimizer step and waits for a chunk's before its first forward of the next step
     (trainer/pipeline/param_gather.py), megatron DDP's forward pre-hooks removed; under megatron-core's
     schedules the hooks do it."""
+    held_fit: bool = False
+    """--dpp-held-cap fit (auto's choice for graphed dpp-zb at one chunk per stage): the policy is built with
+    the peak bound and the graph capture decides each stage's held cap from the slots' measured memory
+    (trainer/pipeline/stage_graphs.py), setting the policy's cap to the slots it keeps."""
     sp_wgrad_input: str = "keep"
     """--dpp-sp-wgrad-input: what a split backward keeps for the deferred weight GEMM of a
     sequence-parallel column linear (keep the gathered input, or regather it in W)."""
@@ -304,10 +308,14 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
         return SchedulePlan(MEGATRON, static, reason="without --use-dpp on CUDA: megatron-core's own schedule",
                             megatron_grad_sync=par.overlap_grad_reduce, log_text="megatron-core", **common)
     if par.use_dpp and dpp_policy not in STATIC_DPP_POLICIES:
+        fit = held_cap_fits(cfg, dpp_policy, graphs)
+        basis = "peak" if fit else None if par.dpp_held_cap == "auto" else par.dpp_held_cap
         options = PolicyOptions(par.dpp_max_inflight, par.dpp_cap_factor,
-                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None,
-                                None if par.dpp_held_cap == "auto" else par.dpp_held_cap)
-        return SchedulePlan(RUNTIME, dpp_policy, reason=why, options=options,
+                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None, basis)
+        if fit:
+            named += ("; held cap fitted to memory: each stage's own 1F1B bound, then slots up to stage 0's "
+                      "while within the largest rank's memory (--dpp-held-cap " + par.dpp_held_cap + ")")
+        return SchedulePlan(RUNTIME, dpp_policy, reason=why, options=options, held_fit=fit,
                             split_backward=dpp_policy in SPLIT_BACKWARD, log_text=named, **common)
     if dpp_policy in STATIC_DPP_POLICIES:  # a static order asked for (zb-h1 also without --use-dpp)
         return SchedulePlan(RUNTIME, dpp_policy, reason=why, split_backward=dpp_policy in SPLIT_BACKWARD,
@@ -316,6 +324,17 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
              "--distributed-backend gloo (ranks may share a GPU)")
     return SchedulePlan(RUNTIME, static, reason=f"without --use-dpp on {where}: megatron-core's P2P cannot run "
                         f"there, so the runtime's static {static} policy stands in", log_text="1f1b policy", **common)
+
+
+def held_cap_fits(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool:
+    """Whether the graph capture fits each stage's held cap to memory (--dpp-held-cap fit, or auto for
+    graphed dpp-zb with one chunk per stage and the caps' defaults): only slot graphs have a memory to
+    measure before the first step, and only a split backward gains from holding more than 1F1B."""
+    par = cfg.parallel
+    if par.dpp_held_cap == "fit":
+        return True
+    return (par.dpp_held_cap == "auto" and graphs and dpp_policy == "dpp-zb" and cfg.virtual_pipeline == 1
+            and par.dpp_max_inflight is None and par.dpp_cap_factor == 1.0)
 
 
 def link_plan(cfg: TrainConfig, shape: PipelineShape) -> LinkPlan:
@@ -348,6 +367,12 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
         p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses "
                  + resolve_dpp_policy(cfg)[1])
     par = cfg.parallel
+    if par.dpp_held_cap == "fit" and not (resolve_cuda_graphs(cfg)[0] and cfg.virtual_pipeline == 1
+                                          and par.dpp_cap_factor == 1.0):
+        p.append("--dpp-held-cap fit measures the CUDA graph slots' memory at one chunk per stage: it needs the "
+                 "slot graphs (not --dpp-eager), no virtual pipeline and --dpp-cap-factor 1"
+                 f" (this run: graphs {'on' if resolve_cuda_graphs(cfg)[0] else 'off'}, "
+                 f"{cfg.virtual_pipeline} chunk(s) per stage, cap factor {par.dpp_cap_factor})")
     if par.dpp_sp_wgrad_input != "keep" and not (
             par.sequence_parallel and resolve_dpp_policy(cfg)[0] in ("dpp-zb", "zb-h1")):
         p.append(f"--dpp-sp-wgrad-input={par.dpp_sp_wgrad_input} applies to --sequence-parallel with a split "
@@ -509,7 +534,8 @@ def resolve_dpp_policy(cfg: TrainConfig) -> tuple[str, str]:
     blockers = split_backward_refusals(cfg, "dpp-zb")
     if blockers:
         return "dpp", "--dpp-policy auto: dpp-zb's split backward is ruled out: " + "; ".join(blockers)
-    return "dpp-zb", "--dpp-policy auto: with CUDA graphs dpp-zb is the faster (it holds stage 0's 1F1B bound on every stage: --dpp-held-cap)"
+    return "dpp-zb", ("--dpp-policy auto: with CUDA graphs dpp-zb is the faster (its later stages may hold up to "
+                      "stage 0's 1F1B bound: --dpp-held-cap)")
 
 
 def te_layers_named(cfg: TrainConfig) -> str | None:

@@ -274,13 +274,16 @@ class ParallelConfig:
     gives 6/4/3/1. Headroom on the early stages hides the stage-to-stage round trip (a stage at
     1F1B's cap must wait for its oldest microbatch's gradient before the next forward) at the
     memory of the extra activations; the last stage keeps 1F1B's cap (its F and B are adjacent)."""
-    dpp_held_cap: Literal["auto", "stage", "peak"] = "auto"
+    dpp_held_cap: Literal["auto", "stage", "peak", "fit"] = "auto"
     """Which 1F1B bound caps a stage's *held* activations under the dynamic policies
     (``--dpp-held-cap``; --dpp-cap-factor multiplies it): ``stage`` = the stage's own (p - s at PP=p), as
     1F1B holds; ``peak`` = stage 0's (p) on every stage, ZB-H1's memory, which lets later stages defer
-    their W's; ``auto`` = ``stage`` for dpp, ``peak`` for dpp-zb. ``peak`` assumes every stage's microbatch
-    costs stage 0's memory; where the last stage's is as large (BERT's tied head: with graphs each held
-    microbatch is a slot, 4 on every stage at PP=4), ``stage`` keeps that stage at 1F1B's memory."""
+    their W's; ``fit`` (CUDA graphs, one chunk per stage) = each stage's own bound, then more slots up to
+    ``peak`` while the stage's measured memory stays within the job's largest rank at the stages' own
+    bounds (trainer/pipeline/stage_graphs.py); ``auto`` = ``stage`` for dpp, ``fit`` for graphed dpp-zb,
+    ``peak`` for eager dpp-zb. ``peak`` assumes every stage's microbatch costs stage 0's memory; where a
+    later stage's costs more (BERT: the last stage's slots, 4 at PP=4, made it the largest rank, 1.30x
+    megatron-core's memory), ``fit`` and ``stage`` keep the job at what 1F1B's bounds need."""
     dpp_max_queued_ops: int | None = None
     """How many of its queued ops a DPP stage's host may have unfinished on the GPU before it decides
     the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
@@ -397,8 +400,8 @@ class ParallelConfig:
                      "give one (a fixed cap for every stage, or a multiple of each stage's 1F1B cap)")
         elif self.dpp_cap_factor != 1.0 and not (self.use_dpp and self.dpp_policy not in STATIC_DPP_POLICIES):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
-        if self.dpp_held_cap not in ("auto", "stage", "peak"):
-            p.append(f"--dpp-held-cap={self.dpp_held_cap!r} must be one of auto, stage, peak")
+        if self.dpp_held_cap not in ("auto", "stage", "peak", "fit"):
+            p.append(f"--dpp-held-cap={self.dpp_held_cap!r} must be one of auto, stage, peak, fit")
         elif self.dpp_held_cap != "auto" and self.dpp_max_inflight is not None:
             p.append(f"--dpp-held-cap={self.dpp_held_cap} and --dpp-max-inflight={self.dpp_max_inflight}: give one "
                      "(which 1F1B bound caps each stage, or a fixed cap for every stage)")

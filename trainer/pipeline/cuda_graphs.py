@@ -98,6 +98,17 @@ def _destroy_graph(graph) -> None:
     _CAPTURED.discard(graph)
 
 
+def _destroy_slots(slots: list) -> int:
+    """Destroy every graph of these slots (see :meth:`ChunkGraphs.release`); how many."""
+    freed = 0
+    for slot in slots:
+        for replay in (slot.values() if isinstance(slot, dict) else [slot]):
+            for graph in (replay.graphs() if hasattr(replay, "graphs") else []):
+                _destroy_graph(graph)
+                freed += 1
+    return freed
+
+
 def free_captured_graphs() -> int:
     """Free every graph of this module not freed yet (a capture that failed half-way, a slot that no
     :class:`ChunkGraphs` holds any more but something else does); how many. Tear-down calls it after
@@ -454,14 +465,36 @@ class ChunkGraphs:
                 release_cached_blocks(device)  # before the captures: see the function
                 capture = functools.partial(capture_slot, backward_pool=backward_pool, split=split,
                                             operands=operands)
-            # Each slot its own module object, as the block's forward is swapped per call.
-            self.slots = []
+            self.slots: list = []
+            self.slot_bytes: list[int] = []  # what each slot's capture added to the reserved memory
+            self._capture_slot = functools.partial(capture, shapes=shapes, masks=masks, device=device)
+            self._chunk, self._device = chunk, device
             for mode in self.recomputes:
-                with self._recompute(mode):
-                    self.slots.append(capture(_BlockCall(chunk), shapes, masks, device))
+                self._capture_one(mode)
         self._free = list(range(slots))[::-1]
         self._taken: dict[int, tuple[int, int]] = {}  # microbatch -> (slot, captured length)
         self.replayed = self.eager = 0  # forwards of training steps, for the end-of-run log
+
+    def _capture_one(self, mode: bool | None) -> None:
+        cuda = self._device.type == "cuda"
+        before = torch.cuda.memory_reserved(self._device) if cuda else 0
+        with self._recompute(mode):  # each slot its own module object: the block's forward is swapped per call
+            self.slots.append(self._capture_slot(_BlockCall(self._chunk)))
+        self.slot_bytes.append(torch.cuda.memory_reserved(self._device) - before if cuda else 0)
+
+    def resize(self, slots: int) -> None:
+        """Capture more slots (keeping their activations) or destroy the last ones, before the first step
+        (--dpp-held-cap fit: trainer/pipeline/stage_graphs.py)."""
+        if self._taken:
+            raise RuntimeError("graph slots are resized before the first step, while none is taken")
+        with rng_state_bypassed():
+            while len(self.slots) < slots:
+                self.recomputes.append(False if any(r is not None for r in self.recomputes) else None)
+                self._capture_one(self.recomputes[-1])
+        if len(self.slots) > slots:
+            _destroy_slots(self.slots[slots:])
+            del self.slots[slots:], self.recomputes[slots:], self.slot_bytes[slots:]
+        self._free = list(range(len(self.slots)))[::-1]
 
     def release(self) -> int:
         """Free every captured graph of this chunk now; how many (0 for slots a stand-in capture made).
@@ -474,12 +507,7 @@ class ChunkGraphs:
         waiting for the garbage collector can still hold a graph. ``CUDAGraph.reset`` destroys the
         executable whoever holds the object. The caller has synchronised the device first (a graph
         whose replay still runs is only released once it finishes)."""
-        freed = 0
-        for slot in self.slots:
-            for replay in (slot.values() if isinstance(slot, dict) else [slot]):
-                for graph in (replay.graphs() if hasattr(replay, "graphs") else []):
-                    _destroy_graph(graph)
-                    freed += 1
+        freed = _destroy_slots(self.slots)
         self.slots = []
         self._free, self._taken = [], {}
         return freed
@@ -568,33 +596,3 @@ def run_on_side_stream(device: torch.device) -> torch.cuda.Stream:
     stream = torch.cuda.Stream(device)
     torch.cuda.set_stream(stream)
     return stream
-
-
-def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int, ...], shapes: GraphShapes,
-                         masks: dict, device: torch.device, recompute_slots: int = 0,
-                         split: SplitBackward | None = None) -> dict[int, ChunkGraphs]:
-    """Graph slots for each chunk of this stage (``slots``: one count for every chunk, or one per chunk --
-    a static order's own peak per chunk; ``masks``: each captured length's attention mask;
-    ``recompute_slots`` of each chunk's slots recompute the core attention, at most all of them;
-    ``split``: the split-backward controller when the policy splits backwards into I and W). Before the
-    first step: runs each block a few times on zero inputs (warm-up, capture; no gradient accumulates)."""
-    per_chunk = (slots,) * len(chunks) if isinstance(slots, int) else tuple(slots)
-    if len(per_chunk) != len(chunks):
-        raise ValueError(f"stage {stage}: {len(per_chunk)} slot counts for {len(chunks)} chunk(s)")
-    if split is not None and split.te_linears:  # the plan keeps such runs eager: the runtime's own check
-        raise ValueError(f"stage {stage}: split backward with Transformer Engine linears runs eager only")
-    graphs = {}
-    before = torch.cuda.memory_reserved(device)
-    backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)
-    for c, chunk in enumerate(chunks):
-        graphs[c] = ChunkGraphs(chunk, shape.is_first_virtual(stage, c), per_chunk[c], shapes, masks, device,
-                                backward_pool=backward_pool, recompute_slots=min(recompute_slots, per_chunk[c]),
-                                split=split)
-    release_cached_blocks(device)  # what the captures left in the ordinary pool (each warm-up's went before)
-    log.info("stage %d: CUDA graphs for chunk(s) %s, %s slot(s) (%d recomputing the core attention%s), "
-             "length(s) %s; %.2f GiB reserved for them; peak reserved so far %.2f GiB, allocated %.2f GiB",
-             stage, sorted(graphs), "/".join(map(str, per_chunk)), min(recompute_slots, max(per_chunk)),
-             "; F, I and W graphs: split backward" if split else "",
-             ",".join(map(str, shapes.captured_lengths())), (torch.cuda.memory_reserved(device) - before) / 2**30,
-             torch.cuda.max_memory_reserved(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30)
-    return graphs

@@ -254,14 +254,17 @@ class PipelineRuntime:
         return GpuOpTimer(self.device)
 
     # ---- after set-up --------------------------------------------------------------------------
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, pending_state_bytes: int = 0) -> None:
         """--dpp-cuda-graphs: one graph pair (F and B, or F, I and W with a split backward) per activation
-        slot the policy may hold on this stage.
-        Call last in set-up: the graphs hold the parameters' storage, which a checkpoint load could replace."""
+        slot the policy may hold on this stage; with --dpp-held-cap fit, as many as fit the job's memory
+        (trainer/pipeline/stage_graphs.py; ``pending_state_bytes``: the optimizer state this rank's first
+        step will allocate). Call last in set-up: the graphs hold the parameters' storage, which a
+        checkpoint load could replace."""
         from trainer.data.varlen import bucket_lengths
         from trainer.model.batches import causal_mask
         from trainer.model.build import params_dtype
-        from trainer.pipeline.cuda_graphs import GraphShapes, capture_chunk_graphs
+        from trainer.pipeline.cuda_graphs import GraphShapes
+        from trainer.pipeline.stage_graphs import HeldFit, capture_chunk_graphs, fit_held_slots
         from trainer.schedule.dynamic import one_f_one_b_cap
 
         cfg, topo, shape = self.cfg, self.topology, self.shape
@@ -288,6 +291,24 @@ class PipelineRuntime:
         else:
             masks = {n: causal_mask(n, self.device) for n in lengths}
         recompute_slots = self.plan.schedule.recompute_slots_of(topo.pp_rank)
+        fit = None
+        if self.plan.schedule.held_fit:  # one chunk (the plan's rule): its own bound first, then what fits
+            fit = HeldFit(own=min(cap, slots[0]), peak=slots[0], pending_bytes=pending_state_bytes,
+                          gather=self._gather_every_rank, reserved=lambda: torch.cuda.memory_reserved(self.device))
+            slots = (fit.own,)
         self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device,
                                                    recompute_slots=recompute_slots,
                                                    split=self.context.split_backward)
+        if fit is not None:
+            self.context.policy.cap = fit_held_slots(self.context.graphs[0], topo.pp_rank, fit, self.device)
+
+    def _gather_every_rank(self, value: Any) -> list[Any]:
+        """``value`` of every rank of the job, in rank order; an error naming this rank and the step if a
+        peer failed (the process group's timeout bounds the wait)."""
+        out: list[Any] = [None] * torch.distributed.get_world_size()
+        try:
+            torch.distributed.all_gather_object(out, value)
+        except RuntimeError as err:
+            raise RuntimeError(f"rank {self.topology.rank} failed while the ranks agreed on each stage's CUDA graph "
+                               f"slots (--dpp-held-cap fit, a collective with every rank): {err}") from err
+        return out

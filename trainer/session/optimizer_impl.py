@@ -60,3 +60,22 @@ def select_torch_impl(optimizer: Any, impl: str) -> int:
                 if isinstance(step, torch.Tensor):
                     inner.state[param]["step"] = step.to(param.device if fused else "cpu", torch.float32)
     return switched
+
+
+def pending_state_bytes(optimizer: Any) -> int:
+    """Device bytes of optimizer state the first step will allocate: for every parameter without state
+    yet, Adam's two moments (any optimizer named Adam: torch's, TE's or Apex's FusedAdam) or SGD's
+    momentum buffer, in the parameter's dtype (the fp32 main weights, under --bf16 / --fp16). What the
+    CUDA graph capture adds to the memory it measures (--dpp-held-cap fit), since the state does not
+    exist until then; state restored by a checkpoint is already allocated and not counted."""
+    total = 0
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", sub)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for group in inner.param_groups:
+            copies = 2 if "adam" in type(inner).__name__.lower() else 1 if group.get("momentum") else 0
+            for param in group["params"]:
+                if not inner.state.get(param):
+                    total += copies * param.numel() * param.element_size()
+    return total
