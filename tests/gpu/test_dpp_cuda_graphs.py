@@ -30,6 +30,7 @@ GPT = [*model_flags(**GPU_SMALL), "--micro-batch-size", "2", "--global-batch-siz
        "--pipeline-model-parallel-size", "2", "--lr", "1e-3", "--train-iters", str(ITERS),
        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--use-dpp",
        "--dpp-timeout", "60", "--log-interval", "1"]
+FITTED = re.compile(r"stage (\d+): held cap fitted to memory: (\d+) slot\(s\) \(its 1F1B bound (\d+), at most (\d+)\)")
 REPLAYED = re.compile(r"stage (\d+) chunk (\d+): (\d+) training forward\(s\) replayed from CUDA graphs, (\d+) eager")
 
 
@@ -149,11 +150,17 @@ def _replayed_everywhere(results: list, chunks: int = 1) -> None:
 @pytest.mark.timeout(400)
 def test_use_dpp_alone_replays_graphed_dpp_zb(tmp_path: Path) -> None:
     """The default: --use-dpp alone on CUDA runs dpp-zb from CUDA graphs (every forward replayed), its
-    first line says so and why, and it equals eager dpp-zb (--dpp-eager, the opt-out)."""
+    first line says so and why, and it equals eager dpp-zb (--dpp-eager, the opt-out). Its held cap is
+    fitted to memory: each stage logs the slots it kept, between its own 1F1B bound and stage 0's, and
+    every forward still replays (the policy holds no more than the slots kept)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     results, default = _run(tmp_path / "default", [])
     _replayed_everywhere(results)
+    fitted = {int(m[1]): (int(m[2]), int(m[3]), int(m[4])) for r in results for m in FITTED.finditer(r.output)}
+    print("held cap fitted (slots, own bound, at most) per stage:", fitted)
+    assert sorted(fitted) == [0, 1] and all(own <= kept <= peak for kept, own, peak in fitted.values()), fitted
+    assert fitted[0] == (2, 2, 2) and fitted[1][1:] == (1, 2)
     assert any("schedule dpp-zb (--dpp-policy auto: with CUDA graphs" in r.output
                and "graphs: --use-dpp's default where they can run" in r.output for r in results)
     _, eager = _run(tmp_path / "eager", [*ZB, *EAGER])

@@ -90,6 +90,12 @@ CATALOGUE = {
                                  "stage holds its own 1F1B bound: 4/3/2/1 slots at PP=4)", 1,
                                  ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-held-cap",
                                   "stage"], True),
+    # dpp-zb holding stage 0's bound on every stage whatever it costs (the graphed default before the held cap
+    # was fitted to memory): the speed the fit may give up where a later stage's slots do not fit.
+    "dpp-zb-graphs-held-peak": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --dpp-held-cap peak (stage 0's "
+                                "1F1B bound on every stage: 4 slots each at PP=4)", 1,
+                                ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-held-cap",
+                                 "peak"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-eager --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-eager", "--dpp-policy",
                                                                          "dpp-zb"], True),
     # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the fair bars for the
