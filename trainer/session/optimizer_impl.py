@@ -69,10 +69,7 @@ def pending_state_bytes(optimizer: Any) -> int:
     CUDA graph capture adds to the memory it measures (--dpp-held-cap fit), since the state does not
     exist until then; state restored by a checkpoint is already allocated and not counted."""
     total = 0
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", sub)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             copies = 2 if "adam" in type(inner).__name__.lower() else 1 if group.get("momentum") else 0
             for param in group["params"]:
