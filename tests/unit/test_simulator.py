@@ -212,6 +212,23 @@ def test_cli_hop_latency_flag(capsys):
     assert "median step 157.00" in out and "\ndpp " in out and "111.00" in out
 
 
+def test_cli_held_caps_set_each_stage_s_cap_as_a_fitted_held_cap_does(capsys):
+    """--dpp-held-cap fit keeps 4/3/3/2 slots on BERT at PP=4 (docs/bench/2026-11-29-held-cap-fit-1xH200.md):
+    on uniform costs that sits between the peak bound (4 on every stage) and each stage's own."""
+    steps = {}
+    for caps in (None, "4,3,3,2", "4,3,2,1"):
+        extra = [] if caps is None else ["--held-caps", caps]
+        assert simulate_main(["--pp", "4", "--vp", "1", "--microbatches", "32", "--schedules", "dpp-zb",
+                              "--cap-basis", "peak", *extra]) == 0
+        row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dpp-zb"))
+        steps[caps] = (float(row.split()[2]), row.split()[-1])
+    assert steps == {None: (99.0, "4,4/3,4/2,4/1"), "4,3,3,2": (101.0, "4,3/3,3/2,2/1"),
+                     "4,3,2,1": (102.0, "4,3/3,2/2,1/1")}
+    with pytest.raises(SystemExit):
+        simulate_main(["--pp", "4", "--held-caps", "4,3"])
+    assert "one cap >= 1 per stage (--pp 4)" in capsys.readouterr().err
+
+
 def test_deadlock_is_reported_not_returned():
     """A policy that refuses everything is named, with what the stage was refusing."""
     shape = PipelineShape(2, 2)

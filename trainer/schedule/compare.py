@@ -31,10 +31,19 @@ class ScheduleSpec:
     """Model chunks per stage (v) this schedule runs with."""
     options: dict[str, Any] = field(default_factory=dict)
     """Options passed to ``make_policy`` for every stage."""
+    held_caps: tuple[int, ...] = ()
+    """A dynamic policy's held cap per stage, set after it is built (as the runtime sets a held cap fitted
+    to memory, trainer/pipeline/stage_graphs.py); empty: the options' caps."""
 
     def policies(self, num_stages: int, num_microbatches: int) -> tuple[PipelineShape, list[Policy]]:
         shape = PipelineShape(num_stages, num_microbatches, self.num_chunks)
-        return shape, [make_policy(self.name, shape, s, **self.options) for s in range(num_stages)]
+        policies = [make_policy(self.name, shape, s, **self.options) for s in range(num_stages)]
+        if self.held_caps:
+            if len(self.held_caps) != num_stages:
+                raise ValueError(f"held caps {self.held_caps}: one per stage ({num_stages})")
+            for policy, cap in zip(policies, self.held_caps, strict=True):
+                policy.cap = cap
+        return shape, policies
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,9 @@ def _parser() -> OneLineParser:
     add("--cap-basis", choices=CAP_BASES, default=None,
         help="1F1B bound the cap multiplies: this stage's (p-s) or stage 0's (the per-GPU peak);"
         " default: stage for dpp, peak for dpp-zb")
+    add("--held-caps", default=None, metavar="C0,C1,...",
+        help="dpp/dpp-zb: each stage's held cap, set after the policy is built at --cap-basis's bounds (as the"
+        " runtime sets a held cap fitted to memory, --dpp-held-cap fit; e.g. 4,3,3,2 with --cap-basis peak)")
     add("--priority", choices=PRIORITIES, default="forward",
         help="dpp/dpp-zb: what wins when a forward and a backward are both ready (default forward)")
     add("--chunk-order", choices=CHUNK_ORDERS, default="depth",
@@ -276,6 +279,18 @@ def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
     return options
 
 
+def _held_caps(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, ...]:
+    if args.held_caps is None:
+        return ()
+    try:
+        caps = tuple(int(c) for c in args.held_caps.split(","))
+    except ValueError:
+        parser.error(f"--held-caps={args.held_caps!r}: expected comma-separated whole numbers, one per stage")
+    if len(caps) != args.pp or min(caps) < 1:
+        parser.error(f"--held-caps={args.held_caps!r}: one cap >= 1 per stage (--pp {args.pp})")
+    return caps
+
+
 def _specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[ScheduleSpec]:
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICY_NAMES]
@@ -289,7 +304,8 @@ def _specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Sc
         options = _dynamic_options(args, args.cap_factor) if name in DYNAMIC_SCHEDULES else {}
         if name not in DYNAMIC_SCHEDULES and args.static_microbatch_order != "index":
             options = {"microbatch_order": args.static_microbatch_order}
-        specs.append(ScheduleSpec(name, chunks, options))
+        held = _held_caps(args, parser) if name in DYNAMIC_SCHEDULES else ()
+        specs.append(ScheduleSpec(name, chunks, options, held))
     return specs
 
 
