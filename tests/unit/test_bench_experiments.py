@@ -186,3 +186,28 @@ def test_the_result_header_names_the_lines_the_tool_ran() -> None:
     text = "\n".join(header(exp, when, "4 x H200", {}, "abc", exp.model, 4, "cmd", "tool", [], None,
                             as_run(tool, "--layouts"), as_run(tool, "--lines")))
     assert "lines megatron-1f1b-best, 1f1b-graphs; scenarios" in text and "dpp-default" not in text
+
+
+def test_the_commit_line_names_the_tree_that_ran_when_it_differs_from_the_commit(tmp_path) -> None:
+    """A result written from uncommitted files (or a copy of a newer tree beside an older history) names the
+    git tree those files form, which is the tree of the commit that holds them once committed."""
+    import subprocess
+
+    from trainer.bench.run import commit
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "bench@example.com")
+    git("config", "user.name", "bench")
+    (tmp_path / "a.py").write_text("one\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    assert commit(tmp_path) == git("rev-parse", "--short", "HEAD")
+    (tmp_path / "a.py").write_text("two\n")
+    line = commit(tmp_path)
+    assert line.startswith(git("rev-parse", "--short", "HEAD") + " with uncommitted changes (working tree ")
+    assert git("status", "--porcelain") == "M a.py"  # the checkout's own index untouched
+    git("commit", "-qam", "two")
+    assert git("rev-parse", "HEAD^{tree}")[:12] in line

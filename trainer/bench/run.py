@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from trainer.bench.experiments import EXPERIMENTS, MODELS, Experiment
@@ -129,17 +131,29 @@ def run_tool(tool: list[str], capture: bool, time_limit: float | None) -> tuple[
         return subprocess.CompletedProcess(tool, 124, out or "", err or ""), note
 
 
-def _git(*args: str) -> str:
+def _git(*args: str, repo: Path = REPO, env: dict[str, str] | None = None) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30,
+                              env=env).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
 
-def commit() -> str:
-    head = _git("rev-parse", "--short", "HEAD") or "unknown (not a git checkout)"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return head + (" with uncommitted changes" if dirty else "")
+def commit(repo: Path = REPO) -> str:
+    """The checkout's commit; with uncommitted changes, also the git tree the working tree would commit as
+    (a scratch index: the checkout's own is untouched), which names the code that ran even where the
+    checkout's history is older than its files (a copy of a newer tree on a lent machine):
+    ``git log --format='%h %T' | grep TREE`` finds the commit whose files they are."""
+    head = _git("rev-parse", "--short", "HEAD", repo=repo) or "unknown (not a git checkout)"
+    if not _git("status", "--porcelain", "--untracked-files=no", repo=repo):
+        return head
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        _git("read-tree", "HEAD", repo=repo, env=env)
+        _git("add", "-A", repo=repo, env=env)
+        tree = _git("write-tree", repo=repo, env=env)[:12]
+    where = f" (working tree {tree}: git log --format='%h %T' | grep {tree})" if tree else ""
+    return f"{head} with uncommitted changes{where}"
 
 
 def hardware(device: str) -> tuple[str, str, dict[str, str]]:
