@@ -359,8 +359,8 @@ class TrainingSession:
         with contextlib.suppress(OSError):
             tmp = f"{path}.tmp{os.getpid()}"
             with open(tmp, "w") as out:
-                out.write(f"failed at iteration {self.state.iteration}: rank 0 on {node}: "
-                          f"{type(err).__name__}: {first_line}\n")
+                out.write(f"failed at iteration {self.state.iteration}: rank 0 on {node}"
+                          f"{lost_peer_text(str(err), self.launch.world_size)}: {type(err).__name__}: {first_line}\n")
             os.replace(tmp, path)
 
     def flush_traces(self) -> None:
@@ -468,6 +468,23 @@ def _setup_logging(rank: int) -> None:
     for noisy in ("megatron", "torch"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+
+LOST_CONNECTION = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                   "remote process exited", "Connection refused")
+"""What gloo's and NCCL's collectives say when the process at the other end is gone (their messages name
+an address, not a rank)."""
+
+
+def lost_peer_text(message: str, world_size: int) -> str:
+    """For rank 0's failure record: where a collective lost its connection to a peer (a rank killed, out of
+    memory, its node gone), which ranks it can have been -- every other rank; srun's own line names the
+    task that died. A link of the runtime names its peer itself, so only collectives need this."""
+    if world_size < 2 or not any(s in message for s in LOST_CONNECTION):
+        return ""
+    others = list(range(1, world_size))
+    who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}-{others[-1]}"
+    return f", which lost its connection to {who} in a collective"
 
 
 def main(argv: Sequence[str] | None = None, hooks: TrainHooks | None = None) -> int:
