@@ -333,8 +333,13 @@ def held_cap_fits(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool:
     par = cfg.parallel
     if par.dpp_held_cap == "fit":
         return True
-    return (par.dpp_held_cap == "auto" and graphs and dpp_policy == "dpp-zb" and cfg.virtual_pipeline == 1
-            and par.dpp_max_inflight is None and par.dpp_cap_factor == 1.0)
+    return (par.dpp_held_cap == "auto" and dpp_policy == "dpp-zb" and fit_measurable(cfg, graphs)
+            and par.dpp_max_inflight is None)
+
+
+def fit_measurable(cfg: TrainConfig, graphs: bool) -> bool:
+    """What the fit measures exists: slot graphs, one chunk per stage, the 1F1B bounds unscaled."""
+    return graphs and cfg.virtual_pipeline == 1 and cfg.parallel.dpp_cap_factor == 1.0
 
 
 def link_plan(cfg: TrainConfig, shape: PipelineShape) -> LinkPlan:
@@ -367,11 +372,11 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
         p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses "
                  + resolve_dpp_policy(cfg)[1])
     par = cfg.parallel
-    if par.dpp_held_cap == "fit" and not (resolve_cuda_graphs(cfg)[0] and cfg.virtual_pipeline == 1
-                                          and par.dpp_cap_factor == 1.0):
+    graphs = resolve_cuda_graphs(cfg)[0]
+    if par.dpp_held_cap == "fit" and not fit_measurable(cfg, graphs):
         p.append("--dpp-held-cap fit measures the CUDA graph slots' memory at one chunk per stage: it needs the "
                  "slot graphs (not --dpp-eager), no virtual pipeline and --dpp-cap-factor 1"
-                 f" (this run: graphs {'on' if resolve_cuda_graphs(cfg)[0] else 'off'}, "
+                 f" (this run: graphs {'on' if graphs else 'off'}, "
                  f"{cfg.virtual_pipeline} chunk(s) per stage, cap factor {par.dpp_cap_factor})")
     if par.dpp_sp_wgrad_input != "keep" and not (
             par.sequence_parallel and resolve_dpp_policy(cfg)[0] in ("dpp-zb", "zb-h1")):
