@@ -2,17 +2,19 @@
 the W steps run TE's own deferred weight GEMMs (trainer/pipeline/split_backward_te.py), youngest first,
 and the run trains to megatron-core's 1F1B losses with the gradients of the unsplit DPP runtime.
 
-Three runs from the same seed and data, dropout 0: megatron-core's own 1F1B (interleaved at v = 2), DPP
-dpp (eager, unsplit) and DPP dpp-zb (eager: --use-dpp's default graphs step aside for a TE split
-backward, and the log says why). fp32 at one chunk per stage: dpp-zb splits the last stage only (stage
-0's input gradients feed nobody) and runs its W youngest first -- the order TE's own per-module FIFO
-could not serve; bf16 at v = 2: every stage and chunk splits, I taking its gradient from downstream.
+Four runs from the same seed and data, dropout 0: megatron-core's own 1F1B (interleaved at v = 2), DPP
+dpp (eager, unsplit), DPP dpp-zb eager (--dpp-eager) and DPP dpp-zb as --use-dpp runs it by default,
+from the slot graphs (each slot's I copies what its W reads out of the shared backward pool:
+trainer/pipeline/graph_operands.py). fp32 at one chunk per stage: dpp-zb splits the last stage only
+(stage 0's input gradients feed nobody) and runs its W youngest first -- the order TE's own per-module
+FIFO could not serve; bf16 at v = 2: every stage and chunk splits, I taking its gradient from downstream.
 Checked: every splitting stage's TE linears are installed (4 per layer: linear_qkv and linear_fc1 are
-te.LayerNormLinear, linear_proj and linear_fc2 te.Linear) and every one of their weight GEMMs in every
-microbatch went to a W step, none ran inside I; dpp-zb's losses equal megatron-core's (fp32: to the
-rounding of another summation order of the microbatches' weight gradients; bf16: to bf16 rounding);
-every gradient dpp-zb dumped -- TE's weights and GEMM-fused biases included, which a lost or doubled W
-would change by the whole of a microbatch's share -- equals the unsplit DPP run's. Two ranks on 2 GPUs
+te.LayerNormLinear, linear_proj and linear_fc2 te.Linear) and, eager, every one of their weight GEMMs in
+every microbatch went to a W step, none ran inside I; graphed, every training forward replayed; both
+dpp-zb runs' losses equal megatron-core's (fp32: to the rounding of another summation order of the
+microbatches' weight gradients; bf16: to bf16 rounding); every gradient they dumped -- TE's weights and
+GEMM-fused biases included, which a lost, doubled or overwritten W would change by the whole of a
+microbatch's share -- equals the unsplit DPP run's. Two ranks on 2 GPUs
 (NCCL), or sharing one over gloo (where the first run is the trainer's own 1F1B order instead of
 megatron-core's schedule). Skipped without an importable Transformer Engine (scripts/te/build.sh
 builds one; docs/transformer_engine.md).
@@ -39,6 +41,7 @@ INSTALLED = re.compile(r"stage (\d+): split backward defers the weight GEMMs of 
                        r"and (\d+) Transformer Engine linear\(s\) to W")
 DEFERRED = re.compile(r"stage (\d+): split backward: (\d+) Transformer Engine weight GEMM\(s\) deferred to W, "
                       r"(\d+) run in their backward")
+REPLAYED = re.compile(r"stage (\d+) chunk (\d+): (\d+) training forward\(s\) replayed from CUDA graphs, (\d+) eager")
 
 
 def _assert_grads_close(want_dir: Path, got_dir: Path, rel: float, rel_after_step: float) -> int:
@@ -76,23 +79,34 @@ def test_te_split_backward_trains_like_megatron_1f1b(tmp_path: Path, precision: 
     _, unsplit = train(tmp_path / "dpp", 2, ["--dump-grads", "2", "--", *gpt, "--use-dpp", "--dpp-policy", "dpp",
                                              "--dpp-eager"], last_rank=1)
     results, split = train(tmp_path / "dpp-zb", 2, ["--dump-grads", "2", "--", *gpt, "--use-dpp", "--dpp-policy",
-                                                    "dpp-zb"], last_rank=1)
+                                                    "dpp-zb", "--dpp-eager"], last_rank=1)
+    graphed_results, graphed = train(tmp_path / "dpp-zb-graphs", 2, ["--dump-grads", "2", "--", *gpt, "--use-dpp",
+                                                                    "--dpp-policy", "dpp-zb"], last_rank=1)
     logs = "".join(r.output for r in results)
     installed = {int(m[1]): (int(m[2]), int(m[3])) for m in INSTALLED.finditer(logs)}
     deferred = {int(m[1]): (int(m[2]), int(m[3])) for m in DEFERRED.finditer(logs)}
     print("installed (megatron-core, TE linears) per stage:", installed)
-    print("TE weight GEMMs (deferred to W, run in I) per stage:", deferred)
+    print("TE weight GEMMs (deferred to W, run in I) per stage, eager:", deferred)
     te_linears = LAYERS_PER_STAGE * TE_LINEARS_PER_LAYER
     assert {s: te for s, (_, te) in installed.items()} == dict.fromkeys(splitting, te_linears), installed
     assert deferred == dict.fromkeys(splitting, (ITERS * M * te_linears, 0)), deferred
-    assert "replayed from CUDA graphs" not in logs  # a TE split backward runs eager
+    assert "replayed from CUDA graphs" not in logs  # --dpp-eager
+    graphed_logs = "".join(r.output for r in graphed_results)
+    replayed = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for m in REPLAYED.finditer(graphed_logs)}
+    print("replayed/eager forwards per (stage, chunk), graphed:", replayed)
+    assert replayed == {(st, c): (ITERS * M, 0) for st in (0, 1) for c in range(chunks)}, replayed
+    graphed_installed = {int(m[1]): (int(m[2]), int(m[3])) for m in INSTALLED.finditer(graphed_logs)}
+    assert graphed_installed == installed, graphed_installed
     names = set(torch.load(next((tmp_path / "dpp-zb").glob("grads_rank0_it*.pt"))))
     assert any("linear_qkv.layer_norm_weight" in n for n in names), sorted(names)[:20]  # TE's spec trained
     rel = 1e-4 if precision == "fp32" else 2e-2
-    print(f"{precision}, v={chunks}: megatron-core, DPP dpp (eager), DPP dpp-zb (eager, TE's deferred weight GEMMs)")
+    print(f"{precision}, v={chunks}: megatron-core, DPP dpp (eager), DPP dpp-zb (eager, TE's deferred weight GEMMs), "
+          "DPP dpp-zb (graphed)")
     for it in sorted(megatron, key=int):
-        print(it, megatron[it]["lm loss"], unsplit[it]["lm loss"], split[it]["lm loss"])
+        print(it, megatron[it]["lm loss"], unsplit[it]["lm loss"], split[it]["lm loss"], graphed[it]["lm loss"])
         assert split[it]["lm loss"] == pytest.approx(megatron[it]["lm loss"], rel=rel), f"iteration {it}"
-    compared = _assert_grads_close(tmp_path / "dpp", tmp_path / "dpp-zb", *((1e-5, 1e-3) if precision == "fp32"
-                                                                           else (2e-2, 2e-2)))
-    print(f"{compared} gradient tensors of dpp-zb equal the unsplit run's")
+        assert graphed[it]["lm loss"] == pytest.approx(megatron[it]["lm loss"], rel=rel), f"iteration {it}, graphed"
+    bounds = (1e-5, 1e-3) if precision == "fp32" else (2e-2, 2e-2)
+    for run in ("dpp-zb", "dpp-zb-graphs"):
+        compared = _assert_grads_close(tmp_path / "dpp", tmp_path / run, *bounds)
+        print(f"{compared} gradient tensors of {run} equal the unsplit run's")

@@ -312,23 +312,17 @@ def test_nvte_variables_against_the_backend_are_named() -> None:
         "(megatron-core refuses the mismatch): unset it"]
 
 
-def test_te_split_backward_is_kept_eager_naming_the_te_backend() -> None:
-    """A split backward runs with Transformer Engine's layers, eagerly only: an explicit dpp-zb is not
-    refused, its graphs are (the graph check names the flag that chose TE), and auto's question "could
-    dpp-zb run with these graphs?" gets the same answer."""
+def test_te_split_backward_runs_graphed_and_auto_picks_it() -> None:
+    """A split backward with Transformer Engine's layers replays from the slot graphs like the local
+    layers' (each slot copies what its W reads out of the backward pool, trainer/pipeline/graph_operands.py):
+    an explicit dpp-zb keeps --use-dpp's default graphs and auto picks dpp-zb with them."""
     flags = ["--attention-backend", "fused", "--pipeline-model-parallel-size", "2", "--use-dpp", "--num-layers", "2"]
     cfg = _unchecked([*flags, "--dpp-policy", "dpp-zb"], device="cuda")
     assert config_module.split_backward_refusals(cfg) == []
-    graphs, why = resolve_cuda_graphs(cfg)
-    assert not graphs and why.startswith("eager: --dpp-cuda-graphs needs megatron-core's local layers with a split "
-                                         "backward: --dpp-policy=dpp-zb with Transformer Engine's layers "
-                                         "(--attention-backend=fused) runs eager only")
+    assert resolve_cuda_graphs(cfg)[0]
     auto = _unchecked(flags, device="cuda")
-    assert config_module.split_backward_refusals(auto, "dpp-zb") == [
-        "--dpp-policy=dpp-zb with Transformer Engine's layers (--attention-backend=fused) runs eager only: TE's deferred "
-        "weight GEMMs keep operands their backward allocated, which the DPP slot graphs' shared backward pool would "
-        "overwrite before W (the slot graphs copy out only megatron-core's local linears' operands); use --dpp-eager, "
-        "--dpp-policy dpp, or --transformer-impl local"]
+    assert config_module.split_backward_refusals(auto, "dpp-zb") == []
+    assert config_module.resolve_dpp_policy(auto)[0] == "dpp-zb"
     regather = _unchecked([*flags, "--dpp-policy", "dpp-zb", "--dpp-eager", "--sequence-parallel",
                            "--tensor-model-parallel-size", "2", "--dpp-sp-wgrad-input", "regather"], device="cuda")
     assert [p for p in config_module.split_backward_refusals(regather) if "regather" in p] == [

@@ -209,7 +209,8 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
     assert (megatron.engine, megatron.cuda_graphs, megatron.graphs_reason, megatron.log_text) == \
         ("megatron-core", False, "", "megatron-core")
     # Transformer Engine's layers (where it is installed, --transformer-impl auto picks them): the default
-    # replays them from graphs in fp32 and bf16 (tests/gpu/test_te_gpu.py), and megatron-core's own graphs
+    # replays them from graphs with a split backward in fp32 and bf16 (tests/gpu/test_te_split_gpu.py), and
+    # megatron-core's own graphs
     # run with TE's RNG tracker, turned on by itself as in Megatron-LM.
     import importlib.util
 
@@ -222,8 +223,7 @@ def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
     with_te = [a for a in CUDA_PP2 if a not in ("--transformer-impl", "local")]
     for precision in ([], ["--bf16"]):
         te_default = _plan([*with_te, "--use-dpp", *precision]).schedule
-        assert te_default.cuda_graphs and te_default.policy == "dpp", te_default.log_text  # dpp-zb: local only
-        assert "dpp-zb's split backward is ruled out" in te_default.log_text
+        assert te_default.cuda_graphs and te_default.policy == "dpp-zb", te_default.log_text
         assert _plan([*with_te, *GRAPHS, *precision]).schedule.cuda_graphs
     te_graphs = _plan([*with_te, "--cuda-graph-impl", "local"]).rng
     assert te_graphs.te_tracker and te_graphs.graph_safe and "Megatron-LM" in te_graphs.te_tracker_reason

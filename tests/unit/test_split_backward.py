@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from trainer.pipeline.split_backward import (
     SplitBackward,
-    StaticOperandStore,
     WeightGradStore,
     install_split_backward,
     split_backward_problems,
@@ -304,14 +303,13 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
     eager = parse_config([*base, "--dpp-eager"], world_size=2)
     assert resolve_plan(eager, 2).schedule.dpp_policy == "dpp" and "without CUDA graphs" in resolve_dpp_policy(eager)[1]
     assert resolve_plan(eager, 2).schedule.policy == "dpp"
-    # With graphs Transformer Engine rules the split out: auto falls back to dpp and says why (dpp-zb asked for
-    # runs eager: test_te_split_backward_runs_eager_and_its_graphs_are_refused)
+    # Transformer Engine's layers split under graphs too (test_te_split_backward_keeps_the_default_graphs)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
     import trainer.config.transformer_engine as te
 
     monkeypatch.setattr(te, "import_problem", lambda module: None)  # as if it imported
     with_te = parse_config([*base, "--dpp-cuda-graphs", "--transformer-impl", "transformer_engine"], world_size=2)
-    assert resolve_dpp_policy(with_te)[0] == "dpp" and "--transformer-impl local" in resolve_dpp_policy(with_te)[1]
+    assert resolve_dpp_policy(with_te)[0] == "dpp-zb"
     # --no-dpp-fill-transit only where dpp-zb runs
     with pytest.raises(ConfigError, match="--no-dpp-fill-transit applies to --use-dpp with dpp-zb.*without CUDA graphs"):
         parse_config([*base, "--dpp-eager", "--no-dpp-fill-transit"], world_size=2)
@@ -319,13 +317,13 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
                             world_size=2).parallel.dpp_fill_transit
 
 
-def test_te_split_backward_runs_eager_and_its_graphs_are_refused(monkeypatch) -> None:
+def test_te_split_backward_keeps_the_default_graphs(monkeypatch) -> None:
     """dpp-zb with Transformer Engine's layers (here picked by --transformer-impl auto, as where TE is
-    installed): --use-dpp's default graphs step aside, saying why; asked for, they are refused."""
+    installed) replays from --use-dpp's default graphs, as with megatron-core's local layers."""
     import importlib.util
 
     import trainer.config.transformer_engine as te
-    from trainer.config import ConfigError, parse_config, resolve_plan
+    from trainer.config import parse_config, resolve_plan
 
     args = ["--mock-data", "--use-dpp", "--dpp-policy", "dpp-zb", "--device", "cuda", "--pipeline-model-parallel-size",
             "2", "--num-layers", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -336,10 +334,8 @@ def test_te_split_backward_runs_eager_and_its_graphs_are_refused(monkeypatch) ->
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
     monkeypatch.setattr(te, "import_problem", lambda module: None)  # as if it imported
     schedule = resolve_plan(parse_config(args, world_size=2), 2).schedule
-    assert (schedule.dpp_policy, schedule.cuda_graphs) == ("dpp-zb", False)
-    assert "Transformer Engine's layers (--transformer-impl=auto) runs eager only" in schedule.graphs_reason
-    with pytest.raises(ConfigError, match="--dpp-cuda-graphs needs megatron-core's local layers with a split backward"):
-        parse_config([*args, "--dpp-cuda-graphs"], world_size=2)
+    assert (schedule.dpp_policy, schedule.cuda_graphs) == ("dpp-zb", True)
+    assert parse_config([*args, "--dpp-cuda-graphs"], world_size=2).parallel.dpp_cuda_graphs
 
 
 def test_the_store_keeps_the_incoming_gradient_itself_so_the_runtime_must_copy_it(group) -> None:
@@ -367,36 +363,54 @@ def _w_grads(model, split, store_for, x, grad_out) -> tuple[list[torch.Tensor], 
 
 
 def test_a_graph_slots_store_keeps_copies_in_its_own_buffers_and_gives_the_same_grads(group) -> None:
-    """StaticOperandStore (the store a CUDA graph slot's I is captured with): every deferred output
-    gradient is copied into the slot's buffer -- never the tensor autograd handed over, which the
-    shared backward pool reuses -- and W computes what the plain store computes. A shorter
-    (variable) length uses the leading rows of the longest length's buffers."""
+    """StaticOperandStore (the store a CUDA graph slot's I is captured with), planned as the warm-up plans
+    it: every output gradient the backward allocated is copied into the slot's buffer -- never the
+    tensor autograd handed over, which the shared backward pool reuses -- while the inputs the forward
+    saved and the incoming gradient (alive before the backward) are read where they are; W computes
+    what the plain store computes. A shorter (variable) length uses the leading rows of the buffers."""
+    from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, plan_operands
+
     model = _megatron_pair(group)
     split = install_split_backward([model])
     x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
     want, plain = _w_grads(model, split, WeightGradStore, x, grad_out)
-    buffers = [torch.full(e.grad_output.shape, float("nan")) for e in plain]
-    got, kept = _w_grads(model, split, lambda: StaticOperandStore(buffers), x, grad_out)
+    before = {grad_out.data_ptr()} | {e.input.untyped_storage().data_ptr() for e in plain}
+    plan = plan_operands(plain, lambda t: t.untyped_storage().data_ptr() in before)
+    # the row-parallel linear's output gradient is the incoming one itself (kept); the column one's is new
+    assert plan.copies == ((), (1,)) and [shape for shape, _ in plan.buffers] == [torch.Size([5, 3, 6])]
+    buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
+    got, kept = _w_grads(model, split, lambda: StaticOperandStore(buffers, plan.copies), x, grad_out)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
-    assert [e.grad_output.data_ptr() for e in kept] == [b.data_ptr() for b in buffers]
-    assert grad_out.data_ptr() not in {e.grad_output.data_ptr() for e in kept}
+    assert kept[1].grad_output.data_ptr() == buffers[0].data_ptr() and kept[0].grad_output is not None
     short_want, _ = _w_grads(model, split, WeightGradStore, x[:2], grad_out[:2])
-    short_got, _ = _w_grads(model, split, lambda: StaticOperandStore(buffers), x[:2], grad_out[:2])
+    short_got, _ = _w_grads(model, split, lambda: StaticOperandStore(buffers, plan.copies), x[:2], grad_out[:2])
     for g, w in zip(short_got, short_want, strict=True):
         torch.testing.assert_close(g, w)
+    store = StaticOperandStore(buffers, plan.copies)
+    with split.capture_into(store):
+        _run(model, x.clone().requires_grad_(True)).backward(grad_out)
+    check_kept(store, lambda t: True, 5)  # all planned buffers filled, nothing kept that the backward made
+    with pytest.raises(RuntimeError, match=r"at length 5, weight GEMM 1's operand 2 \(5, 3, 4\) was allocated by "
+                                           r"the captured backward but the warm-up found it alive"):
+        check_kept(store, lambda t: t.data_ptr() != grad_out.data_ptr(), 5)
+    store.replay()
 
 
 def test_a_graph_slots_store_refuses_gradients_its_buffers_do_not_fit(group) -> None:
+    from trainer.pipeline.graph_operands import StaticOperandStore
+
     model = _megatron_pair(group)
     split = install_split_backward([model])
     x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
-    with pytest.raises(RuntimeError, match=r"weight GEMM 1 deferred, but the slot has buffers for 0"):
-        _w_grads(model, split, lambda: StaticOperandStore([]), x, grad_out)
+    with pytest.raises(RuntimeError, match=r"weight GEMM 1 deferred, but the slot was planned for 0"):
+        _w_grads(model, split, lambda: StaticOperandStore([], ()), x, grad_out)
     assert split.active is None
+    with pytest.raises(RuntimeError, match=r"weight GEMM 1's operand 2 needs buffer 1, but the slot has 0"):
+        _w_grads(model, split, lambda: StaticOperandStore([], ((1,), (1,))), x, grad_out)
     wrong = [torch.empty(5, 2, 4), torch.empty(5, 3, 6)]  # batch 2, not 3: only the sequence may be shorter
-    with pytest.raises(RuntimeError, match=r"weight GEMM 1's output gradient is \(5, 3, 4\).*buffer \(5, 2, 4\)"):
-        _w_grads(model, split, lambda: StaticOperandStore(wrong), x, grad_out)
+    with pytest.raises(RuntimeError, match=r"weight GEMM 1's operand 2 is \(5, 3, 4\).*buffer \(5, 2, 4\)"):
+        _w_grads(model, split, lambda: StaticOperandStore(wrong, ((1,), (1,))), x, grad_out)
 
 
 def test_capture_into_refuses_a_second_open_store() -> None:

@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, plan_operands
 from trainer.pipeline.split_backward import (
-    StaticOperandStore,
     WeightGradStore,
     install_split_backward,
     split_backward_problems,
@@ -52,8 +52,8 @@ class _StandInGemm(torch.autograd.Function):
     """TE's linear autograd, reduced to the deferral contract (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store, normalize):
-        ctx.normalize = normalize
+    def forward(ctx, x, weight, bias, store, normalize, gathers):
+        ctx.normalize, ctx.gathers = normalize, gathers
         total = torch.nn.functional.layer_norm(x, x.shape[-1:]) if normalize else x
         ctx.save_for_backward(x, total, weight)
         ctx.store, ctx.has_bias = store, bias is not None
@@ -69,6 +69,8 @@ class _StandInGemm(torch.autograd.Function):
             dw = grad.reshape(-1, grad.shape[-1]).t() @ inp.reshape(-1, inp.shape[-1])
             return dw, grad.reshape(-1, grad.shape[-1]).sum(0) if has_bias else None
 
+        if ctx.gathers:  # TE's column-parallel linear under SP: the GEMM's input is gathered in the backward
+            total = total.clone()
         if ctx.store is not None and ctx.store.delay_wgrad_compute():
             ctx.store.put([total, dy], gemm)
             dw = db = None
@@ -79,11 +81,12 @@ class _StandInGemm(torch.autograd.Function):
             with torch.enable_grad():
                 xr = x.detach().requires_grad_(True)
                 (dx,) = torch.autograd.grad(torch.nn.functional.layer_norm(xr, xr.shape[-1:]), xr, dx)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class _StandInTeModule(torch.nn.Module):
     normalize = False
+    gathers = False
 
     def __init__(self, n_in: int, n_out: int, bias: bool = True, seed: int = 0) -> None:
         super().__init__()
@@ -98,7 +101,7 @@ class _StandInTeModule(torch.nn.Module):
         raise NotImplementedError
 
     def forward(self, x):
-        return _StandInGemm.apply(x, self.weight, self.bias, self._store_for_forward(), self.normalize)
+        return _StandInGemm.apply(x, self.weight, self.bias, self._store_for_forward(), self.normalize, self.gathers)
 
 
 Linear = type("Linear", (_StandInTeModule,), {
@@ -263,19 +266,15 @@ def test_refusals_come_before_anything_is_installed() -> None:
         install_split_backward([torch.nn.Sequential(good)])
 
 
-def test_te_backward_dw_and_graph_capture_are_refused_by_name() -> None:
+def test_te_backward_dw_is_refused_by_name() -> None:
     model = _block()
     split = install_split_backward([model])
     with pytest.raises(RuntimeError, match=r"Linear.backward_dw\(\) called, but its deferred weight GEMMs belong"):
         model[1].wgrad_store.pop()
     x, dy = torch.randn(5, 2, 8), torch.randn(5, 2, 4)
-    with pytest.raises(RuntimeError, match="Linear \\(Transformer Engine\\) deferred its weight GEMM inside a graph"):
-        with split.capture_into(StaticOperandStore([torch.empty(5, 2, 4)] * 2)):
-            model(x.requires_grad_(True)).backward(dy)
-    assert split.active is None
     store = WeightGradStore()
     with split.capture_into(store):
-        model(x).backward(dy)
+        model(x.requires_grad_(True)).backward(dy)
     entries = list(store.entries)
     store.replay()
     assert all(e.tensors is None for e in entries)  # the operands are let go after W
@@ -283,11 +282,71 @@ def test_te_backward_dw_and_graph_capture_are_refused_by_name() -> None:
         entries[0].accumulate()
 
 
-def test_the_slot_graphs_refuse_a_te_split_backward_before_capturing() -> None:
-    """The runtime's own line of the refusal trainer/config/plan.py makes (graphs and a TE split backward)."""
-    from trainer.pipeline.stage_graphs import capture_chunk_graphs
+def _alive_before_backward(out: torch.Tensor, *held: torch.Tensor):
+    """The storages alive when the backward starts: what the forward's nodes saved, and ``held``
+    (on CUDA the caching allocator is asked instead: graph_operands.live_memory)."""
+    seen, nodes, ptrs = set(), [out.grad_fn], {t.untyped_storage().data_ptr() for t in held}
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        ptrs |= {t.untyped_storage().data_ptr() for t in getattr(node, "saved_tensors", ()) if t is not None}
+        nodes += [n for n, _ in node.next_functions]
+    return lambda t: t.untyped_storage().data_ptr() in ptrs
 
-    split = install_split_backward([_block()])
-    with pytest.raises(ValueError, match="split backward with Transformer Engine linears runs eager only"):
-        capture_chunk_graphs([torch.nn.Identity()], shape=None, stage=0, slots=1, shapes=None, masks={},
-                             device=torch.device("cpu"), split=split)
+
+def test_a_graph_slot_copies_what_tes_backward_allocated_and_reads_the_rest_in_place() -> None:
+    """TE's deferred GEMMs under the slot graphs (trainer/pipeline/graph_operands.py): the warm-up's plan
+    copies each operand the backward allocated -- the output gradients, and the input a column-parallel
+    linear gathers in its backward under SP -- and leaves the forward's saved input and the incoming
+    gradient where they are; W from the slot's copies gives autograd's gradients, also at a shorter length."""
+    model = _block()
+    model[0].gathers = True
+    split = install_split_backward([model])
+    xs, dys = _inputs(2)
+    want, _ = _reference_grads(model, xs, dys)
+
+    def i_step(store, x, dy):
+        with split.capture_into(store):
+            out = model(x.clone().requires_grad_(True))
+            live = _alive_before_backward(out, dy)
+            out.backward(dy, retain_graph=True)
+        return live
+
+    warm = WeightGradStore()
+    live = i_step(warm, xs[0], dys[0])
+    plan = plan_operands(warm.entries, live)
+    warm.replay()
+    # backward order: the linear (input saved, gradient incoming: kept), then the norm-fused one (both made by I)
+    assert plan.copies == ((), (0, 1))
+    assert [tuple(shape) for shape, _ in plan.buffers] == [(5, 2, 8), (5, 2, 6)]
+    model.zero_grad(set_to_none=True)
+    buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
+    for m in (0, 1):
+        store = StaticOperandStore(buffers, plan.copies)
+        live = i_step(store, xs[m], dys[m])
+        check_kept(store, live, 5)
+        assert [t.data_ptr() for t in store.entries[1].tensors] == [b.data_ptr() for b in buffers]
+        store.replay()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, sum(want[k][name] for k in range(m + 1)), msg=f"{name} after W {m}")
+    model.zero_grad(set_to_none=True)
+    short_want, _ = _reference_grads(model, [xs[0][:3]], [dys[0][:3]])
+    store = StaticOperandStore(buffers, plan.copies)
+    check_kept(store, i_step(store, xs[0][:3], dys[0][:3]), 3)
+    store.replay()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, short_want[0][name], msg=f"{name} at length 3")
+
+
+def test_a_plan_that_keeps_what_the_captured_backward_made_fails_the_capture() -> None:
+    model = _block()
+    split = install_split_backward([model])
+    store = StaticOperandStore([torch.empty(5, 2, 6)], ((), (1,)))
+    with split.capture_into(store):
+        model(torch.randn(5, 2, 8).requires_grad_(True)).backward(torch.randn(5, 2, 4))
+    with pytest.raises(RuntimeError, match=r"weight GEMM 1 \(Linear, Transformer Engine\)'s operand 2 "
+                                           r"\(5, 2, 4\) was allocated by the captured backward"):
+        check_kept(store, lambda t: t.shape[-1] != 4, 5)
+    store.replay()

@@ -451,15 +451,13 @@ def _cuda_graph_problems(cfg: TrainConfig) -> list[str]:
     par, m = cfg.parallel, cfg.model
     if not par.dpp_cuda_graphs:
         return []
-    policy, te = resolve_dpp_policy(cfg)[0], te_layers_named(cfg)
+    policy = resolve_dpp_policy(cfg)[0]
     why = {
         "--use-dpp (the graphs replace ops of the DPP runtime)": par.use_dpp,
         f"--dpp-policy dpp, dpp-zb, {', '.join(STATIC_DPP_POLICIES)} (got {par.dpp_policy}); a static order "
         "gets as many slots per chunk as it holds activations at most":
             policy in ("dpp", "dpp-zb", *STATIC_DPP_POLICIES),
         f"--device cuda (got {cfg.run.device})": cfg.run.device == "cuda",
-        "megatron-core's local layers with a split backward: " + _te_split_graph_problem(policy, str(te)):
-            not (policy in SPLIT_BACKWARD and te is not None),
         f"--distributed-backend nccl with --tensor-model-parallel-size {par.tensor_model_parallel_size} (the TP "
         "collectives are captured into the graphs; gloo's run on the host)":
             par.tensor_model_parallel_size == 1 or par.distributed_backend != "gloo",
@@ -552,13 +550,6 @@ def te_layers_named(cfg: TrainConfig) -> str | None:
         f"--transformer-impl={cfg.model.transformer_impl}"
 
 
-def _te_split_graph_problem(policy: str, te: str) -> str:
-    return (f"--dpp-policy={policy} with Transformer Engine's layers ({te}) runs eager only: TE's deferred weight "
-            "GEMMs keep operands their backward allocated, which the DPP slot graphs' shared backward pool would "
-            "overwrite before W (the slot graphs copy out only megatron-core's local linears' operands); use "
-            "--dpp-eager, --dpp-policy dpp, or --transformer-impl local")
-
-
 def split_backward_refusals(cfg: TrainConfig, policy: str | None = None) -> list[str]:
     """What rules out --dpp-policy dpp-zb / zb-h1 (split backward), knowable before any process group.
     ``policy``: the one to check (default: the run's, ``auto`` resolved)."""
@@ -569,13 +560,9 @@ def split_backward_refusals(cfg: TrainConfig, policy: str | None = None) -> list
         return []
     p = []
     # Transformer Engine's linears defer their weight GEMMs through TE's own deferral
-    # (trainer/pipeline/split_backward_te.py), eagerly only (_te_split_graph_problem). "auto" picks TE on
-    # CUDA where it is installed (trainer.model.build).
+    # (trainer/pipeline/split_backward_te.py), eager or graphed (trainer/pipeline/graph_operands.py).
+    # "auto" picks TE on CUDA where it is installed (trainer.model.build).
     te = te_layers_named(cfg)
-    if te is not None and par.dpp_policy not in SPLIT_BACKWARD and resolve_cuda_graphs(cfg)[0]:
-        # auto's question (could dpp-zb run here?): not with these graphs. An explicit dpp-zb / zb-h1 is
-        # held by the graph checks instead, which keep its run eager (or refuse --dpp-cuda-graphs).
-        p.append(_te_split_graph_problem(policy, te))
     if te is not None and par.sequence_parallel and par.dpp_sp_wgrad_input == "regather":
         p.append(f"--dpp-sp-wgrad-input=regather re-gathers the inputs of megatron-core's local linears in W; "
                  f"Transformer Engine's linears ({te}) keep the operands their backward gathered for their deferred "

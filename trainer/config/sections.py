@@ -309,8 +309,8 @@ class ParallelConfig:
     as written by the runtime: with --dpp-cuda-graphs the graphed static bars the dynamic policies are
     measured against), auto (the default: dpp-zb with CUDA graphs where its split backward is
     possible, else dpp -- what measured fastest at equal memory, docs/schedules.md; the log's layout
-    line says which ran and why: trainer/config/plan.py). With Transformer Engine's layers split backward
-    runs eager only (docs/transformer_engine.md)."""
+    line says which ran and why: trainer/config/plan.py). With Transformer Engine's layers the split
+    backward runs TE's own deferred weight GEMMs (docs/transformer_engine.md)."""
     dpp_cuda_graphs: bool = False
     """Ask for CUDA graphs: a layout they cannot run is an error (``--use-dpp`` alone turns them on
     where they can run and stays eager, saying why, where they cannot; ``--dpp-eager`` turns them off).

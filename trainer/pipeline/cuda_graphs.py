@@ -28,8 +28,8 @@ Split backward (--dpp-policy dpp-zb): a slot holds three graphs per length -- th
 backward with the linears' weight GEMMs deferred) and W (those GEMMs, accumulated into
 ``main_grad``). F takes the slot and W gives it back, so a microbatch whose W waits keeps its
 activations in the slot exactly as eager dpp-zb keeps them in the store; what W reads besides the
-activations (each linear's output gradient) is copied during I into buffers the slot owns
-(:class:`trainer.pipeline.split_backward.StaticOperandStore` says why).
+activations (each linear's output gradient, and what else the backward allocated for W) is copied
+during I into buffers the slot owns (trainer/pipeline/graph_operands.py says why and how it is found).
 
 Scope (checked by the config before any process starts): GPT or BERT, --use-dpp with --dpp-policy
 dpp, dpp-zb or a static order, and with TP > 1 an NCCL tensor-parallel group.
@@ -80,8 +80,15 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.pipeline.graph_operands import (
+    OperandPlan,
+    StaticOperandStore,
+    check_kept,
+    live_memory,
+    plan_operands,
+)
 from trainer.pipeline.graph_rng import capture, draws_random, rng_state_bypassed
-from trainer.pipeline.split_backward import SplitBackward, StaticOperandStore, WeightGradStore
+from trainer.pipeline.split_backward import SplitBackward, WeightGradStore
 
 log = logging.getLogger(__name__)
 
@@ -239,9 +246,8 @@ class _GraphPair:
     wgt: torch.cuda.CUDAGraph | None = None
     """Split backward: the weight GEMMs ``bwd`` (then I) deferred; None = ``bwd`` is the whole backward."""
     w_buffers: list[torch.Tensor] | None = None
-    """Split backward: the slot's output-gradient buffers that ``bwd`` writes and ``wgt`` reads. Held
-    here because nothing else holds them: ordinary allocations, which the caching allocator would
-    hand to other tensors (while the graphs still use their addresses) once unreferenced."""
+    """Split backward: the slot's operand buffers that ``bwd`` writes and ``wgt`` reads, held here: ordinary
+    allocations, which the caching allocator would hand to other tensors once unreferenced."""
     mask: torch.Tensor | None = None
     """The slot's attention-mask buffer at this length when masks vary (BERT), which each replay fills;
     None: the captured mask is every microbatch's."""
@@ -309,7 +315,7 @@ def _check_grads_went_to_main_grad(params: list, captured: str) -> None:
 
 def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device,
                  backward_pool=None, split: SplitBackward | None = None,
-                 operands: list[tuple[torch.Size, torch.dtype]] | None = None) -> dict:
+                 operands: OperandPlan | None = None) -> dict:
     """One slot's graph pairs, one per captured length, as ``{length: callable(x, attention_mask)}``.
 
     Memory, forward: all of a slot's forward graphs share one private pool, captured longest first.
@@ -332,18 +338,16 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
     instead of every slot keeping a full set of static weight gradients for autograd to accumulate
     later. (--overlap-grad-reduce, whose hook also launches communication, is refused with graphs.)
 
-    Split backward (``split``, with ``operands``: the shape and dtype of each output gradient the
-    warm-up deferred at the longest length):
-    the backward is captured with the linears' weight GEMMs deferred into a
-    :class:`StaticOperandStore` over this slot's own output-gradient buffers (I), then that store's
-    replay is captured as a third graph (W), into the shared backward pool (nothing it allocates
-    outlives it)."""
+    Split backward (``split``, with ``operands``: the warm-up's plan of which deferred operands the
+    backward allocates, at the longest length): the backward is captured with the linears' weight GEMMs
+    deferred into a :class:`StaticOperandStore` that copies those operands into this slot's own
+    buffers (I), then that store's replay is captured as a third graph (W), into the shared backward
+    pool (nothing it allocates outlives it)."""
     if (split is None) != (operands is None):
         raise ValueError("capture_slot: a split backward needs both the controller and the warm-up's operands")
     x_buf = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device)
-    # The slot's own output-gradient buffers for W (one set, the longest length's; see StaticOperandStore).
-    grad_buffers = ([torch.empty(shape, dtype=dtype, device=device) for shape, dtype in operands]
-                    if operands is not None else None)
+    # The slot's own operand buffers for W (one set, the longest length's: trainer/pipeline/graph_operands.py).
+    grad_buffers = operands.allocate(device) if operands is not None else None
     grad_buf = torch.zeros_like(x_buf)
     params = [p for p in call.parameters() if p.requires_grad]
     pool = torch.cuda.graph_pool_handle()
@@ -361,7 +365,8 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         stale = [p for p in params if p.grad is not None]
         if stale or x.grad is not None:
             raise RuntimeError(f"--dpp-cuda-graphs: {len(stale)} parameter(s) hold a .grad before capture")
-        store = StaticOperandStore(grad_buffers) if split is not None else None
+        store = StaticOperandStore(grad_buffers, operands.copies) if split is not None else None
+        live = live_memory(device) if split is not None else None  # before I: what it may leave where it is
         with (split.capture_into(store, f"CUDA graph capture at length {length}") if split is not None
               else contextlib.nullcontext()):
             with _capture(bwd, backward_pool, stream):
@@ -369,9 +374,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         _check_grads_went_to_main_grad(params, f"the backward graph at length {length}")
         wgt = None
         if store is not None:
-            if len(store) != len(grad_buffers):
-                raise RuntimeError(f"split backward with CUDA graphs: the backward at length {length} deferred "
-                                   f"{len(store)} weight GEMM(s), the warm-up {len(grad_buffers)}")
+            check_kept(store, live, length)
             wgt = torch.cuda.CUDAGraph()
             with _capture(wgt, backward_pool, stream):
                 store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
@@ -385,15 +388,15 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
 
 
 def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device, iters: int = 2,
-             split: SplitBackward | None = None) -> list[tuple[torch.Size, torch.dtype]] | None:
+             split: SplitBackward | None = None) -> OperandPlan | None:
     """Each length's forward and backward run eagerly first (cuBLAS handles and workspaces, autotuned
     kernels: nothing may initialise lazily inside a capture). A full ``backward``, as the capture
     runs it (selective recompute's checkpoint refuses ``torch.autograd.grad``); what it adds to the
     parameters' ``main_grad`` is zeroed again here (every step zeroes the grad buffers anyway).
 
     With a split backward, each length's last pass defers its weight GEMMs into a store and replays
-    it (I and W as the graphs will run them); returned: the shape and dtype of each output gradient
-    deferred at the longest length (the slots size their W buffers from them)."""
+    it (I and W as the graphs will run them); returned: which deferred operands the backward allocated
+    at the longest length (the slots copy those into buffers of their own: graph_operands.py)."""
     params = [p for p in call.parameters() if p.requires_grad]
     sized = None
     for length in shapes.captured_lengths():
@@ -404,11 +407,15 @@ def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.d
             if split is None or i < iters - 1:
                 out.backward(torch.ones_like(out))
                 continue
+            grad, live = torch.ones_like(out), live_memory(device)
+            # retain_graph: no saved forward tensor is freed during this backward, so no tensor it
+            # allocates can take over a forward tensor's block and pass for alive before it
             with split.capture_into(WeightGradStore(), f"CUDA graph warm-up at length {length}") as store:
-                out.backward(torch.ones_like(out))
+                out.backward(grad, retain_graph=True)
             if sized is None:  # longest length first
-                sized = [(e.grad_output.shape, e.grad_output.dtype) for e in store.entries]
+                sized = plan_operands(store.entries, live)
             store.replay()
+            del out, grad
     for p in params:
         p.grad = None
         if getattr(p, "main_grad", None) is not None:

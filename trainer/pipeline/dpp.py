@@ -464,7 +464,7 @@ class _Step:
                 # (autograd passes it unchanged through adds and p=0 dropout to the chunk's last
                 # linear) until W, and the slot is reused by the next arrival as soon as it is
                 # released. (A replayed I copies it into its graph's input first, and what its W
-                # reads into buffers of its own: see StaticOperandStore.)
+                # reads from the backward pool into buffers of its own: trainer/pipeline/graph_operands.py.)
                 grad = grad.clone()
                 self.ctx.links.release(msg)
                 msg = None

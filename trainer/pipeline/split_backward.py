@@ -30,8 +30,8 @@ TP leader's decisions are replayed).
 Transformer Engine's linears (``te.Linear``, ``te.LayerNormLinear``: every GEMM of megatron-core's
 dense TE spec) defer into the same per-I stores: their backward hands TE's weight-GEMM closure to the
 open store, and W runs it (trainer/pipeline/split_backward_te.py says how, and why TE's own per-module
-queue is not used). Not under CUDA graphs: trainer/config/plan.py keeps TE's layers eager with a split
-backward (:class:`StaticOperandStore` refuses a TE entry as a second line).
+queue is not used). Under CUDA graphs a slot's I copies what W needs out of the shared backward pool,
+for both kinds alike (trainer/pipeline/graph_operands.py).
 
 Refused (ValueError naming what was found): TE modules other than those (split_backward_te.te_problem
 says why each), gradient-accumulation fusion, deferred embedding wgrad, GTP weight rematerialisation,
@@ -43,7 +43,6 @@ start to the runtime).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
@@ -106,41 +105,6 @@ class WeightGradStore:
         entries, self.entries = self.entries, []  # release input/grad_output as we go
         while entries:
             entries.pop(0).accumulate()
-
-
-class StaticOperandStore(WeightGradStore):
-    """The store a CUDA graph slot's I graph is captured with (trainer/pipeline/cuda_graphs.py).
-
-    Why: a slot's backward graphs share one memory pool with every other backward of the stage, so a
-    ``grad_output`` the I graph allocates is overwritten by the next backward replay -- before this
-    slot's W graph reads it. Each deferred ``grad_output`` is therefore copied, inside the captured I,
-    into a buffer the slot owns (``buffers``, sized by the warm-up for the longest
-    length; a shorter length uses the leading rows), and the entry keeps that buffer. The linears'
-    inputs need no copy: they are forward activations, in the slot's own forward pool, untouched
-    until the slot's next forward -- which comes after its W. One copy of each output gradient per
-    I (on the benchmark model gpt16-h2048 ~75 MB per layer: tens of microseconds against a layer's backward)."""
-
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.buffers = buffers
-
-    def add(self, entry: Any) -> None:
-        if not isinstance(entry, _Deferred):
-            raise RuntimeError(f"split backward with CUDA graphs: {getattr(entry, 'module_name', type(entry).__name__)} "
-                               "(Transformer Engine) deferred its weight GEMM inside a graph capture; TE's layers run "
-                               "a split backward eager only (trainer/config/plan.py)")
-        i, grad = len(self.entries), entry.grad_output
-        if i >= len(self.buffers):
-            raise RuntimeError(f"split backward with CUDA graphs: weight GEMM {i + 1} deferred, but the slot "
-                               f"has buffers for {len(self.buffers)} (the backward defers more GEMMs than it did "
-                               "when the buffers were sized)")
-        view = self.buffers[i][:grad.shape[0]] if grad.dim() else self.buffers[i]
-        if view.shape != grad.shape or view.dtype != grad.dtype:
-            raise RuntimeError(f"split backward with CUDA graphs: weight GEMM {i + 1}'s output gradient is "
-                               f"{tuple(grad.shape)} {grad.dtype}, its buffer {tuple(view.shape)} {view.dtype} "
-                               "(only the leading, sequence dimension may be shorter than the longest length's)")
-        view.copy_(grad)
-        super().add(dataclasses.replace(entry, grad_output=view))
 
 
 def weight_grad(entry: _Deferred) -> torch.Tensor:

@@ -47,8 +47,6 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int
     per_chunk = (slots,) * len(chunks) if isinstance(slots, int) else tuple(slots)
     if len(per_chunk) != len(chunks):
         raise ValueError(f"stage {stage}: {len(per_chunk)} slot counts for {len(chunks)} chunk(s)")
-    if split is not None and split.te_linears:  # the plan keeps such runs eager: the runtime's own check
-        raise ValueError(f"stage {stage}: split backward with Transformer Engine linears runs eager only")
     graphs = {}
     before = torch.cuda.memory_reserved(device)
     backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)

@@ -1,0 +1,172 @@
+"""Which operands of a slot's deferred weight GEMMs its I graph must copy into buffers of its own.
+
+A split backward under CUDA graphs (trainer/pipeline/cuda_graphs.py) captures each slot's backward as
+I (input gradients, the weight GEMMs deferred into a store) and W (those GEMMs). Every backward graph
+of a stage -- all slots, lengths and chunks -- is captured into one shared backward pool, so a tensor
+the I graph allocates is overwritten by the next backward replay of any slot, before this slot's W
+reads it. A deferred GEMM's operands are therefore of two kinds:
+
+- alive before the backward began: the forward's saved activations (in the slot's own forward pool,
+  untouched until the slot's next forward, which comes after its W), the slot's static buffers,
+  parameters. W may read them where they are;
+- allocated by the backward: every output gradient, and an input the backward itself made -- the
+  TP-gathered input of Transformer Engine's column-parallel linears under sequence parallelism (TE
+  gathers it in the backward, where megatron-core's local linears keep the forward's gather). These
+  are copied, inside the captured I, into buffers the slot owns.
+
+Which is which is not assumed per layer type: the eager warm-up finds it by asking the CUDA caching
+allocator which blocks were allocated before the backward started (:func:`live_memory`), and
+:func:`plan_operands` turns that into the slot's buffer plan (longest length first; a shorter length
+uses the leading rows). The warm-up's backward retains its graph, so no forward tensor is freed during
+it and no backward tensor can take over a forward tensor's block and pass for one. After each I
+capture :func:`check_kept` asks again: in a capture the answer is exact (what the captured backward
+allocates comes from the backward pool, never from a block freed elsewhere), and an operand the plan
+keeps that the capture allocated fails the capture, naming the GEMM, instead of training on gradients
+read from overwritten memory.
+
+The copies cost one output gradient per linear per slot (on the benchmark model gpt16-h2048 ~75 MB per
+layer), plus, with TE's layers under sequence parallelism, the gathered input of each column-parallel
+linear; each copy is tens of microseconds against a layer's backward.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer.pipeline.split_backward import WeightGradStore, _Deferred
+from trainer.pipeline.split_backward_te import TeDeferred
+
+Live = Callable[[torch.Tensor], bool]
+"""Whether a tensor's memory was allocated before the backward began (:func:`live_memory`)."""
+
+
+def deferred_operands(entry: Any) -> list[Any]:
+    """The tensors a deferred GEMM reads in W: megatron-core's local linears' (input, output gradient),
+    Transformer Engine's closure arguments."""
+    if isinstance(entry, _Deferred):
+        return [entry.input, entry.grad_output]
+    if isinstance(entry, TeDeferred):
+        return list(entry.tensors or [])
+    raise TypeError(f"split backward with CUDA graphs: unknown deferred weight GEMM {type(entry).__name__}")
+
+
+def with_operands(entry: Any, operands: list[Any]) -> Any:
+    """``entry`` reading ``operands`` instead of its own (same order as :func:`deferred_operands`)."""
+    if isinstance(entry, _Deferred):
+        return dataclasses.replace(entry, input=operands[0], grad_output=operands[1])
+    return dataclasses.replace(entry, tensors=list(operands))
+
+
+def entry_name(entry: Any, index: int) -> str:
+    """How an error names a deferred GEMM: its position in the backward and, for TE's, its module."""
+    module = getattr(entry, "module_name", None)
+    return f"weight GEMM {index + 1}" + (f" ({module}, Transformer Engine)" if module else "")
+
+
+@dataclass(frozen=True)
+class OperandPlan:
+    """What a slot's I graph copies: per deferred GEMM (in backward order) which of its operands, and the
+    buffers that hold them (the longest length's shape and dtype, in copy order)."""
+
+    copies: tuple[tuple[int, ...], ...]
+    buffers: tuple[tuple[torch.Size, torch.dtype], ...]
+
+    def allocate(self, device: torch.device) -> list[torch.Tensor]:
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
+
+
+def plan_operands(entries: list[Any], live: Live) -> OperandPlan:
+    """The buffer plan for a backward that deferred ``entries`` (the warm-up's, at the longest length):
+    every tensor operand that was not alive before the backward is copied."""
+    copies, buffers = [], []
+    for entry in entries:
+        picked = []
+        for k, operand in enumerate(deferred_operands(entry)):
+            if isinstance(operand, torch.Tensor) and not live(operand):
+                picked.append(k)
+                buffers.append((operand.shape, operand.dtype))
+        copies.append(tuple(picked))
+    return OperandPlan(tuple(copies), tuple(buffers))
+
+
+class StaticOperandStore(WeightGradStore):
+    """The store a CUDA graph slot's I graph is captured with: each deferred GEMM's operands that the
+    plan names are copied, inside the captured I, into the slot's buffers (views of their leading rows
+    when the length is shorter than the longest), and the entry reads those copies in W."""
+
+    def __init__(self, buffers: list[torch.Tensor], copies: tuple[tuple[int, ...], ...]) -> None:
+        super().__init__()
+        self.buffers, self.copies = buffers, copies
+        self._next = 0  # the next buffer to fill
+
+    def add(self, entry: Any) -> None:
+        i = len(self.entries)
+        if i >= len(self.copies):
+            raise RuntimeError(f"split backward with CUDA graphs: {entry_name(entry, i)} deferred, but the slot "
+                               f"was planned for {len(self.copies)} (the backward defers more GEMMs than it did "
+                               "when the buffers were sized)")
+        operands = deferred_operands(entry)
+        for k in self.copies[i]:
+            if k >= len(operands) or not isinstance(operands[k], torch.Tensor):
+                raise RuntimeError(f"split backward with CUDA graphs: {entry_name(entry, i)} has no tensor operand "
+                                   f"{k + 1}, which the warm-up copied")
+            operands[k] = self._copy(operands[k], entry_name(entry, i), k)
+        super().add(with_operands(entry, operands))
+
+    def _copy(self, operand: torch.Tensor, name: str, k: int) -> torch.Tensor:
+        if self._next >= len(self.buffers):
+            raise RuntimeError(f"split backward with CUDA graphs: {name}'s operand {k + 1} needs buffer "
+                               f"{self._next + 1}, but the slot has {len(self.buffers)}")
+        buffer = self.buffers[self._next]
+        view = buffer[:operand.shape[0]] if operand.dim() else buffer
+        if view.shape != operand.shape or view.dtype != operand.dtype:
+            raise RuntimeError(f"split backward with CUDA graphs: {name}'s operand {k + 1} is "
+                               f"{tuple(operand.shape)} {operand.dtype}, its buffer {tuple(view.shape)} {view.dtype} "
+                               "(only the leading, sequence dimension may be shorter than the longest length's)")
+        self._next += 1
+        view.copy_(operand)
+        return view
+
+
+def check_kept(store: StaticOperandStore, live: Live, length: int) -> None:
+    """After an I capture: every operand the plan keeps must have been alive before it (else the shared
+    backward pool would overwrite it before W), and every planned buffer must have been used."""
+    for i, entry in enumerate(store.entries):
+        for k, operand in enumerate(deferred_operands(entry)):
+            if k not in store.copies[i] and isinstance(operand, torch.Tensor) and not live(operand):
+                raise RuntimeError(f"split backward with CUDA graphs: at length {length}, {entry_name(entry, i)}'s "
+                                   f"operand {k + 1} {tuple(operand.shape)} was allocated by the captured backward "
+                                   "but the warm-up found it alive before its backward, so the slot does not copy "
+                                   "it; the next backward replay would overwrite it before W")
+    if len(store.entries) != len(store.copies) or store._next != len(store.buffers):
+        raise RuntimeError(f"split backward with CUDA graphs: the backward at length {length} deferred "
+                           f"{len(store.entries)} weight GEMM(s) filling {store._next} buffer(s); the warm-up "
+                           f"planned {len(store.copies)} and {len(store.buffers)}")
+
+
+def live_memory(device: torch.device) -> Live:
+    """Whether a tensor lies in memory the CUDA caching allocator has handed out now (its active blocks):
+    asked before a backward, true for what the backward did not allocate. Off CUDA (the CPU tests of
+    what surrounds the graphs) nothing counts as alive, so every operand is copied."""
+    if device.type != "cuda":
+        return lambda tensor: False
+    spans = sorted((block["address"], block["address"] + block["size"])
+                   for segment in torch.cuda.memory_snapshot()
+                   if segment.get("device", device.index) == device.index
+                   for block in segment["blocks"] if block["state"] == "active_allocated")
+    starts = [start for start, _ in spans]
+
+    def live(tensor: torch.Tensor) -> bool:
+        if tensor.device != device or tensor.numel() == 0:
+            return True  # not in this device's pools, or nothing to read
+        address = tensor.untyped_storage().data_ptr()
+        i = bisect.bisect_right(starts, address) - 1
+        return i >= 0 and address < spans[i][1]
+
+    return live
