@@ -167,9 +167,9 @@ EXPERIMENTS = {e.name: e for e in (
         "TE layer spec, bf16, no FP8)? Megatron-core's eager 1F1B and its own CUDA graphs (with TE's RNG "
         "tracker, as Megatron-LM) against eager DPP, eager dpp-zb (W runs TE's own deferred weight GEMMs) and "
         "--use-dpp's default (dpp-zb from the slot graphs, the deferred GEMMs' operands copied out of the "
-        "backward pool).",
+        "backward pool), beside graphed dpp (the default before split backward was graphed with TE).",
         "pipeline", 4, model="gpt16-h2048-te",
-        lines=("megatron-1f1b-best", "megatron-1f1b-graphs", "dpp", "dpp-zb", "dpp-default"),
+        lines=("megatron-1f1b-best", "megatron-1f1b-graphs", "dpp", "dpp-zb", "dpp-graphs", "dpp-default"),
         args=("--threads", "4", "--line-timeout", "120")),
     Experiment(
         "transport",
