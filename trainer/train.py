@@ -198,13 +198,15 @@ class TrainingSession:
         limit = self.cfg.checkpoint.exit_duration_in_mins
         if limit is None:
             return False
-        minutes = (time.time() - _PROCESS_START) / 60.0
-        done = torch.tensor([1.0 if minutes > limit else 0.0], device=self.built.device)
-        dist.all_reduce(done, op=dist.ReduceOp.MAX)
-        if done.item() and self.launch.rank == 0:
-            log.info("exiting program after %.2f minutes (--exit-duration-in-mins %d) at iteration %d",
-                     minutes, limit, self.state.iteration)
-        return bool(done.item())
+        # The longest-running rank's minutes, not a flag: every rank decides on the same number, and the
+        # log gives the one that decided (rank 0's own clock may still be under the limit).
+        elapsed = torch.tensor([(time.time() - _PROCESS_START) / 60.0], dtype=torch.float64, device=self.built.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        minutes = elapsed.item()
+        if minutes > limit and self.launch.rank == 0:
+            log.info("exiting program after %.2f minutes (--exit-duration-in-mins %d, the longest-running rank) "
+                     "at iteration %d", minutes, limit, self.state.iteration)
+        return minutes > limit
 
     def _train_step(self) -> None:
         cfg, state, run = self.cfg, self.state, self.built

@@ -31,7 +31,7 @@ def test_exit_duration_saves_and_stops_unfinished(tmp_path: Path) -> None:
                       *ARGS, "--save", str(ckpt), "--exit-duration-in-mins", "1"], 2, timeout_s=400)
     output = "\n".join(r.output for r in results)
     assert [r.returncode for r in results] == [EXIT_STOPPED, EXIT_STOPPED], output[-3000:]
-    found = re.search(r"exiting program after (\S+) minutes \(--exit-duration-in-mins 1\) at iteration (\d+)", output)
+    found = re.search(r"exiting program after (\S+) minutes \(--exit-duration-in-mins 1, the longest-running rank\) at iteration (\d+)", output)
     assert found and float(found.group(1)) >= 1.0, output[-3000:]  # printed to 0.01 min
     iteration = int(found.group(2))
     assert 0 < iteration < 1000000
