@@ -16,14 +16,22 @@ megatron's own keys.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from trainer.cli import OneLineParser
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python scripts/layer_halves_probe.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     import megatron.core
@@ -37,7 +45,7 @@ def main() -> None:
 
     apply_cpu_shims()
     parallel_state.initialize_model_parallel()
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+    config = TransformerConfig(num_layers=2, hidden_size=args.hidden_size, num_attention_heads=4, use_cpu_initialization=True,
                                hidden_dropout=0.0, attention_dropout=0.0)
     spec = get_gpt_layer_local_spec()
     parts = spec.submodules
@@ -50,7 +58,7 @@ def main() -> None:
     weights = whole.state_dict()
     for half in (first, second):
         half.load_state_dict({k: v for k, v in weights.items() if k in half.state_dict()}, strict=False)
-    x = torch.randn(8, 2, 64)
+    x = torch.randn(8, 2, args.hidden_size)
     mask = torch.tril(torch.ones(1, 1, 8, 8)).logical_not()
 
     def run(layer, hidden):
@@ -67,7 +75,8 @@ def main() -> None:
     with torch.no_grad():
         print("max |whole layer - halves composed|:", (run(whole, x) - run(second, run(first, x))).abs().max().item())
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
