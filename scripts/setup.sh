@@ -6,6 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
+# Checkouts on one host share dpkg and the Python environment (pip's editable install of this package
+# is one .pth file): two set-ups at once -- two clones' `make test` started together -- broke pip's
+# install ("No such file or directory: .../__editable__.megatron_dpp-0.1.0.pth"). One at a time: the
+# other waits for this host-wide lock, at most MDPP_SETUP_LOCK_WAIT_S seconds.
+LOCK=${MDPP_SETUP_LOCK:-${TMPDIR:-/tmp}/megatron-dpp-setup.lock}
+WAIT_S=${MDPP_SETUP_LOCK_WAIT_S:-1800}
+exec 9>>"$LOCK"
+if ! flock -w "$WAIT_S" 9; then
+    echo "setup: another checkout's set-up held $LOCK for $WAIT_S s; not waiting longer (run make setup again)" >&2
+    exit 1
+fi
+
 APT_PACKAGES=(munge slurm-wlm slurmdbd mariadb-server mariadb-client procps iproute2)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
