@@ -31,9 +31,18 @@ def test_resume_restores_the_rng_streams(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("optimizer", [(), ("--use-distributed-optimizer",)], ids=["plain", "distributed"])
 def test_checkpoint_of_iteration_0_resumes_like_a_fresh_start(tmp_path: Path, optimizer: tuple[str, ...]) -> None:
-    ckpt = tmp_path / "ckpt"
-    ranks = start(["trainer.train", *ARGS, *optimizer, "--save", str(ckpt)], 1)
-    time.sleep(0.5)  # the interpreter is up, torch is still being imported: stop before iteration 1
+    ckpt, ready = tmp_path / "ckpt", tmp_path / "ready"
+    ready.mkdir()
+    # As the batch script does (trainer/launch/early_signals.py): signal once the rank says its handlers are
+    # in -- torch is still being imported then, so the stop comes before iteration 1. A fixed delay instead
+    # (0.5 s) could land before Python ran at all on a loaded host, where USR1's default action kills.
+    ranks = start(["trainer.train", *ARGS, *optimizer, "--save", str(ckpt)], 1,
+                  extra_env={"MDPP_READY_DIR": str(ready)})
+    deadline = time.monotonic() + 120
+    while not (ready / "rank0").exists():
+        assert ranks.procs[0].poll() is None, f"rank 0 ended before it was ready for signals:\n{ranks.output(0)[-3000:]}"
+        assert time.monotonic() < deadline, "rank 0 did not report ready for signals within 120 s"
+        time.sleep(0.05)
     ranks.procs[0].send_signal(signal.SIGUSR1)
     stopped = ranks.wait(300)[0]
     assert stopped.returncode == EXIT_STOPPED, stopped.output[-3000:]
