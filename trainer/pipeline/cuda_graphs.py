@@ -28,8 +28,8 @@ Split backward (--dpp-policy dpp-zb): a slot holds three graphs per length -- th
 backward with the linears' weight GEMMs deferred) and W (those GEMMs, accumulated into
 ``main_grad``). F takes the slot and W gives it back, so a microbatch whose W waits keeps its
 activations in the slot exactly as eager dpp-zb keeps them in the store; what W reads besides the
-activations (each linear's output gradient, and what else the backward allocated for W) is copied
-during I into buffers the slot owns (trainer/pipeline/graph_operands.py says why and how it is found).
+activations (what the backward allocated for W) is copied during I into buffers the slot owns
+(trainer/pipeline/graph_operands.py).
 
 Scope (checked by the config before any process starts): GPT or BERT, --use-dpp with --dpp-policy
 dpp, dpp-zb or a static order, and with TP > 1 an NCCL tensor-parallel group.
@@ -394,9 +394,8 @@ def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.d
     runs it (selective recompute's checkpoint refuses ``torch.autograd.grad``); what it adds to the
     parameters' ``main_grad`` is zeroed again here (every step zeroes the grad buffers anyway).
 
-    With a split backward, each length's last pass defers its weight GEMMs into a store and replays
-    it (I and W as the graphs will run them); returned: which deferred operands the backward allocated
-    at the longest length (the slots copy those into buffers of their own: graph_operands.py)."""
+    With a split backward, each length's last pass defers its weight GEMMs into a store and replays it
+    (I and W as the graphs run them); returned: the longest length's plan of the operands to copy."""
     params = [p for p in call.parameters() if p.requires_grad]
     sized = None
     for length in shapes.captured_lengths():
@@ -407,13 +406,13 @@ def _warm_up(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.d
             if split is None or i < iters - 1:
                 out.backward(torch.ones_like(out))
                 continue
-            grad, live = torch.ones_like(out), live_memory(device)
-            # retain_graph: no saved forward tensor is freed during this backward, so no tensor it
-            # allocates can take over a forward tensor's block and pass for alive before it
+            # The plan comes from the longest length (first), its backward retaining the graph: no forward
+            # block is freed meanwhile, so none can pass a tensor that backward allocates for alive before it.
+            planning = sized is None
+            grad, live = torch.ones_like(out), live_memory(device) if planning else None
             with split.capture_into(WeightGradStore(), f"CUDA graph warm-up at length {length}") as store:
-                out.backward(grad, retain_graph=True)
-            if sized is None:  # longest length first
-                sized = plan_operands(store.entries, live)
+                out.backward(grad, retain_graph=planning)
+            sized = plan_operands(store.entries, live) if planning else sized
             store.replay()
             del out, grad
     for p in params:
