@@ -17,6 +17,7 @@ loss per token) against a reference on the same variable-length data.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,27 @@ LAYOUTS = {
 LAYOUTS["gpt-pp2-uneven"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
                                          "5", "--decoder-last-pipeline-num-layers", "3"])
 UNEVEN = {"gpt-pp2-uneven": {0: set(range(5)), 1: set(range(5, 8))}}
+# --pipeline-stage-layers with half layers: a stage boundary between a layer's attention and its MLP
+# (x.5), each half a TransformerLayer of the model's spec under the layer's own global number, so the
+# reference weights map as for whole layers; HALVES says which half of which layer each rank must hold
+# (an ignored flag would place whole layers and still match).
+STAGE_LAYERS = "--pipeline-stage-layers"
+LAYOUTS["gpt-pp2-halves"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", STAGE_LAYERS, "4.5,3.5"])
+LAYOUTS["gpt-pp4-halves"] = ("gpt", 4, ["--pipeline-model-parallel-size", "4", STAGE_LAYERS, "2.5,2,1.5,2", *GLOO])
+LAYOUTS["bert-pp2-halves"] = ("bert", 2, ["--pipeline-model-parallel-size", "2", STAGE_LAYERS, "1.5,2.5", *GLOO])
+LAYOUTS["llama-pp2-tp2-sp-halves"] = ("llama", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
+                                                  "2", "--sequence-parallel", STAGE_LAYERS, "2.5,1.5"])
+LAYOUTS["gpt-pp2-halves-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", STAGE_LAYERS, "4.5,3.5", *GLOO])
+_A, _M = "attention", "mlp"
+HALVES = {
+    "gpt-pp2-halves": [{(i, h) for i in range(4) for h in (_A, _M)} | {(4, _A)},
+                       {(4, _M)} | {(i, h) for i in range(5, 8) for h in (_A, _M)}],
+    "gpt-pp4-halves": [{(0, _A), (0, _M), (1, _A), (1, _M), (2, _A)}, {(2, _M), (3, _A), (3, _M), (4, _A)},
+                       {(4, _M), (5, _A), (5, _M)}, {(6, _A), (6, _M), (7, _A), (7, _M)}],
+    "bert-pp2-halves": [{(0, _A), (0, _M), (1, _A)}, {(1, _M), (2, _A), (2, _M), (3, _A), (3, _M)}],
+    "llama-pp2-tp2-sp-halves": [{(0, _A), (0, _M), (1, _A), (1, _M), (2, _A)}] * 2 + [{(2, _M), (3, _A), (3, _M)}] * 2,
+}
+HALVES["gpt-pp2-halves-no-dpp"] = HALVES["gpt-pp2-halves"]
 # Activation recompute: full recompute of every layer re-runs each forward inside the DPP
 # runtime's backward (and, under dpp-zb, inside I); the reference recomputes nothing.
 LAYOUTS["gpt-pp2-recompute"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
@@ -129,7 +151,7 @@ SPLIT_ONLY = {"gpt-pp2-tp2-sp-regather"}  # the flag applies to a split backward
 LOSSES_ONLY = {"gpt-pp2-dp2-distopt", "gpt-pp2-dp2-overlap-distopt", *PARAM_GATHERED}
 # Without --use-dpp a CPU run uses the same runtime driven by the static 1f1b policy.
 LAYOUTS["gpt-pp2-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", *GLOO])
-NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp"}
+NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp", "gpt-pp2-halves-no-dpp"}
 
 
 # Split backward (I then W, trainer.pipeline.split_backward) must not change the maths either: every
@@ -151,7 +173,8 @@ CASES = ([_case(layout, "dpp", layout) for layout in LAYOUTS if layout not in SP
          # benchmark's graphed static lines run (graphs are CUDA only; their maths is the eager one).
          + [pytest.param(layout, policy, id=f"{layout}-{policy}")
             for layout, policy in (("gpt-pp4", "1f1b"), ("gpt-pp4-vp2", "interleaved"), ("gpt-pp4", "zb-h1"),
-                                   ("gpt-pp2-uneven", "zb-h1"))])
+                                   ("gpt-pp2-uneven", "zb-h1"), ("gpt-pp4-halves", "1f1b"),
+                                   ("gpt-pp4-halves", "zb-h1"))])
 
 
 # --variable-seq-lengths: mock documents of log-normal length, microbatches cut to their
@@ -264,6 +287,10 @@ def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path, harne
         held = {rank: {int(name.split(".")[2]) for name in grads if name.startswith("decoder.layers.")}
                 for rank, grads in load_rank_grads(tmp_path, 0).items()}
         assert held == UNEVEN[layout], held
+    if layout in HALVES:  # which half of which layer each rank trained
+        held = {rank: {(int(name.split(".")[2]), _half(name)) for name in grads if _LAYERS.match(name)}
+                for rank, grads in load_rank_grads(tmp_path, 0).items()}
+        assert held == dict(enumerate(HALVES[layout])), held
     for it in range(ITERS):
         reference_grads = load_rank_grads(ref, it)[0]
         ranks = load_rank_grads(tmp_path, it)
@@ -271,3 +298,11 @@ def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path, harne
         worst, problems = compare_grads(reference_grads, ranks)
         assert not problems, f"iteration {it}: " + "; ".join(problems[:8])
         assert worst <= GRAD_RTOL
+
+
+_LAYERS = re.compile(r"^(decoder|encoder)\.layers\.\d+\.")
+
+
+def _half(name: str) -> str:
+    """Which half of a transformer layer a parameter belongs to (the input norm goes with attention)."""
+    return "attention" if re.search(r"\.(self_attention|input_layernorm)\.", name) else "mlp"

@@ -18,11 +18,15 @@ from trainer.config.transformer_engine import attention_backend_problems
 from trainer.data.split import parse_split
 from trainer.launch.node_addresses import read_node_ips
 from trainer.schedule.layers import stage_split_problems
+from trainer.schedule.stage_parts import stage_layers_problems
 
 
 def _stage_split_problems(cfg: TrainConfig) -> list[str]:
     """How the layers cannot be placed on the pipeline stages (and virtual stages): trainer.schedule.layers's rules."""
     m, par = cfg.model, cfg.parallel
+    if par.pipeline_stage_layers:
+        return stage_layers_problems(m.num_layers, par.pipeline_model_parallel_size, cfg.virtual_pipeline,
+                                     par.pipeline_stage_layers)
     return stage_split_problems(m.num_layers, par.pipeline_model_parallel_size, par.decoder_first_pipeline_num_layers,
                                 par.decoder_last_pipeline_num_layers, par.num_virtual_stages_per_pipeline_rank,
                                 par.num_layers_per_virtual_pipeline_stage)

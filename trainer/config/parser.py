@@ -23,6 +23,7 @@ from trainer.config.optim import OptimConfig
 from trainer.config.sections import ConfigError, ModelConfig, ParallelConfig, _check
 from trainer.config.training import CheckpointConfig, DataConfig, RunConfig, TrainConfig
 from trainer.megatron.flags import MEGATRON_LM_FLAGS
+from trainer.schedule.stage_parts import parse_stage_layers
 
 SECTIONS = (ModelConfig, ParallelConfig, OptimConfig, DataConfig, CheckpointConfig, RunConfig)
 
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), **kwargs)
             elif f.name == "dpp_recompute_slots":
                 group.add_argument(flag, type=_int_list, metavar="N[,N...]", **kwargs)
+            elif f.name == "pipeline_stage_layers":
+                group.add_argument(flag, type=_stage_layers, metavar="N[,N...]", **kwargs)
             elif f.name == "node_ips":
                 group.add_argument(flag, type=lambda s: tuple(x for x in s.split(",") if x), metavar="IP,IP,...",
                                    **kwargs)
@@ -111,6 +114,14 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 _int_list.__name__ = "comma-separated integer list"  # argparse names the type in its error
+
+
+def _stage_layers(text: str) -> tuple[float, ...]:
+    """``4.5,4,4,3.5`` -> (4.5, 4, 4, 3.5): trainer.schedule.stage_parts's reading."""
+    return parse_stage_layers(text)
+
+
+_stage_layers.__name__ = "comma-separated list of layer counts"
 
 
 def _looks_like_number(token: str) -> bool:

@@ -35,6 +35,8 @@ from trainer.schedule.core import PipelineShape
 from trainer.schedule.dynamic import scaled_cap
 from trainer.schedule.layers import describe_split, layers_per_stage, stage_layers
 from trainer.schedule.registry import SPLIT_BACKWARD
+from trainer.schedule.stage_parts import describe as describe_stage_layers
+from trainer.schedule.stage_parts import splits_inside_layers, whole_layers
 
 Engine = Literal["megatron-core", "runtime"]
 MEGATRON: Engine = "megatron-core"
@@ -154,28 +156,43 @@ def rng_plan(cfg: TrainConfig, runtime_graphs: bool) -> RngPlan:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Which transformer layers each stage and chunk holds (trainer.schedule.layers's placement)."""
+    """Which transformer layers each stage and chunk holds (trainer.schedule.layers's placement, or
+    trainer.schedule.stage_parts's under --pipeline-stage-layers)."""
 
     num_layers: int
-    per_stage: tuple[int, ...]
-    """Layers of each stage, all its chunks together."""
+    per_stage: tuple[float, ...]
+    """Layers of each stage, all its chunks together (x.5: the stage holds half of a layer)."""
     virtual_pipeline: int
     """Model chunks per stage (v)."""
     first: int | None = None
     """--decoder-first-pipeline-num-layers."""
     last: int | None = None
     """--decoder-last-pipeline-num-layers."""
+    stage_layers_flag: tuple[float, ...] = ()
+    """--pipeline-stage-layers (empty: megatron-core's own placement from the flags above)."""
 
     @property
-    def per_chunk(self) -> tuple[int, ...]:
+    def per_chunk(self) -> tuple[float, ...]:
         """Layers of each chunk, per stage."""
+        if self.virtual_pipeline == 1:
+            return self.per_stage
         return tuple(n // self.virtual_pipeline for n in self.per_stage)
 
+    @property
+    def splits_inside_layers(self) -> bool:
+        """A stage boundary falls between a layer's attention and its MLP."""
+        return splits_inside_layers(self.stage_layers_flag)
+
     def stage_layers(self) -> list[list[list[int]]]:
-        """``[stage][chunk] -> global layer indices`` (megatron-core's placement)."""
+        """``[stage][chunk] -> global layer indices`` (megatron-core's placement; a layer split
+        between two stages is listed on both)."""
+        if self.stage_layers_flag:
+            return [[layers] for layers in whole_layers(self.stage_layers_flag)]
         return stage_layers(self.num_layers, len(self.per_stage), self.virtual_pipeline, self.first, self.last)
 
     def describe(self) -> str:
+        if self.stage_layers_flag:
+            return describe_stage_layers(self.stage_layers_flag)
         return describe_split(self.num_layers, len(self.per_stage), self.first, self.last)
 
 
@@ -231,11 +248,11 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> RunPlan:
     (trainer.config.parse_config runs them)."""
     par = cfg.parallel
     shape = PipelineShape(par.pipeline_model_parallel_size, cfg.num_microbatches(world_size), cfg.virtual_pipeline)
-    layers = LayerPlan(cfg.model.num_layers,
-                       tuple(layers_per_stage(cfg.model.num_layers, par.pipeline_model_parallel_size,
-                                              par.decoder_first_pipeline_num_layers,
-                                              par.decoder_last_pipeline_num_layers)),
-                       cfg.virtual_pipeline, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+    per_stage = par.pipeline_stage_layers or tuple(layers_per_stage(
+        cfg.model.num_layers, par.pipeline_model_parallel_size, par.decoder_first_pipeline_num_layers,
+        par.decoder_last_pipeline_num_layers))
+    layers = LayerPlan(cfg.model.num_layers, per_stage, cfg.virtual_pipeline, par.decoder_first_pipeline_num_layers,
+                       par.decoder_last_pipeline_num_layers, par.pipeline_stage_layers)
     schedule = schedule_plan(cfg)
     impl, impl_reason = resolve_torch_optimizer_impl(cfg.optim.torch_optimizer_impl, cfg.run.device)
     return RunPlan(schedule=schedule, layers=layers, links=link_plan(cfg, shape), world_size=world_size,

@@ -363,6 +363,14 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None
     """Transformer layers on the last stage (Megatron-LM's flag; num_layers_in_last_pipeline_stage),
     e.g. one fewer when the output head over a large vocabulary weighs like a layer or two."""
+    pipeline_stage_layers: tuple[float, ...] = ()
+    """Transformer layers on each pipeline stage, from stage 0, comma-separated (e.g. 4.5,4,4,3.5):
+    any count per stage, where --decoder-first/last-pipeline-num-layers set only the first and last,
+    and half layers: x.5 ends a stage after the attention of its last layer, and the next stage
+    starts with that layer's MLP. Balances a pipeline whole layers cannot (docs/schedules.md). Both
+    megatron-core's schedules and --use-dpp run these stages; checkpoints keep megatron's layer keys,
+    so a run may resume under another split. One model chunk per stage; exclusive with
+    --decoder-first/last-pipeline-num-layers."""
     overlap_p2p_comm: bool = True
     """megatron-core's interleaved schedule overlaps P2P with compute (Megatron-LM's default; switched
     off by its flag --no-overlap-p2p-communication). Like Megatron-LM, only used with VP; without VP
@@ -470,6 +478,9 @@ class ParallelConfig:
             p.append(f"--num-virtual-stages-per-pipeline-rank={vs} and --num-layers-per-virtual-pipeline-stage="
                      f"{self.num_layers_per_virtual_pipeline_stage} are mutually exclusive")
         uneven = self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+        if self.pipeline_stage_layers and uneven:
+            p.append("--pipeline-stage-layers and --decoder-first/last-pipeline-num-layers: give one (the first "
+                     "places every stage, the others the first and last)")
         if uneven and self.num_layers_per_virtual_pipeline_stage is not None:
             # Megatron-LM's rule: layers per virtual stage differ between stages of an uneven split.
             p.append(f"--num-layers-per-virtual-pipeline-stage={self.num_layers_per_virtual_pipeline_stage} "

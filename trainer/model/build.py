@@ -17,6 +17,7 @@ import torch
 
 from trainer.config import RngPlan, TrainConfig, uses_transformer_engine_spec
 from trainer.launch.topology import Topology
+from trainer.model.layer_parts import parts_block_spec, stage_parts_layout
 from trainer.model.steps import uses_per_token_loss
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ def transformer_config(cfg: TrainConfig, topology: Topology, rng: RngPlan = NO_T
         # the layers itself, so every schedule, ours included, builds the same stages.
         num_layers_in_first_pipeline_stage=cfg.parallel.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=cfg.parallel.decoder_last_pipeline_num_layers,
+        # --pipeline-stage-layers: the same placement through megatron-core's layout hook, whose
+        # offsets count layers, not parts (trainer/model/layer_parts.py).
+        **({"pipeline_model_parallel_layout": stage_parts_layout(cfg.parallel.pipeline_stage_layers,
+                                                                 topology.pipeline_parallel)}
+           if cfg.parallel.pipeline_stage_layers else {}),
         # P2P settings read only by megatron-core's schedules, set as Megatron-LM sets them:
         # overlap with interleaving unless --no-overlap-p2p-communication, batching otherwise.
         overlap_p2p_comm=overlap_p2p,
@@ -236,8 +242,11 @@ def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int,
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
     chunks = []
     for c in range(v):
+        block_spec = _block_spec(cfg, config, spec, c if v > 1 else None)
+        if cfg.parallel.pipeline_stage_layers:
+            block_spec = parts_block_spec(config, block_spec, cfg.parallel.pipeline_stage_layers, s)
         common = dict(
-            config=config, transformer_layer_spec=_block_spec(cfg, config, spec, c if v > 1 else None),
+            config=config, transformer_layer_spec=block_spec,
             vocab_size=padded,
             max_sequence_length=cfg.model.max_positions,
             pre_process=(c == 0 and s == 0), post_process=(c == v - 1 and s == p - 1),
