@@ -172,6 +172,25 @@ def test_use_dpp_alone_replays_graphed_dpp_zb(tmp_path: Path) -> None:
     assert_same_grads(tmp_path / "eager", tmp_path / "default")
 
 
+HALVES = ["--pipeline-stage-layers", "2.5,1.5"]
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("policy", [DPP, ZB], ids=["dpp", "dpp-zb"])
+def test_graphed_half_layer_boundary_equals_eager(tmp_path: Path, policy: list[str]) -> None:
+    """--pipeline-stage-layers 2.5,1.5: stage 0's graphs end after layer 2's attention, stage 1's begin
+    with its MLP (each half a TransformerLayer of its own); every forward replays and the numbers
+    equal the eager run's. Under dpp-zb stage 1's deferred weight GEMMs include the split layer's MLP."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _, eager = _run(tmp_path / "eager", [*HALVES, *policy, *EAGER])
+    results, graphed = _run(tmp_path / "graphed", [*HALVES, *policy, "--dpp-cuda-graphs"])
+    _replayed_everywhere(results)
+    assert any("PP=2 VP=1 DP=1 layers 2.5/1.5 |" in r.output for r in results), results[0].output[-2000:]
+    assert_same_losses(eager, graphed)
+    assert_same_grads(tmp_path / "eager", tmp_path / "graphed")
+
+
 BERT = [*[a for a in GPT if a not in ("--vocab-size", "1000")], "--model", "bert", "--vocab-size", "128",
         "--make-vocab-size-divisible-by", "64"]
 

@@ -45,10 +45,11 @@ class RunLog:
         if cfg.run.device == "cuda":
             params = params.cuda()
         if self.rank == 0 or self.is_logger:
-            log.info("run %s: %s %s | %s | microbatches/iter %d x mbs %d | schedule %s | "
+            log.info("run %s: %s %s | %s%s | microbatches/iter %d x mbs %d | schedule %s | "
                      "transport %s | vocab %d (padded %d) | this rank holds %.2fM parameters | "
                      "resuming at iteration %d", cfg.run.run_name, cfg.model.model.upper(),
-                     f"{cfg.model.num_layers}L h{cfg.model.hidden_size}", t.describe(), self.plan.num_microbatches,
+                     f"{cfg.model.num_layers}L h{cfg.model.hidden_size}", t.describe(),
+                     f" layers {self.plan.layers.describe()}" if t.pipeline_parallel > 1 else "", self.plan.num_microbatches,
                      cfg.optim.micro_batch_size, self.plan.schedule.log_text,
                      self.plan.links.transport if t.pipeline_parallel > 1 else "none", vocab_size,
                      cfg.model.padded_vocab_size(vocab_size, t.tensor_parallel), float(params.item()) / 1e6,
