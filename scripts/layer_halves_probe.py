@@ -11,7 +11,12 @@ composed, and the dist-checkpointing keys each half gives (the same as the whole
 between them). On megatron-core 0.16.1: disjoint parameter sets covering the layer, difference 0.0,
 megatron's own keys.
 
+With ``--time`` on a GPU it also times each part's forward and backward (kernel time, bf16, the
+benchmark model's sizes by default): the attention half's share of a layer, which the half-split
+cost model (trainer/schedule/half_split.py's default comes from FLOPs) can be checked against.
+
     python3 scripts/layer_halves_probe.py
+    python3 scripts/layer_halves_probe.py --time --hidden-size 2048 --heads 16 --seq-length 1024 --micro-batch-size 2
 """
 
 from __future__ import annotations
@@ -31,9 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python scripts/layer_halves_probe.py", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--time", action="store_true", help="on CUDA: time each part's forward and backward (bf16)")
+    parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.time and not cuda:
+        parser.error("--time needs a GPU")
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
     import megatron.core
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -43,10 +58,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer.megatron.compat import apply_cpu_shims
 
-    apply_cpu_shims()
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    else:
+        apply_cpu_shims()
     parallel_state.initialize_model_parallel()
-    config = TransformerConfig(num_layers=2, hidden_size=args.hidden_size, num_attention_heads=4, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0)
+    if cuda:
+        model_parallel_cuda_manual_seed(0)
+    dtype = torch.bfloat16 if args.time else torch.float32
+    config = TransformerConfig(num_layers=2, hidden_size=args.hidden_size, num_attention_heads=args.heads,
+                               use_cpu_initialization=not cuda, hidden_dropout=0.0, attention_dropout=0.0,
+                               params_dtype=dtype, bf16=args.time)
     spec = get_gpt_layer_local_spec()
     parts = spec.submodules
     attention_half = dataclasses.replace(spec, submodules=dataclasses.replace(
@@ -54,12 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     mlp_half = dataclasses.replace(spec, submodules=dataclasses.replace(
         parts, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp))
     torch.manual_seed(0)
-    whole, first, second = (build_module(s, config=config, layer_number=1) for s in (spec, attention_half, mlp_half))
+    device = torch.device("cuda" if cuda else "cpu")
+    whole, first, second = (build_module(s, config=config, layer_number=1).to(device=device, dtype=dtype)
+                            for s in (spec, attention_half, mlp_half))
     weights = whole.state_dict()
     for half in (first, second):
         half.load_state_dict({k: v for k, v in weights.items() if k in half.state_dict()}, strict=False)
-    x = torch.randn(8, 2, args.hidden_size)
-    mask = torch.tril(torch.ones(1, 1, 8, 8)).logical_not()
+    s_len = args.seq_length
+    x = torch.randn(s_len, args.micro_batch_size, args.hidden_size, device=device, dtype=dtype)
+    mask = torch.tril(torch.ones(1, 1, s_len, s_len, device=device)).logical_not()
 
     def run(layer, hidden):
         out = layer(hidden, attention_mask=mask)
@@ -74,8 +99,40 @@ def main(argv: list[str] | None = None) -> int:
     print("parameters of the whole layer in neither half:", sorted(set(weights) - covered) or "none")
     with torch.no_grad():
         print("max |whole layer - halves composed|:", (run(whole, x) - run(second, run(first, x))).abs().max().item())
+    if args.time:
+        times = {name: _time(lambda layer=layer: run(layer, x.detach().requires_grad_()), args.reps)
+                 for name, layer in (("whole layer", whole), ("attention half", first), ("MLP half", second))}
+        for name, (fwd, bwd) in times.items():
+            print(f"{name}: forward {fwd:.3f} ms, backward {bwd:.3f} ms, total {fwd + bwd:.3f} ms")
+        attn, mlp = (sum(times[k]) for k in ("attention half", "MLP half"))
+        print(f"attention half's share of the two halves: {attn / (attn + mlp):.3f} "
+              f"(forward {times['attention half'][0] / (times['attention half'][0] + times['MLP half'][0]):.3f})")
     dist.destroy_process_group()
     return 0
+
+
+def _time(forward, reps: int) -> tuple[float, float]:
+    """GPU kernel ms of ``forward()`` and of its backward, per call: the kernels' own time as the CUDA
+    profiler (CUPTI) records it, so host launch gaps -- which eager timing of a small layer is full of
+    -- do not count (a stage replays its layers from CUDA graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1000.0
+
+    def both() -> None:
+        out = forward()
+        out.backward(torch.ones_like(out))
+
+    fwd = kernel_ms(forward)
+    return fwd, kernel_ms(both) - fwd
 
 
 if __name__ == "__main__":
