@@ -4,6 +4,8 @@ figures handed in by a stand-in for the run)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trainer.bench.layouts import Layout, parse_layouts
@@ -157,11 +159,40 @@ def test_resplit_runs_a_short_round_and_takes_the_fits_split() -> None:
     assert [r[0] for r in ran] == ["resplit-megatron-1f1b-best"]
     assert ran[0][1] == cfg.skip_iters + 3 + cfg.gpu_busy_iters  # a short round
     [choice] = choices
-    assert choice.vp == 1 and chosen.split == choice.split and choice.split[0] < 5
-    assert "the stage-balance fit's re-split of 5/4/4/3" in choice.note()
+    # Fitted: layer 25, embedding 5, head 25 ms. Megatron's best (4/4/4/4) leaves the last stage at 125 ms;
+    # half layers (the attention half 0.36 of a layer by the model's FLOPs) bring the slowest to 116 ms.
+    assert choice.vp == 1 and chosen.split is None and chosen.pipeline_stage_layers == choice.stage_layers
+    assert choice.stage_layers == "4,4,4.5,3.5"
+    assert "ran the --pipeline-stage-layers 4,4,4.5,3.5: the stage-balance fit's re-split of 5/4/4/3 in half" \
+        in choice.note()
+    assert "116.0 ms predicted against 125.0 ms for the best split Megatron's" in choice.note()
+    assert "0.360 of a layer (by the model's FLOPs)" in choice.note()
+    lines = plan(chosen, ["megatron-1f1b-best", "dpp-v2"], ["a"], DPP_POLICIES)
+    assert lines[0].args[lines[0].args.index("--pipeline-stage-layers") + 1] == "4,4,4.5,3.5"
+    assert "--decoder-first-pipeline-num-layers" not in lines[0].args
+    assert "--pipeline-stage-layers" not in lines[1].args  # v=2 keeps whole layers
+    assert parse_config(lines[0].args, world_size=4).parallel.pipeline_stage_layers == (4, 4, 4.5, 3.5)
+    # A measured share moves the split; where Megatron's flags balance as well, they are kept.
+    shared, [choice] = choose_splits(dataclasses.replace(cfg, attention_share=0.5), ["dpp"],
+                                     DPP_POLICIES, run)
+    assert "0.500 of a layer (--attention-share)" in choice.note() and shared.pipeline_stage_layers
+
+    def whole(line: Line, short: BenchConfig) -> LineResult:
+        result = _line(line.name, 100.0, None)
+        # layer 25, embedding 25, head 50 ms: 3/5/5/3 puts every stage at 125 ms, the mean
+        result.busy_rows, result.layers_per_stage = [[150.0, 100.0, 100.0, 125.0]] * 4, [5, 4, 4, 3]
+        return result
+
+    flags, [choice] = choose_splits(cfg, ["dpp"], DPP_POLICIES, whole)
+    assert flags.split == choice.split == (3, 3) and not flags.pipeline_stage_layers
+    assert "--decoder-first/last-pipeline-num-layers 3/3" in choice.note()
     # A given split is kept without a round; a balanced run keeps its split and says why.
     kept, choices = choose_splits(BenchConfig(device="cpu", split=(5, 3)), ["dpp"], DPP_POLICIES, run)
-    assert kept.split == (5, 3) and "given (--split)" in choices[0].reason and len(ran) == 1
+    assert kept.split == (5, 3) and "given (--split)" in choices[0].reason and len(ran) == 2
+    kept, [choice] = choose_splits(BenchConfig(device="cpu", pipeline_stage_layers="4.5,4,4,3.5"), ["dpp"],
+                                   DPP_POLICIES, run)
+    assert kept.pipeline_stage_layers == "4.5,4,4,3.5" and "given (--pipeline-stage-layers)" in choice.note()
+    assert len(ran) == 2
 
     def balanced(line: Line, short: BenchConfig) -> LineResult:
         result = _line(line.name, 100.0, None)
@@ -181,3 +212,20 @@ def test_the_v2_parity_line_recomputes_enough_slots_to_match_the_interleaved_ord
     [line] = plan(BenchConfig(num_microbatches=32, pipeline_parallel=4), ["dpp-graphs-v2-parity"], ["a"], DPP_POLICIES)
     assert line.args[line.args.index("--dpp-recompute-slots") + 1] == "10,6,4,4"
     parse_config(line.args[line.args.index("--mock-data"):], world_size=4)
+
+
+def test_given_stage_layers_reach_the_v1_lines_and_bad_ones_are_refused(capsys) -> None:
+    from trainer.bench.pipeline import main as pipeline_main
+
+    tiny = ["--device", "cpu", "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--vocab-size", "128", "--pipeline-parallel", "4", "--num-microbatches", "4",
+            "--lines", "dpp,dpp-v2", "--scenarios", "a", "--out", "o", "--report", "r.md"]
+    assert pipeline_main([*tiny, "--pipeline-stage-layers", "2.5,2,2,1.5", "--dry-plan"]) == 0
+    planned = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": python -m " in line)
+    assert "--pipeline-stage-layers 2.5,2,2,1.5" in planned["a-dpp"]
+    assert "--pipeline-stage-layers" not in planned["a-dpp-v2"] and "--decoder-first" not in planned["a-dpp"]
+    assert pipeline_main([*tiny, "--pipeline-stage-layers", "2.5,2,2,1.5", "--split", "3,1", "--dry-plan"]) == 2
+    assert pipeline_main([*tiny, "--pipeline-stage-layers", "2.5,2,2", "--dry-plan"]) == 2
+    err = capsys.readouterr().err
+    assert "--pipeline-stage-layers and --split: give one" in err
+    assert "--pipeline-stage-layers 2.5/2/2 gives 3 stages, --pipeline-model-parallel-size is 4" in err

@@ -243,6 +243,12 @@ class BenchConfig:
     """First/last stage layers for v=1 lines; None = :func:`balanced_split`."""
     split_vp: tuple[int, int] | None = None
     """First/last stage layers for v=2 lines; None = :func:`balanced_split` with v=2."""
+    pipeline_stage_layers: str = ""
+    """Layers of every stage for v=1 lines, the trainer's --pipeline-stage-layers (e.g. 4.5,4.5,4.5,2.5: x.5
+    = a stage boundary between a layer's attention and its MLP); replaces --split; v=2 lines keep theirs."""
+    attention_share: float = 0.0
+    """The attention half's share of a layer's time, for --resplit auto's split in half layers; 0: by the
+    model's FLOPs (trainer.measure.flops; 0.36 for gpt16-h2048)."""
     stall: str = "1:0.05:20:1234"
     """``--inject-stalls`` value of scenario (c)."""
     seq_len_dist: str = "lognormal:0.6"
@@ -343,6 +349,17 @@ def common_args(cfg: BenchConfig) -> list[str]:
     return args + layout + (["--bf16"] if cfg.bf16 else []) + list(cfg.model_flags) + list(cfg.extra)
 
 
+def layer_attention_share(cfg: BenchConfig) -> tuple[float, str]:
+    """The attention half's share of a layer's time, and where it comes from: --attention-share, else the
+    FLOPs of the model every line trains (its flags: hidden size, heads, GQA, SwiGLU, MLP width)."""
+    if cfg.attention_share > 0:
+        return cfg.attention_share, "--attention-share"
+    from trainer.config import parse_config
+    from trainer.measure.flops import model_layer_attention_share
+
+    return model_layer_attention_share(parse_config(common_args(cfg), cfg.world_size).model), "by the model's FLOPs"
+
+
 def variable_length_args(cfg: BenchConfig) -> list[str]:
     """Trainer flags of scenario (b): the same variable-length mock documents for every line."""
     return ["--variable-seq-lengths", "--mock-seq-len-dist", cfg.seq_len_dist,
@@ -400,6 +417,9 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
                 out.append(NotRun(name, scenario, reason, cfg.layout.label if cfg.layout is not None else ""))
                 continue
             split = _split_for(cfg, vp) if balanced else None
+            stage_layers = cfg.pipeline_stage_layers if balanced and vp == 1 else ""
+            if stage_layers:  # every stage's count given: Megatron's first/last flags would contradict it
+                split = None
             args = common_args(cfg) + flags
             if base_name(name) == "dpp-graphs-v2-parity":
                 counts = parity_recompute_slots(cfg.pipeline_parallel, cfg.num_microbatches, vp)
@@ -411,6 +431,8 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
             if split is not None:
                 args += ["--decoder-first-pipeline-num-layers", str(split[0]),
                          "--decoder-last-pipeline-num-layers", str(split[1])]
+            if stage_layers:
+                args += ["--pipeline-stage-layers", stage_layers]
             if scenario == "b":
                 args += variable_length_args(cfg)
             if scenario == "c":

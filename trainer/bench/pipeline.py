@@ -131,12 +131,35 @@ def _problems(args: argparse.Namespace) -> list[str]:
         p += parse_length_distribution(args.seq_len_dist)[1]
         if args.seq_length_divisible_by < 1:
             p.append(f"--seq-length-divisible-by={args.seq_length_divisible_by} must be >= 1")
+    p += _stage_layers_problems(args, layouts)
+    if not 0 <= args.attention_share < 1:
+        p.append(f"--attention-share={args.attention_share} must lie in [0, 1) (0: by the model's FLOPs)")
     if args.cpu_bind not in ("numa", "none"):
         p.append(f"--cpu-bind={args.cpu_bind!r} must be numa or none")
     if args.device not in ("cuda", "cpu"):
         p.append(f"--device={args.device!r} must be cuda or cpu")
     if args.model not in ("gpt", "bert"):
         p.append(f"--model={args.model!r} must be gpt or bert")
+    return p
+
+
+def _stage_layers_problems(args: argparse.Namespace, layouts: list[Layout]) -> list[str]:
+    """--pipeline-stage-layers against --split, the layers and every pipeline size it would run at (a layout
+    naming its own model takes that model's balanced split instead)."""
+    from trainer.schedule.stage_parts import parse_stage_layers, stage_layers_problems
+
+    p: list[str] = []
+    if not args.pipeline_stage_layers:
+        return p
+    if args.split is not None:
+        p.append("--pipeline-stage-layers and --split: give one (the first places every stage of the v=1 lines)")
+    try:
+        counts = parse_stage_layers(args.pipeline_stage_layers)
+    except ValueError as err:
+        return [*p, str(err)]
+    sizes = {lay.pipeline_parallel for lay in layouts if not lay.model} if layouts else {args.pipeline_parallel}
+    for pp in sorted(sizes):
+        p += stage_layers_problems(args.num_layers, pp, 1, counts)
     return p
 
 
@@ -183,7 +206,8 @@ def _layout_configs(args: argparse.Namespace) -> list[BenchConfig]:
     layouts = parse_layouts(args.layouts)[0]
 
     def model_of(lay: Layout) -> dict[str, object]:
-        return {**MODELS[lay.model].bench_fields(), "split": None, "split_vp": None} if lay.model else {}
+        return ({**MODELS[lay.model].bench_fields(), "split": None, "split_vp": None, "pipeline_stage_layers": ""}
+                if lay.model else {})
 
     return [dataclasses.replace(base, pipeline_parallel=lay.pipeline_parallel, layout=lay, **model_of(lay))
             for lay in layouts] or [base]

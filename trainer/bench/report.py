@@ -16,6 +16,7 @@ from trainer.bench.lines import (
     BenchConfig,
     NotRun,
     base_name,
+    layer_attention_share,
     line_entry,
     variable_length_args,
     variable_length_tokens,
@@ -215,7 +216,7 @@ def _v2_against_interleaved(ok: list[LineResult]) -> list[str]:
             f"{best.reserved_gib / bar.reserved_gib:.3f}x its peak reserved."]
 
 
-def _balance(results: list[LineResult], scenario: str) -> list[str]:
+def _balance(results: list[LineResult], scenario: str, cfg: BenchConfig) -> list[str]:
     """Each line's stage balance, fitted to its GPU busy per stage and iteration
     (trainer/schedule/stage_balance.py): a persistent slow stage, and the layer split that would fix it."""
     from trainer.schedule.stage_balance import describe, stage_balance
@@ -226,7 +227,10 @@ def _balance(results: list[LineResult], scenario: str) -> list[str]:
         if len(r.layers_per_stage) < 2 or not rows or len(rows[0]) != len(r.layers_per_stage):
             continue
         try:
-            balance = stage_balance(rows, r.layers_per_stage, _vp(r.name))
+            # A split in half layers (--pipeline-stage-layers) is fitted with what the attention half costs.
+            halves = any(not float(n).is_integer() for n in r.layers_per_stage)
+            share = layer_attention_share(cfg)[0] if halves else None
+            balance = stage_balance(rows, r.layers_per_stage, _vp(r.name), share)
         except ValueError as err:
             text = f"not fitted: {err}"
         else:
@@ -359,7 +363,7 @@ def _scenario_sections(results: list[LineResult], cfg: BenchConfig, pictures: di
         lines += _table(results, scenario) + [""]
         lines += _verdict(results, scenario)
         lines += _rounds(results, scenario)
-        lines += _balance(results, scenario)
+        lines += _balance(results, scenario, cfg)
         losses = _losses(results, scenario)
         if losses:
             lines += ["Losses of the first iterations (last stage):", ""] + losses + [""]

@@ -6,6 +6,12 @@ split that would fix it, but applying it took a second call by hand. Here one li
 busy (host spans on CPU) is fitted, and where the fit recommends a re-split every line of that chunk
 count runs on it. The report says, per chunk count, which split the lines ran and why (the fit's
 figures, or why the split stayed).
+
+The v=1 lines may also run a split in half layers (``--pipeline-stage-layers``, a stage boundary between a
+layer's attention and its MLP; trainer/schedule/half_split.py): where the fit's model, with the attention
+half's share of a layer from the model's FLOPs (or ``--attention-share``), puts that split's slowest stage
+at least :data:`~trainer.schedule.stage_balance.MIN_GAIN` below the best split Megatron's first/last flags
+express. v=2 lines keep whole layers (the trainer lays out half layers with one chunk per stage only).
 """
 
 from __future__ import annotations
@@ -13,9 +19,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from trainer.bench.lines import BenchConfig, Line, line_entry, plan
+from trainer.bench.lines import BenchConfig, Line, layer_attention_share, line_entry, plan
 from trainer.bench.results import LineResult
+
+if TYPE_CHECKING:
+    from trainer.schedule.stage_balance import StageBalance
 
 PROFILE_ITERS = 3
 """Timed iterations of the profiling round beyond the warm-up and the profiled ones (only the
@@ -28,11 +38,18 @@ class SplitChoice:
 
     vp: int
     split: tuple[int, int] | None
-    """(first, last) stage layers; None = the even split."""
+    """(first, last) stage layers; None = the even split (or ``stage_layers``)."""
     reason: str
+    stage_layers: str = ""
+    """--pipeline-stage-layers of the lines (every stage's count, e.g. 4.5,4.5,4.5,2.5); "": ``split``."""
 
     def note(self) -> str:
-        where = "even split" if self.split is None else f"--decoder-first/last-pipeline-num-layers {self.split[0]}/{self.split[1]}"
+        if self.stage_layers:
+            where = f"--pipeline-stage-layers {self.stage_layers}"
+        elif self.split is None:
+            where = "even split"
+        else:
+            where = f"--decoder-first/last-pipeline-num-layers {self.split[0]}/{self.split[1]}"
         return f"- v={self.vp} lines ran the {where}: {self.reason}"
 
 
@@ -56,6 +73,10 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
         candidates = profiling_lines(names, vp)
         field = "split" if vp == 1 else "split_vp"
         given = getattr(cfg, field)
+        if vp == 1 and cfg.pipeline_stage_layers:
+            choices.append(SplitChoice(vp, None, "given (--pipeline-stage-layers); no profiling round",
+                                       cfg.pipeline_stage_layers))
+            continue
         if given is not None:
             choices.append(SplitChoice(vp, given, f"given (--{field.replace('_', '-')}); no profiling round"))
             continue
@@ -81,7 +102,11 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
             continue
         fitted = describe(balance).removeprefix("stage balance: ").replace("\n  ", "; ")
         source = f"profiling round of {name}, {short.train_iters} iterations, busy from {result.busy_source}"
-        if balance.recommend:
+        finer = _finer_split(balance, cfg, source, fitted) if vp == 1 else None
+        if finer is not None:
+            cfg = dataclasses.replace(cfg, pipeline_stage_layers=finer.stage_layers)
+            choices.append(finer)
+        elif balance.recommend:
             layers = balance.best.layers
             split = (layers[0], layers[-1])
             cfg = dataclasses.replace(cfg, **{field: split})
@@ -90,3 +115,28 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
         else:
             choices.append(SplitChoice(vp, start, f"the fit recommends no re-split ({source}): {fitted}"))
     return cfg, choices
+
+
+def _finer_split(balance: StageBalance, cfg: BenchConfig, source: str, fitted: str) -> SplitChoice | None:
+    """The v=1 lines' split in half layers (or in whole layers Megatron's flags cannot lay out) where the fit
+    predicts its slowest stage at least MIN_GAIN below both the best Megatron split's and the run's; else None."""
+    from trainer.schedule.half_split import balanced_half_split
+    from trainer.schedule.stage_balance import MIN_GAIN
+    from trainer.schedule.stage_parts import splits_inside_layers
+
+    if not balance.persistent:  # the stages measured alike: a finer split would chase noise
+        return None
+    share, how = layer_attention_share(cfg)
+    finer = balanced_half_split(dataclasses.replace(balance.costs, attention_share=share), len(balance.layers))
+    whole = balance.best
+    bar = min(whole.bottleneck, balance.current.bottleneck) * (1 - MIN_GAIN)
+    if finer.megatron or finer.bottleneck > bar:
+        return None
+    counts = finer.trainer_flags()[1]
+    kind = "in half layers" if splits_inside_layers(finer.layers) else "in whole layers, beyond Megatron's flags"
+    reason = (f"the stage-balance fit's re-split of {'/'.join(map(str, balance.layers))} {kind} ({source}): slowest "
+              f"stage {finer.bottleneck:.1f} ms predicted against {whole.bottleneck:.1f} ms for the best split "
+              f"Megatron's first/last flags express ({'/'.join(map(str, whole.layers))}; "
+              f"{finer.bottleneck / whole.bottleneck - 1:+.0%}), the attention half taken as {share:.3f} of a "
+              f"layer ({how}); the fit: {fitted}")
+    return SplitChoice(1, None, reason, counts)

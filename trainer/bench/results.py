@@ -49,7 +49,7 @@ class LineResult:
     busy_rows: list[list[float]] = field(default_factory=list)
     """Per profiled iteration, each stage's GPU busy ms (mean over its ranks): the stage balance's input."""
     losses: list[float] = field(default_factory=list)
-    layers_per_stage: list[int] = field(default_factory=list)
+    layers_per_stage: list[float] = field(default_factory=list)
     delayed_ops: int | None = None
     versions: dict[str, str] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)

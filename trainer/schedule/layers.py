@@ -18,6 +18,10 @@ interleaved order, which tests/unit/test_layer_split.py checks against the insta
 slowest stage is fastest under a :class:`LayerCosts` model (the benchmark's default split, the
 simulator's ``--resplit`` and the stage-balance advice all ask it), found among the splits
 :func:`split_problems` accepts, so it never recommends a split the trainer refuses.
+
+Counts may be half layers (``--pipeline-stage-layers 4.5,4,4,3.5``, trainer/schedule/stage_parts.py):
+:class:`LayerCosts` and :class:`LayerOps` then need the attention half's share of a layer
+(``attention_share``), and trainer/schedule/half_split.py finds the balanced split over half units.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.problems import raise_if_any
+from trainer.schedule.stage_parts import STAGE_LAYERS_FLAG, half_bounds
+from trainer.schedule.stage_parts import describe as describe_counts
 
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
@@ -146,9 +152,15 @@ class LayerCosts:
     50k vocabulary, docs/benchmarks.md#reference-megatron-core-alone-on-4-h200s)."""
     stage_speed: tuple[float, ...] = ()
     """Slowdown of each stage (1.2 = that GPU runs 20% slower); empty: all 1."""
+    attention_share: float | None = None
+    """Share of ``layer`` in its attention half (input norm, attention, its residual add); the MLP
+    half (pre-MLP norm, MLP) takes the rest. What a stage boundary inside a layer moves; None: counts
+    in half layers cannot be costed (trainer.measure.flops.attention_share estimates it from FLOPs)."""
 
     def __post_init__(self) -> None:
         problems = []
+        if self.attention_share is not None and not 0 < self.attention_share < 1:
+            problems.append(f"attention_share={self.attention_share} must lie strictly between 0 and 1")
         if self.num_layers < 1:
             problems.append(f"num_layers={self.num_layers} must be >= 1")
         if not (math.isfinite(self.layer) and self.layer > 0):
@@ -167,17 +179,46 @@ class LayerCosts:
         speed = self.stage_speed[stage] if self.stage_speed else 1.0
         return speed * (layers * self.layer + extra)
 
-    def stage_costs(self, layers: Sequence[int]) -> list[float]:
-        """Each stage's time for ``layers[s]`` layers on stage ``s``."""
+    def parts_cost(self, stage: int, num_stages: int, attention: int, mlp: int) -> float:
+        """A stage's time holding ``attention`` attention halves and ``mlp`` MLP halves (a whole
+        layer is one of each)."""
+        if attention == mlp:
+            return self.stage_cost(stage, num_stages, attention)
+        share = _needs_share(self.attention_share)
+        extra = (self.embedding if stage == 0 else 0.0) + (self.head if stage == num_stages - 1 else 0.0)
+        speed = self.stage_speed[stage] if self.stage_speed else 1.0
+        return speed * ((attention * share + mlp * (1.0 - share)) * self.layer + extra)
+
+    def stage_costs(self, layers: Sequence[float]) -> list[float]:
+        """Each stage's time for ``layers[s]`` layers on stage ``s`` (x.5: a boundary inside a layer)."""
         if self.stage_speed and len(self.stage_speed) != len(layers):
             raise ValueError(f"stage_speed has {len(self.stage_speed)} entries for {len(layers)} stages")
-        return [self.stage_cost(s, len(layers), n) for s, n in enumerate(layers)]
+        return [self.parts_cost(s, len(layers), a, m) for s, (a, m) in enumerate(half_counts(layers))]
 
-    def stage_scale(self, layers: Sequence[int]) -> tuple[float, ...]:
+    def stage_scale(self, layers: Sequence[float]) -> tuple[float, ...]:
         """Stage costs relative to an even split without embedding or head (the simulator's
         unit: ``CostModel.stage_scale``)."""
         even = self.num_layers * self.layer / len(layers)
         return tuple(c / even for c in self.stage_costs(layers))
+
+
+def half_counts(layers: Sequence[float]) -> list[tuple[int, int]]:
+    """(attention halves, MLP halves) of each stage: ``[(5, 4), (4, 4), (4, 4), (3, 4)]`` for 4.5/4/4/3.5
+    (the stage after a split layer starts with its MLP). ValueError for a count not in half layers."""
+    bad = [n for n in layers if not (math.isfinite(n) and n >= 0 and float(2 * n).is_integer())]
+    raise_if_any([f"layers per stage {describe_counts(layers)}: {', '.join(map(str, bad))} not whole or half "
+                  "numbers >= 0"] if bad else [])
+    bounds = half_bounds(layers)
+    # Unit 2k is layer k's attention, 2k + 1 its MLP: count the even units of [start, end).
+    return [((end + 1) // 2 - (start + 1) // 2, (end - start) - ((end + 1) // 2 - (start + 1) // 2))
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _needs_share(share):
+    """``share``, or ValueError naming it: a stage holding half a layer has no cost without it."""
+    if share is None:
+        raise ValueError("half layers per stage need the attention half's share of a layer (attention_share)")
+    return share
 
 
 Ops = tuple[float, float, float]
@@ -195,6 +236,9 @@ class LayerOps:
     """The first stage's extra ops."""
     head: Ops = (0.0, 0.0, 0.0)
     """The last stage's extra ops (output head and loss)."""
+    attention_share: Ops | None = None
+    """The attention half's share of each op (F, I, W) of a layer (measured, or from FLOPs:
+    trainer.measure.flops.attention_share); None: counts in half layers cannot be replayed."""
 
     def __post_init__(self) -> None:
         problems = [f"{name}={getattr(self, name)} must be three finite numbers >= 0 (F, I, W)"
@@ -203,32 +247,48 @@ class LayerOps:
                     or not all(math.isfinite(x) and x >= 0 for x in getattr(self, name))]
         if not problems and min(self.layer) <= 0:
             problems.append(f"layer={self.layer}: each op of a layer must take time > 0")
+        share = self.attention_share
+        if share is not None and (len(share) != 3 or not all(0 < x < 1 for x in share)):
+            problems.append(f"attention_share={share} must be three numbers strictly between 0 and 1 (F, I, W)")
         raise_if_any(problems, "invalid layer op times")
 
     def costs(self) -> LayerCosts:
-        """The same model as stage totals (what :func:`balanced_split` balances)."""
-        return LayerCosts(self.num_layers, sum(self.layer), sum(self.embedding), sum(self.head))
+        """The same model as stage totals (what :func:`balanced_split` balances); the attention
+        half's share of the total weighs each op's share by the op's time."""
+        share = self.attention_share
+        total_share = (None if share is None
+                       else sum(s * x for s, x in zip(share, self.layer, strict=True)) / sum(self.layer))
+        return LayerCosts(self.num_layers, sum(self.layer), sum(self.embedding), sum(self.head),
+                          attention_share=total_share)
 
-    def stage_ops(self, layers: Sequence[int]) -> tuple[Ops, ...]:
-        """(F, I, W) of one microbatch on each stage holding ``layers[s]`` layers."""
+    def stage_ops(self, layers: Sequence[float]) -> tuple[Ops, ...]:
+        """(F, I, W) of one microbatch on each stage holding ``layers[s]`` layers (x.5: half layers)."""
         last = len(layers) - 1
-        return tuple(tuple(n * x + (e if s == 0 else 0.0) + (h if s == last else 0.0)
-                           for x, e, h in zip(self.layer, self.embedding, self.head, strict=True))
-                     for s, n in enumerate(layers))
+        out = []
+        for s, (attention, mlp) in enumerate(half_counts(layers)):
+            if attention == mlp:  # whole layers: the share is not needed
+                parts = tuple(attention * x for x in self.layer)
+            else:
+                share = _needs_share(self.attention_share)
+                parts = tuple((attention * a + mlp * (1.0 - a)) * x for a, x in zip(share, self.layer, strict=True))
+            out.append(tuple(n + (e if s == 0 else 0.0) + (h if s == last else 0.0)
+                             for n, e, h in zip(parts, self.embedding, self.head, strict=True)))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
 class LayerSplit:
     """A layer count per stage, with its stage costs and, when Megatron can lay it out, its flags."""
 
-    layers: tuple[int, ...]
+    layers: tuple[float, ...]
+    """Layers per stage; x.5 (a boundary inside a layer) only in a split of half units."""
     stage_costs: tuple[float, ...]
     first: int | None = None
     """``--decoder-first-pipeline-num-layers``, or None (not needed or not expressible)."""
     last: int | None = None
     """``--decoder-last-pipeline-num-layers``, or None."""
     megatron: bool = True
-    """Whether Megatron-LM's two flags express ``layers`` (else it needs a custom layout)."""
+    """Whether Megatron-LM's two flags express ``layers`` (else the trainer's --pipeline-stage-layers does)."""
 
     @property
     def bottleneck(self) -> float:
@@ -245,23 +305,35 @@ class LayerSplit:
             out += [LAST_FLAG, str(self.last)]
         return out
 
+    def trainer_flags(self) -> list[str]:
+        """The trainer's flags for this split: Megatron-LM's two where they express it (users know
+        them), else ``--pipeline-stage-layers`` with every stage's count."""
+        if self.megatron:
+            return self.flags()
+        return [STAGE_LAYERS_FLAG, describe_counts(self.layers).replace("/", ",")]
+
     def describe(self) -> str:
-        layout = "/".join(map(str, self.layers))
+        layout = describe_counts(self.layers)
         costs = ", ".join(f"{c:.2f}" for c in self.stage_costs)
-        flags = " ".join(self.flags()) or "(even: no flags)" if self.megatron else "(not expressible by Megatron's flags)"
+        flags = " ".join(self.trainer_flags()) or "(even: no flags)"
+        if not self.megatron and all(float(n).is_integer() for n in self.layers):
+            flags += " (not expressible by Megatron's flags)"
         return f"{layout} layers, stage costs {costs} (slowest {self.bottleneck:.2f}); {flags}"
 
 
-def split_of(costs: LayerCosts, layers: Sequence[int], num_chunks: int = 1) -> LayerSplit:
+def split_of(costs: LayerCosts, layers: Sequence[float], num_chunks: int = 1) -> LayerSplit:
     """``layers`` as a :class:`LayerSplit` (its stage costs, and Megatron's flags if any)."""
-    layers = tuple(layers)
-    flags = _as_megatron(layers, costs.num_layers, len(layers), num_chunks)
+    layers = tuple(int(n) if float(n).is_integer() else n for n in layers)
+    whole = all(isinstance(n, int) for n in layers)
+    flags = _as_megatron(layers, costs.num_layers, len(layers), num_chunks) if whole else None
     first, last = flags if flags else (None, None)
     return LayerSplit(layers, tuple(costs.stage_costs(layers)), first, last, megatron=flags is not None)
 
 
-def _key(split_costs: list[float]) -> tuple[float, ...]:
-    # Slowest stage first, then the next slowest...: among equal bottlenecks, the flatter split.
+def cost_key(split_costs: list[float]) -> tuple[float, ...]:
+    """How splits compare first, smaller is better: the stage costs slowest first (the bottleneck, then
+    the next slowest...), so among equal bottlenecks the flatter split wins; rounded, so sums of the same
+    costs in another order tie."""
     return tuple(round(c, 9) for c in sorted(split_costs, reverse=True))
 
 
@@ -275,7 +347,7 @@ def _split_order(stage_costs: list[float], layers: Sequence[int], first: int | N
     4/5/5/2; (2) picks 5/4/4/3, the split measured best on 4 GPUs (docs/benchmarks.md)."""
     even = num_layers / len(layers)
     moved = round(sum((n - even) ** 2 for n in layers), 9)
-    return _key(stage_costs), moved, (first is not None) + (last is not None), -layers[0]
+    return cost_key(stage_costs), moved, (first is not None) + (last is not None), -layers[0]
 
 
 def balanced_split(costs: LayerCosts, num_stages: int, num_chunks: int = 1,
@@ -345,7 +417,7 @@ def _flatten(costs: LayerCosts, counts: list[int], p: int, v: int) -> list[int]:
     """Move one chunk's layers at a time while that makes the sorted stage costs smaller: among
     splits with the same slowest stage, the one whose next slowest is fastest (and so on)."""
     def key(c: list[int]) -> tuple[float, ...]:
-        return _key([costs.stage_cost(s, p, k * v) for s, k in enumerate(c)])
+        return cost_key([costs.stage_cost(s, p, k * v) for s, k in enumerate(c)])
 
     best = key(counts)
     while True:

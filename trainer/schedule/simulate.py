@@ -11,6 +11,9 @@ caps used. ``--cap-sweep 1,1.25,1.5,2`` prints throughput against the activation
 split that balances them (with Megatron-LM's flags for it), then the table for both splits.
 ``--layer-ops F:I:W --head-ops F:I:W --embedding-ops F:I:W`` give a layer's, the head's and the
 embedding's measured op times instead (e.g. ms per microbatch), so a split replays a GPU's costs.
+``--split 4.5/4/4/3.5`` places half layers (a stage boundary between a layer's attention and its MLP,
+the trainer's ``--pipeline-stage-layers``); ``--attention-share`` says what the attention half costs,
+and ``--resplit`` then also prints the balanced split in half layers (trainer/schedule/half_split.py).
 """
 
 from __future__ import annotations
@@ -22,18 +25,25 @@ import sys
 from pathlib import Path
 
 from trainer.cli import OneLineParser
+from trainer.measure.flops import attention_share
 from trainer.problems import problems_text
 from trainer.schedule.compare import ScheduleSpec, Simulator, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
 from trainer.schedule.dynamic import CAP_BASES, CHUNK_ORDERS, MICROBATCH_ORDERS, PRIORITIES, WEIGHT_ORDERS
+from trainer.schedule.half_split import balanced_half_split
 from trainer.schedule.host_ahead import simulate_host_ahead
 from trainer.schedule.layers import LayerCosts, LayerOps, LayerSplit, balanced_split, split_of
 from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
 from trainer.schedule.simulator import simulate
+from trainer.schedule.stage_parts import parse_stage_layers
 from trainer.schedule.trace import write_trace
 
 ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 """Run with one chunk per stage whatever --vp says (the classic forms being compared against)."""
+
+DEFAULT_ATTENTION_SHARE = attention_share(hidden=2048, seq_length=1024, ffn_hidden=4 * 2048, heads=16)
+"""The attention half's share of a layer's F, I, W by FLOPs for the benchmark model (GPT h2048, seq
+1024, 16 heads, MLP 4h: 0.36, 0.385, 0.333): --attention-share's default."""
 
 
 def _parser() -> OneLineParser:
@@ -75,9 +85,17 @@ def _parser() -> OneLineParser:
     add("--embedding-ops", default=None, help="with --layer-ops: the first stage's extra F:I:W (default 0:0:0)")
     add("--head-ops", default=None,
         help="with --layer-ops: the last stage's extra F:I:W (output head and loss; default 0:0:0)")
-    add("--split", default=None, help="with --layers: layers per stage, e.g. 5,4,4,3 (default even)")
+    add("--split", default=None,
+        help="with --layers: layers per stage, e.g. 5,4,4,3 (default even); x.5 = a stage boundary between a"
+        " layer's attention and its MLP, e.g. 4.5/4/4/3.5 (the trainer's --pipeline-stage-layers)")
+    add("--attention-share", default=None,
+        help="with --layers: the attention half's share of a layer (input norm, attention, residual add; the MLP"
+        " half has the rest), one number or F:I:W per op; what half layers in --split and --resplit cost"
+        " (default: by FLOPs of the benchmark model, GPT h2048 seq 1024, "
+        + ":".join(f"{x:.3f}" for x in DEFAULT_ATTENTION_SHARE) + ")")
     add("--resplit", action="store_true",
-        help="with --layers: print the balanced split (and Megatron-LM's flags for it) and simulate it too")
+        help="with --layers: print the balanced split (and Megatron-LM's flags for it) and simulate it too; also"
+        " the balanced split in half layers (--pipeline-stage-layers) where its slowest stage is faster")
     add("--forward", type=float, default=1.0, help="forward cost of one stage (default 1)")
     add("--input-grad", type=float, default=1.0, help="input-gradient (I) cost of one stage (default 1)")
     add("--weight-grad", type=float, default=1.0,
@@ -210,14 +228,30 @@ def _layer_ops(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Lay
             parser.error(f"{flag}={text!r}: expected F:I:W, three numbers, e.g. 0.73:1.08:0.55")
         parts.append(ops)
     try:
-        return LayerOps(args.layers, *parts)
+        return LayerOps(args.layers, *parts, attention_share=_attention_share(args, parser))
     except ValueError as error:
         parser.error(str(error))
         raise
 
 
+def _attention_share(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[float, float, float]:
+    """--attention-share as (F, I, W): one number for every op, or three."""
+    if args.attention_share is None:
+        return DEFAULT_ATTENTION_SHARE
+    try:
+        share = tuple(float(x) for x in args.attention_share.split(":"))
+    except ValueError:
+        share = ()
+    if len(share) == 1:
+        share *= 3
+    if len(share) != 3 or not all(0 < x < 1 for x in share):
+        parser.error(f"--attention-share={args.attention_share!r}: expected one number or F:I:W, each strictly"
+                     " between 0 and 1 (e.g. 0.36 or 0.36:0.385:0.333)")
+    return share
+
+
 def _stage_ops(args: argparse.Namespace, parser: argparse.ArgumentParser,
-               layers: tuple[int, ...] | None) -> tuple[tuple[float, float, float], ...]:
+               layers: tuple[float, ...] | None) -> tuple[tuple[float, float, float], ...]:
     ops = _layer_ops(args, parser)
     return ops.stage_ops(layers) if ops is not None and layers is not None else ()
 
@@ -231,24 +265,30 @@ def _layer_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> L
     try:
         if ops is not None:
             return dataclasses.replace(ops.costs(), stage_speed=tuple(speed))
-        return LayerCosts(args.layers, args.layer_cost, args.embedding_cost, args.head_cost, tuple(speed))
+        # Without measured ops a stage costs --forward + --input-grad + --weight-grad per layer: the
+        # attention half's share of that total weighs each op's share by those three.
+        nominal = (args.forward, args.input_grad, args.weight_grad)
+        share = sum(s * x for s, x in zip(_attention_share(args, parser), nominal, strict=True)) / sum(nominal)
+        return LayerCosts(args.layers, args.layer_cost, args.embedding_cost, args.head_cost, tuple(speed), share)
     except ValueError as error:
         parser.error(str(error))
         raise
 
 
-def _initial_split(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, ...] | None:
+def _initial_split(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[float, ...] | None:
     if args.layers is None:
-        if args.split or args.resplit:
-            parser.error("--split / --resplit need --layers")
+        if args.split or args.resplit or args.attention_share:
+            parser.error("--split / --resplit / --attention-share need --layers")
         return None
     if args.split:
         try:
-            layers = tuple(int(n) for n in args.split.split(","))
+            layers = parse_stage_layers(args.split)
         except ValueError:
-            parser.error(f"--split={args.split!r}: expected comma-separated layer counts")
-        if len(layers) != args.pp or sum(layers) != args.layers or min(layers) < 1:
-            parser.error(f"--split={args.split!r}: need --pp={args.pp} counts >= 1 summing to --layers={args.layers}")
+            parser.error(f"--split={args.split!r}: expected layer counts separated by ',' or '/'")
+        if (len(layers) != args.pp or sum(layers) != args.layers
+                or not all(n > 0 and float(2 * n).is_integer() for n in layers)):
+            parser.error(f"--split={args.split!r}: need --pp={args.pp} counts > 0, in whole or half layers, summing"
+                         f" to --layers={args.layers}")
         return layers
     if args.layers % args.pp:
         parser.error(f"--layers={args.layers} is not divisible by --pp={args.pp}: give --split")
@@ -256,12 +296,11 @@ def _initial_split(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def _stage_scale(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                 layers: tuple[int, ...] | None) -> tuple[float, ...]:
+                 layers: tuple[float, ...] | None) -> tuple[float, ...]:
     if layers is None:
         return ()
     # The straggler is applied by CostModel itself; the split's own costs exclude it here.
-    costs = _layer_costs(args, parser)
-    return LayerCosts(costs.num_layers, costs.layer, costs.embedding, costs.head).stage_scale(layers)
+    return dataclasses.replace(_layer_costs(args, parser), stage_speed=()).stage_scale(layers)
 
 
 def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
@@ -353,11 +392,13 @@ def _write_traces(args, specs: list[ScheduleSpec], costs: CostModel, simulator: 
 
 
 def _resplits(costs: LayerCosts, args: argparse.Namespace) -> list[LayerSplit]:
-    """The balanced split Megatron's flags express, and the free one when it is better."""
+    """The balanced split Megatron's flags express, the free one in whole layers and the one in half
+    layers, each where its slowest stage is faster than the ones before."""
     splits = [balanced_split(costs, args.pp, args.vp if args.layers % args.vp == 0 else 1)]
-    free = balanced_split(costs, args.pp, 1, megatron_flags=False)
-    if free.bottleneck < splits[0].bottleneck - 1e-9:
-        splits.append(free)
+    candidates = [balanced_split(costs, args.pp, 1, megatron_flags=False), balanced_half_split(costs, args.pp)]
+    for split in candidates:
+        if split.bottleneck < min(s.bottleneck for s in splits) - 1e-9:
+            splits.append(split)
     return splits
 
 

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, split_of
+from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, half_counts, split_of
 
 PERSISTENT_SHARE = 0.75
 """A stage is *persistently* the slowest when it is the slowest in at least this share of the
@@ -40,8 +40,8 @@ class StageBalance:
 
     stage_ms: tuple[float, ...]
     """Mean compute time per iteration of each stage."""
-    layers: tuple[int, ...]
-    """The run's transformer layers per stage."""
+    layers: tuple[float, ...]
+    """The run's transformer layers per stage (x.5: a stage boundary inside a layer)."""
     slowest: int
     """The stage with the largest mean time."""
     slowest_share: float | None
@@ -95,40 +95,52 @@ def _split_dict(split: LayerSplit) -> dict:
             "flags": split.flags() if split.megatron else None}
 
 
-def fit_layer_costs(stage_ms: Sequence[float], layers: Sequence[int]) -> tuple[LayerCosts, str]:
+def fit_layer_costs(stage_ms: Sequence[float], layers: Sequence[float],
+                    attention_share: float | None = None) -> tuple[LayerCosts, str]:
     """The :class:`LayerCosts` (in ms) that reproduce ``stage_ms`` for the split ``layers``, and a
     line saying what the fit assumed. ValueError for fewer than two stages or a stage without
-    layers or time."""
+    layers or time. ``attention_share``: the attention half's share of a layer, for a split in half
+    layers (None there: taken as half, and the fit says so)."""
     p = len(layers)
     if p < 2 or len(stage_ms) != p:
         raise ValueError(f"need one time per stage for two or more stages (times {list(stage_ms)}, layers {list(layers)})")
-    bad = [s for s in range(p) if layers[s] < 1 or not (math.isfinite(stage_ms[s]) and stage_ms[s] > 0)]
+    bad = [s for s in range(p) if layers[s] <= 0 or not (math.isfinite(stage_ms[s]) and stage_ms[s] > 0)]
     if bad:
         raise ValueError(f"stages {bad} have no layers or no positive time (times {list(stage_ms)}, layers {list(layers)})")
+    halves = half_counts(layers)
+    inside = any(a != m for a, m in halves)
+    share = attention_share if attention_share is not None or not inside else 0.5
+    # Each stage's layer work in layers: a split layer's attention half is `share` of a layer, not half.
+    work = [a if a == m else a * share + m * (1.0 - share) for a, m in halves]
     if p >= 3:
         # The lower median: with two middle stages and one of them on a slower GPU, the mean of the
         # two would call both GPUs off-speed; the faster one is the per-layer time.
-        layer = statistics.median_low(stage_ms[s] / layers[s] for s in range(1, p - 1))
+        layer = statistics.median_low(stage_ms[s] / work[s] for s in range(1, p - 1))
         fit = f"per-layer time = lower median of the {p - 2} middle stage(s)"
     else:
-        layer = stage_ms[0] / layers[0]
+        layer = stage_ms[0] / work[0]
         fit = "two stages: the embedding is taken as free (per-layer time = stage 0's)"
-    embedding = max(stage_ms[0] - layers[0] * layer, 0.0)
-    head = max(stage_ms[-1] - layers[-1] * layer, 0.0)
+    embedding = max(stage_ms[0] - work[0] * layer, 0.0)
+    head = max(stage_ms[-1] - work[-1] * layer, 0.0)
     extras = [embedding] + [0.0] * (p - 2) + [head]
-    speed = tuple(stage_ms[s] / (layers[s] * layer + extras[s]) for s in range(p))
+    speed = tuple(stage_ms[s] / (work[s] * layer + extras[s]) for s in range(p))
     if all(abs(x - 1.0) <= 1e-6 for x in speed):
         speed = ()
     slower = [s for s in range(p) if speed and speed[s] > 1.0 + MIN_EXCESS]
     if slower:
         fit += f"; stage(s) {slower} slower per layer than that (a slower device?)"
-    return LayerCosts(num_layers=sum(layers), layer=layer, embedding=embedding, head=head, stage_speed=speed), fit
+    if inside:
+        fit += (f"; the attention half taken as {share:.3f} of a layer"
+                + (" (no share given: half)" if attention_share is None else ""))
+    return LayerCosts(num_layers=sum(a + m for a, m in halves) // 2, layer=layer, embedding=embedding, head=head,
+                      stage_speed=speed, attention_share=share), fit
 
 
-def stage_balance(per_iteration: Sequence[Sequence[float]], layers: Sequence[int],
-                  num_chunks: int = 1) -> StageBalance:
+def stage_balance(per_iteration: Sequence[Sequence[float]], layers: Sequence[float],
+                  num_chunks: int = 1, attention_share: float | None = None) -> StageBalance:
     """The balance of a run from its stage times: ``per_iteration[i][s]`` is stage ``s``'s compute
-    in iteration ``i`` (one row: means only). ValueError where nothing can be fitted."""
+    in iteration ``i`` (one row: means only). ValueError where nothing can be fitted.
+    ``attention_share``: the attention half's share of a layer (used for a split in half layers)."""
     rows = [tuple(float(x) for x in row) for row in per_iteration]
     if not rows:
         raise ValueError("no stage times to fit")
@@ -139,7 +151,7 @@ def stage_balance(per_iteration: Sequence[Sequence[float]], layers: Sequence[int
     slowest = max(range(p), key=lambda s: means[s])
     share = (sum(max(range(p), key=lambda s: row[s]) == slowest for row in rows) / len(rows)
              if len(rows) > 1 else None)
-    costs, fit = fit_layer_costs(means, layers)
+    costs, fit = fit_layer_costs(means, layers, attention_share)
     return StageBalance(
         stage_ms=means, layers=tuple(layers), slowest=slowest, slowest_share=share,
         iterations=len(rows) if len(rows) > 1 else 0, costs=costs, fit=fit,
@@ -162,15 +174,18 @@ def simulate_args(balance: StageBalance, num_microbatches: int, num_chunks: int 
         speed = tuple(factor if s == slow else 1.0 for s in range(len(costs.stage_speed)))
         if factor > 1.0 + 1e-6:
             straggler = ["--straggler", f"{slow}:{factor:.3g}"]
-    expressible = LayerCosts(costs.num_layers, 1.0, costs.embedding / layer, costs.head / layer, speed)
+    expressible = LayerCosts(costs.num_layers, 1.0, costs.embedding / layer, costs.head / layer, speed,
+                             costs.attention_share)
     replayed = [c * layer for c in expressible.stage_costs(balance.layers)]
     if any(abs(r / m - 1.0) > MIN_GAIN for r, m in zip(replayed, balance.stage_ms, strict=True)):
         return None
     schedules = "1f1b,zb-h1,dpp-zb" if num_chunks == 1 else "interleaved,dpp-zb"
+    # The share the fit assumed, so the simulator's half layers (the run's, --resplit's) cost the same.
+    share = ["--attention-share", f"{costs.attention_share:.3g}"] if costs.attention_share is not None else []
     return ["--pp", str(len(balance.layers)), "--vp", str(num_chunks), "--microbatches", str(num_microbatches),
             "--schedules", schedules, "--layers", str(costs.num_layers), "--split", ",".join(map(str, balance.layers)),
             "--embedding-cost", f"{costs.embedding / layer:.3g}", "--head-cost", f"{costs.head / layer:.3g}",
-            *straggler, "--resplit"]
+            *straggler, *share, "--resplit"]
 
 
 def describe(balance: StageBalance) -> str:
@@ -195,6 +210,6 @@ def describe(balance: StageBalance) -> str:
         verdict = (f"  no Megatron split makes the slowest stage faster by >= {MIN_GAIN:.0%} "
                    f"(best {'/'.join(map(str, b.best.layers))}: {b.best.bottleneck:.1f} ms)")
     if b.persistent and b.free.bottleneck < b.best.bottleneck * (1 - MIN_GAIN):
-        verdict += (f"; without Megatron's even middle stages (a custom layout) {'/'.join(map(str, b.free.layers))} "
-                    f"-> {b.free.bottleneck:.1f} ms")
+        verdict += (f"; without Megatron's even middle stages ({' '.join(b.free.trainer_flags())}) "
+                    f"{'/'.join(map(str, b.free.layers))} -> {b.free.bottleneck:.1f} ms")
     return "\n".join([head, model, verdict])
