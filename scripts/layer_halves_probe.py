@@ -13,7 +13,8 @@ megatron's own keys.
 
 With ``--time`` on a GPU it also times each part's forward and backward (kernel time, bf16, the
 benchmark model's sizes by default): the attention half's share of a layer, which the half-split
-cost model (trainer/schedule/half_split.py's default comes from FLOPs) can be checked against.
+cost model's FLOPs estimate can be checked against (trainer.measure.layer_halves measures it
+for any GPT the trainer's flags describe).
 
     python3 scripts/layer_halves_probe.py
     python3 scripts/layer_halves_probe.py --time --hidden-size 2048 --heads 16 --seq-length 1024 --micro-batch-size 2
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from trainer.measure.layer_halves import kernel_ms
     from trainer.megatron.compat import apply_cpu_shims
 
     if cuda:
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         print("max |whole layer - halves composed|:", (run(whole, x) - run(second, run(first, x))).abs().max().item())
     if args.time:
-        times = {name: _time(lambda layer=layer: run(layer, x.detach().requires_grad_()), args.reps)
+        times = {name: kernel_ms(lambda layer=layer: run(layer, x.detach().requires_grad_()), args.reps)
                  for name, layer in (("whole layer", whole), ("attention half", first), ("MLP half", second))}
         for name, (fwd, bwd) in times.items():
             print(f"{name}: forward {fwd:.3f} ms, backward {bwd:.3f} ms, total {fwd + bwd:.3f} ms")
@@ -109,30 +111,6 @@ def main(argv: list[str] | None = None) -> int:
               f"(forward {times['attention half'][0] / (times['attention half'][0] + times['MLP half'][0]):.3f})")
     dist.destroy_process_group()
     return 0
-
-
-def _time(forward, reps: int) -> tuple[float, float]:
-    """GPU kernel ms of ``forward()`` and of its backward, per call: the kernels' own time as the CUDA
-    profiler (CUPTI) records it, so host launch gaps -- which eager timing of a small layer is full of
-    -- do not count (a stage replays its layers from CUDA graphs)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def kernel_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-        return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1000.0
-
-    def both() -> None:
-        out = forward()
-        out.backward(torch.ones_like(out))
-
-    fwd = kernel_ms(forward)
-    return fwd, kernel_ms(both) - fwd
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ GROUPS: dict[str, list[str]] = {
     "Z1": [f"{_GRAPHS}[zb-v1]", f"{_GRAPHS}[zb-v2]",
            f"{_G}/test_dpp_cuda_graphs.py::test_use_dpp_alone_replays_graphed_dpp_zb"],
     "Z2": [f"{_GRAPHS}[zb-v1-varlen]", f"{_GRAPHS}[zb-v1-recompute-slot]",
-           f"{_G}/test_dpp_cuda_graphs.py::test_graphed_half_layer_boundary_equals_eager"],
+           f"{_G}/test_dpp_cuda_graphs.py::test_graphed_half_layer_boundary_equals_eager",
+           f"{_G}/test_layer_halves_gpu.py"],
     "E": [f"{_TRAIN}::test_dpp_on_cuda_ipc_equals_1f1b_with_two_ranks_sharing_one_gpu",
           "tests/dist/test_clock_offset.py::test_offsets_undo_injected_skew_over_nccl"],
     # part 6: the static orders (1F1B, interleaved, ZB-H1) from CUDA graphs against their eager runs (2 ranks);

@@ -166,7 +166,7 @@ def test_resplit_runs_a_short_round_and_takes_the_fits_split() -> None:
     assert "ran the --pipeline-stage-layers 4,4,4.5,3.5: the stage-balance fit's re-split of 5/4/4/3 in half" \
         in choice.note()
     assert "116.0 ms predicted against 125.0 ms for the best split Megatron's" in choice.note()
-    assert "0.360 of a layer (by the model's FLOPs)" in choice.note()
+    assert "0.360 of a layer (by the model's FLOPs (not on CUDA))" in choice.note()
     lines = plan(chosen, ["megatron-1f1b-best", "dpp-v2"], ["a"], DPP_POLICIES)
     assert lines[0].args[lines[0].args.index("--pipeline-stage-layers") + 1] == "4,4,4.5,3.5"
     assert "--decoder-first-pipeline-num-layers" not in lines[0].args
