@@ -110,3 +110,33 @@ def test_te_split_backward_trains_like_megatron_1f1b(tmp_path: Path, precision: 
     for run in ("dpp-zb", "dpp-zb-graphs"):
         compared = _assert_grads_close(tmp_path / "dpp", tmp_path / run, *bounds)
         print(f"{compared} gradient tensors of {run} equal the unsplit run's")
+
+
+@pytest.mark.timeout(900)
+def test_te_half_layer_boundary_trains_like_whole_layers(tmp_path: Path) -> None:
+    """--pipeline-stage-layers 2.5,1.5 with Transformer Engine's layers (fp32): stage 0 ends after layer
+    2's attention (TE's fused-norm QKV and its projection), stage 1 starts with that layer's MLP (TE's
+    fused-norm fc1). Graphed dpp-zb on the half split trains like eager dpp on the same split (losses,
+    and every gradient), every forward replays, and layer 2's MLP is trained on stage 1. Not compared
+    with the whole-layer split: megatron-core seeds each pipeline rank's initialisation apart, so moving
+    a half to another stage starts it from other weights (the CPU equivalence tests load one set of
+    weights into every split instead: tests/dist/test_dpp_equivalence.py -k halves)."""
+    _needs_te()
+    gpt = TE_GPT + (["--distributed-backend", "gloo"] if torch.cuda.device_count() < 2 else [])
+    halves = ["--pipeline-stage-layers", "2.5,1.5"]
+    _, unsplit = train(tmp_path / "dpp", 2, ["--dump-grads", "2", "--", *gpt, *halves, "--use-dpp", "--dpp-policy",
+                                             "dpp", "--dpp-eager"], last_rank=1)
+    results, graphed = train(tmp_path / "dpp-zb-graphs", 2, ["--dump-grads", "2", "--", *gpt, *halves, "--use-dpp",
+                                                            "--dpp-policy", "dpp-zb"], last_rank=1)
+    logs = "".join(r.output for r in results)
+    assert "layers 2.5/1.5 |" in logs, logs[-2000:]
+    replayed = {(int(m[1]), int(m[2])): (int(m[3]), int(m[4])) for m in REPLAYED.finditer(logs)}
+    assert replayed == {(st, 0): (ITERS * M, 0) for st in (0, 1)}, replayed
+    for it in sorted(unsplit, key=int):
+        print(it, unsplit[it]["lm loss"], graphed[it]["lm loss"])
+        assert graphed[it]["lm loss"] == pytest.approx(unsplit[it]["lm loss"], rel=1e-4), f"iteration {it}"
+    held = {".".join(name.split(".")[2:4]) for name in torch.load(tmp_path / "dpp-zb-graphs" / "grads_rank1_it0.pt")
+            if name.startswith("decoder.layers.")}
+    assert "2.mlp" in held and "2.self_attention" not in held, sorted(held)  # the MLP half of layer 2
+    compared = _assert_grads_close(tmp_path / "dpp", tmp_path / "dpp-zb-graphs", 1e-5, 1e-3)
+    print(f"{compared} gradient tensors of graphed dpp-zb on 2.5/1.5 equal eager dpp's")
