@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from trainer.bench.lines import BenchConfig, Line, line_entry, plan
 from trainer.bench.results import LineResult
+from trainer.schedule.stage_parts import describe as describe_counts
 
 PROFILE_ITERS = 3
 """Timed iterations of the profiling round beyond the warm-up and the profiled ones (only the
@@ -86,7 +87,7 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
             split = (layers[0], layers[-1])
             cfg = dataclasses.replace(cfg, **{field: split})
             choices.append(SplitChoice(vp, split, f"the stage-balance fit's re-split of "
-                                                  f"{'/'.join(map(str, balance.layers))} ({source}): {fitted}"))
+                                                  f"{describe_counts(balance.layers)} ({source}): {fitted}"))
         else:
             choices.append(SplitChoice(vp, start, f"the fit recommends no re-split ({source}): {fitted}"))
     return cfg, choices

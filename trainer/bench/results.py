@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.schedule.stage_parts import layer_count
+
 LOSS_ITERATIONS = 10
 
 
@@ -49,7 +51,8 @@ class LineResult:
     busy_rows: list[list[float]] = field(default_factory=list)
     """Per profiled iteration, each stage's GPU busy ms (mean over its ranks): the stage balance's input."""
     losses: list[float] = field(default_factory=list)
-    layers_per_stage: list[int] = field(default_factory=list)
+    layers_per_stage: list[float] = field(default_factory=list)
+    """The run's layers per stage (x.5 under --pipeline-stage-layers; whole counts as ints)."""
     delayed_ops: int | None = None
     versions: dict[str, str] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)
@@ -162,7 +165,7 @@ def line_result(key: str, name: str, scenario: str, label: str, folder: Path, sk
         result.busy_source = "host spans of our runtime (CPU run)" if result.busy_ms else "not measured"
     last = max(documents, key=lambda d: (d["stage"], -d["rank"]))
     result.losses = [r["losses"]["lm loss"] for r in last["iterations"][:LOSS_ITERATIONS] if "lm loss" in r["losses"]]
-    result.layers_per_stage = last["layers_per_stage"]
+    result.layers_per_stage = [layer_count(n) for n in last["layers_per_stage"]]
     stalls = [d["stalls"]["delayed_ops"] for d in documents if d.get("stalls")]
     result.delayed_ops = sum(stalls) if stalls else None
     result.versions = documents[0].get("versions", {})

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainer.profiling.validate import COMPUTE_CATEGORIES
+from trainer.schedule.stage_parts import layer_count
 
 US_PER_MS = 1000.0
 
@@ -74,8 +75,9 @@ class TraceSummary:
     stage_busy_ms: dict[int, list[float]] = field(default_factory=dict)
     """iteration -> each stage's compute time in it (GPU time of its ops where the trace has gpu
     spans, else host compute spans; mean over the stage's ranks): what the stage balance is fitted to."""
-    layers_per_stage: list[int] = field(default_factory=list)
-    """The run's layer split (runtime traces record it); empty where the trace does not say."""
+    layers_per_stage: list[float] = field(default_factory=list)
+    """The run's layer split (runtime traces record it); empty where the trace does not say. x.5
+    under --pipeline-stage-layers (a stage boundary inside a layer); whole counts as ints."""
 
     @property
     def mean_iteration_time_ms(self) -> float:
@@ -242,7 +244,7 @@ def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSumm
         stages=summaries, missing_ranks=list(meta.get("missing_ranks", [])),
         median_op_ms=_median_op_ms(e for events in grouped.compute.values() for e in events),
         stage_busy_ms={it: stage_busy(it) for it in its},
-        layers_per_stage=[int(n) for n in meta.get("layers_per_stage") or []],
+        layers_per_stage=[layer_count(n) for n in meta.get("layers_per_stage") or []],
     )
 
 

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.problems import raise_if_any
+from trainer.schedule.stage_parts import describe as describe_counts
+from trainer.schedule.stage_parts import layer_count
 
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
@@ -162,18 +164,19 @@ class LayerCosts:
             problems.append(f"stage_speed={self.stage_speed} has values that are not finite numbers > 0: {bad}")
         raise_if_any(problems, "invalid layer costs")
 
-    def stage_cost(self, stage: int, num_stages: int, layers: int) -> float:
+    def stage_cost(self, stage: int, num_stages: int, layers: float) -> float:
         extra = (self.embedding if stage == 0 else 0.0) + (self.head if stage == num_stages - 1 else 0.0)
         speed = self.stage_speed[stage] if self.stage_speed else 1.0
         return speed * (layers * self.layer + extra)
 
-    def stage_costs(self, layers: Sequence[int]) -> list[float]:
-        """Each stage's time for ``layers[s]`` layers on stage ``s``."""
+    def stage_costs(self, layers: Sequence[float]) -> list[float]:
+        """Each stage's time for ``layers[s]`` layers on stage ``s`` (a half layer of
+        --pipeline-stage-layers at half a layer's time: an approximation, see stage_balance.py)."""
         if self.stage_speed and len(self.stage_speed) != len(layers):
             raise ValueError(f"stage_speed has {len(self.stage_speed)} entries for {len(layers)} stages")
         return [self.stage_cost(s, len(layers), n) for s, n in enumerate(layers)]
 
-    def stage_scale(self, layers: Sequence[int]) -> tuple[float, ...]:
+    def stage_scale(self, layers: Sequence[float]) -> tuple[float, ...]:
         """Stage costs relative to an even split without embedding or head (the simulator's
         unit: ``CostModel.stage_scale``)."""
         even = self.num_layers * self.layer / len(layers)
@@ -209,7 +212,7 @@ class LayerOps:
         """The same model as stage totals (what :func:`balanced_split` balances)."""
         return LayerCosts(self.num_layers, sum(self.layer), sum(self.embedding), sum(self.head))
 
-    def stage_ops(self, layers: Sequence[int]) -> tuple[Ops, ...]:
+    def stage_ops(self, layers: Sequence[float]) -> tuple[Ops, ...]:
         """(F, I, W) of one microbatch on each stage holding ``layers[s]`` layers."""
         last = len(layers) - 1
         return tuple(tuple(n * x + (e if s == 0 else 0.0) + (h if s == last else 0.0)
@@ -221,7 +224,8 @@ class LayerOps:
 class LayerSplit:
     """A layer count per stage, with its stage costs and, when Megatron can lay it out, its flags."""
 
-    layers: tuple[int, ...]
+    layers: tuple[float, ...]
+    """Layers per stage (x.5 under --pipeline-stage-layers: a stage boundary inside a layer)."""
     stage_costs: tuple[float, ...]
     first: int | None = None
     """``--decoder-first-pipeline-num-layers``, or None (not needed or not expressible)."""
@@ -246,15 +250,15 @@ class LayerSplit:
         return out
 
     def describe(self) -> str:
-        layout = "/".join(map(str, self.layers))
+        layout = describe_counts(self.layers)
         costs = ", ".join(f"{c:.2f}" for c in self.stage_costs)
         flags = " ".join(self.flags()) or "(even: no flags)" if self.megatron else "(not expressible by Megatron's flags)"
         return f"{layout} layers, stage costs {costs} (slowest {self.bottleneck:.2f}); {flags}"
 
 
-def split_of(costs: LayerCosts, layers: Sequence[int], num_chunks: int = 1) -> LayerSplit:
+def split_of(costs: LayerCosts, layers: Sequence[float], num_chunks: int = 1) -> LayerSplit:
     """``layers`` as a :class:`LayerSplit` (its stage costs, and Megatron's flags if any)."""
-    layers = tuple(layers)
+    layers = tuple(layer_count(k) for k in layers)
     flags = _as_megatron(layers, costs.num_layers, len(layers), num_chunks)
     first, last = flags if flags else (None, None)
     return LayerSplit(layers, tuple(costs.stage_costs(layers)), first, last, megatron=flags is not None)
@@ -357,8 +361,10 @@ def _flatten(costs: LayerCosts, counts: list[int], p: int, v: int) -> list[int]:
         best, counts = new_key, new_counts
 
 
-def _as_megatron(layers: tuple[int, ...], n: int, p: int, v: int) -> tuple[int | None, int | None] | None:
-    """(first, last) flags that lay ``layers`` out in Megatron-LM, or None if none do."""
+def _as_megatron(layers: tuple[float, ...], n: int, p: int, v: int) -> tuple[int | None, int | None] | None:
+    """(first, last) flags that lay ``layers`` out in Megatron-LM, or None if none do (half layers never)."""
+    if not all(float(k).is_integer() for k in layers):
+        return None
     for first in (None, layers[0]):
         for last in (None, layers[-1]):
             if p > 1 and sum(layers) == n and not split_problems(n, p, v, first, last) \

@@ -30,6 +30,7 @@ from trainer.schedule.host_ahead import simulate_host_ahead
 from trainer.schedule.layers import LayerCosts, LayerOps, LayerSplit, balanced_split, split_of
 from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
 from trainer.schedule.simulator import simulate
+from trainer.schedule.stage_parts import layer_count
 from trainer.schedule.trace import write_trace
 
 ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -75,7 +76,8 @@ def _parser() -> OneLineParser:
     add("--embedding-ops", default=None, help="with --layer-ops: the first stage's extra F:I:W (default 0:0:0)")
     add("--head-ops", default=None,
         help="with --layer-ops: the last stage's extra F:I:W (output head and loss; default 0:0:0)")
-    add("--split", default=None, help="with --layers: layers per stage, e.g. 5,4,4,3 (default even)")
+    add("--split", default=None, help="with --layers: layers per stage, e.g. 5,4,4,3 (default even); halves "
+        "as --pipeline-stage-layers gives them (4.5,4,4,3.5), each costing half a layer")
     add("--resplit", action="store_true",
         help="with --layers: print the balanced split (and Megatron-LM's flags for it) and simulate it too")
     add("--forward", type=float, default=1.0, help="forward cost of one stage (default 1)")
@@ -217,7 +219,7 @@ def _layer_ops(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Lay
 
 
 def _stage_ops(args: argparse.Namespace, parser: argparse.ArgumentParser,
-               layers: tuple[int, ...] | None) -> tuple[tuple[float, float, float], ...]:
+               layers: tuple[float, ...] | None) -> tuple[tuple[float, float, float], ...]:
     ops = _layer_ops(args, parser)
     return ops.stage_ops(layers) if ops is not None and layers is not None else ()
 
@@ -237,18 +239,23 @@ def _layer_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> L
         raise
 
 
-def _initial_split(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, ...] | None:
+def _initial_split(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[float, ...] | None:
     if args.layers is None:
         if args.split or args.resplit:
             parser.error("--split / --resplit need --layers")
         return None
     if args.split:
         try:
-            layers = tuple(int(n) for n in args.split.split(","))
+            # Half layers as the trainer's --pipeline-stage-layers takes them (the stage balance
+            # replays such a run's split); a half costs half a layer here (stage_balance.py says why
+            # that is an approximation).
+            layers = tuple(layer_count(float(n)) for n in args.split.split(","))
         except ValueError:
             parser.error(f"--split={args.split!r}: expected comma-separated layer counts")
-        if len(layers) != args.pp or sum(layers) != args.layers or min(layers) < 1:
-            parser.error(f"--split={args.split!r}: need --pp={args.pp} counts >= 1 summing to --layers={args.layers}")
+        if len(layers) != args.pp or sum(layers) != args.layers or min(layers) <= 0 \
+                or not all(float(2 * n).is_integer() for n in layers):
+            parser.error(f"--split={args.split!r}: need --pp={args.pp} whole or half counts > 0 summing to "
+                         f"--layers={args.layers}")
         return layers
     if args.layers % args.pp:
         parser.error(f"--layers={args.layers} is not divisible by --pp={args.pp}: give --split")
@@ -256,7 +263,7 @@ def _initial_split(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def _stage_scale(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                 layers: tuple[int, ...] | None) -> tuple[float, ...]:
+                 layers: tuple[float, ...] | None) -> tuple[float, ...]:
     if layers is None:
         return ()
     # The straggler is applied by CostModel itself; the split's own costs exclude it here.
