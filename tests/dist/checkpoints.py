@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from trainer.checkpoint.find import FORMAT, read_common_state
@@ -24,3 +25,18 @@ def assert_megatron_checkpoint(root: Path, iteration: int) -> Path:
     assert not list(root.glob("*.tmp")), "a save left its temporary folder behind"
     assert read_common_state(folder)["mdpp"]["format"] == FORMAT
     return folder
+
+
+def layer_writers(folder: Path, layer: int) -> dict[str, set[int]]:
+    """``{"self_attention": ranks, "mlp": ranks}``: which ranks wrote layer ``layer``'s model tensors into
+    ``folder`` (torch_dist names each rank's files ``__<rank>_<thread>.distcp``; layer tensors are keyed
+    ``decoder.layers.<module>...`` at the layer's global index along their first dimension)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    writers: dict[str, set[int]] = {}
+    for index, info in FileSystemReader(str(folder)).read_metadata().storage_data.items():
+        module = re.match(r"decoder\.layers\.(self_attention|mlp)\.[^/]*$", index.fqn)
+        if module and index.offset is not None and index.offset[0] == layer:
+            rank = int(re.match(r"__(\d+)_", info.relative_path).group(1))
+            writers.setdefault(module.group(1), set()).add(rank)
+    return writers

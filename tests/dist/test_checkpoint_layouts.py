@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.checkpoints import TRACKER, assert_megatron_checkpoint
+from tests.dist.checkpoints import TRACKER, assert_megatron_checkpoint, layer_writers
 from tests.dist.launch import check_ok, launch
 from tests.model_flags import model_flags
 
@@ -63,6 +63,41 @@ def test_pp4_checkpoint_resumes_at_pp2_with_virtual_stages(tmp_path: Path) -> No
     assert "RNG states not restored" in output  # another layout: Megatron-LM's rule
 
 
+STAGE_LAYERS = "--pipeline-stage-layers"
+
+
+@pytest.mark.timeout(1200)
+def test_half_layer_split_checkpoint_resumes_under_other_splits(tmp_path: Path) -> None:
+    """--pipeline-stage-layers 2.5,1.5: layer 2's attention on stage 0, its MLP on stage 1, both saved
+    under the layer's global index (disjoint keys). Same split exact; whole layers at PP=2, and at PP=4
+    another half split (a stage of one MLP half only), within tolerance."""
+    straight, ckpt = straight_run_with_checkpoint_at_3(tmp_path, 2, "--pipeline-model-parallel-size", "2",
+                                                        "--use-dpp", STAGE_LAYERS, "2.5,1.5")
+    # Saved split (an ignored flag would place whole layers and resume all the same).
+    assert layer_writers(ckpt / "iter_0000003", 2) == {"self_attention": {0}, "mlp": {1}}
+    same, output = train(tmp_path / "same", 2, "--pipeline-model-parallel-size", "2", "--use-dpp",
+                         STAGE_LAYERS, "2.5,1.5", "--load", str(ckpt))
+    assert_continues(straight, same, output, exact=True)
+    whole, output = train(tmp_path / "pp2", 2, "--pipeline-model-parallel-size", "2", "--use-dpp", "--load", str(ckpt))
+    assert_continues(straight, whole, output, exact=False)
+    other, output = train(tmp_path / "pp4", 4, "--pipeline-model-parallel-size", "4", "--use-dpp",
+                          STAGE_LAYERS, "1.5,1,0.5,1", "--load", str(ckpt))
+    assert_continues(straight, other, output, exact=False)
+    assert "RNG states not restored" in output  # another layout: Megatron-LM's rule
+
+
+@pytest.mark.timeout(900)
+def test_whole_layer_checkpoint_resumes_under_a_half_layer_split(tmp_path: Path) -> None:
+    """Plain PP=2 (2 + 2 layers) -> --pipeline-stage-layers 1.5,2.5 on the static 1F1B path: layer 1's
+    halves load from the one stage that saved the whole layer."""
+    straight, ckpt = straight_run_with_checkpoint_at_3(tmp_path, 2, "--pipeline-model-parallel-size", "2",
+                                                        "--use-dpp")
+    assert layer_writers(ckpt / "iter_0000003", 1) == {"self_attention": {0}, "mlp": {0}}
+    resumed, output = train(tmp_path / "halves", 2, "--pipeline-model-parallel-size", "2", STAGE_LAYERS,
+                            "1.5,2.5", "--load", str(ckpt))
+    assert_continues(straight, resumed, output, exact=False)
+
+
 @pytest.mark.timeout(900)
 def test_tp2_pp2_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
     """TP shards are joined at load. The padded vocabulary must match (TP=2 x 64 = TP=1 x 128 rows)."""
@@ -95,6 +130,20 @@ def test_distributed_optimizer_resumes_exactly_and_under_another_layout(tmp_path
     assert refused.returncode != 0
     assert (f"{ckpt / 'iter_0000003'} was saved with --use-distributed-optimizer: resume with it"
             in refused.output), refused.output[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_distributed_optimizer_resumes_a_half_layer_split_exactly(tmp_path: Path) -> None:
+    """--use-distributed-optimizer over --pipeline-stage-layers 2.5,1.5: stage 0's layers end mid-bucket,
+    so the shared embedding's own bucket follows a padded bucket end. Before: megatron-core 0.16 saved
+    the embedding's optimizer state from 64 elements further on (trainer.megatron.compat's
+    fully_reshardable_bucket_offsets), and the same-layout resume departed from the straight run."""
+    layout = ("--pipeline-model-parallel-size", "2", "--use-dpp", "--use-distributed-optimizer")
+    straight, ckpt = straight_run_with_checkpoint_at_3(tmp_path, 2, *layout, STAGE_LAYERS, "2.5,1.5")
+    same, output = train(tmp_path / "same", 2, *layout, STAGE_LAYERS, "2.5,1.5", "--load", str(ckpt))
+    assert_continues(straight, same, output, exact=True)
+    whole, output = train(tmp_path / "pp2", 2, *layout, "--load", str(ckpt))
+    assert_continues(straight, whole, output, exact=False)
 
 
 @pytest.mark.timeout(300)

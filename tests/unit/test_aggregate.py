@@ -283,3 +283,22 @@ def test_one_runs_traces_merge_and_keep_the_run_id(tmp_path):
     _write_run(tmp_path, run_id="303.0-cccc0003")
     assert aggregate.main(["--benchmark_dir", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "merged.json").read_text())["metadata"]["run_id"] == "303.0-cccc0003"
+
+
+# ---- the layer split the trace records ----------------------------------------------------------
+@pytest.mark.parametrize(("recorded", "kept", "shown"), [
+    ([4.5, 4, 4, 3.5], [4.5, 4, 4, 3.5], "layers 4.5/4/4/3.5"),  # --pipeline-stage-layers' half layers
+    ([5.0, 4.0, 4.0, 3.0], [5, 4, 4, 3], "layers 5/4/4/3"),  # whole counts written as floats read as ints
+])
+def test_the_recorded_layer_split_reaches_the_stage_balance_unrounded(recorded, kept, shown):
+    """Before: read with int(), 4.5 layers became 4 and the fit took the split for 15 layers."""
+    document = simulated_trace(COSTS, iterations=2)
+    document["metadata"]["layers_per_stage"] = recorded
+    summary = summarize(_merged_from_document(document))
+    assert summary.layers_per_stage == kept and [type(n) for n in summary.layers_per_stage] == [type(n) for n in kept]
+    balance, why = aggregate.stage_balance_of(summary)
+    assert balance is not None, why
+    assert list(balance.layers) == kept and balance.costs.num_layers == 16
+    from trainer.schedule.stage_balance import describe
+
+    assert shown in describe(balance)

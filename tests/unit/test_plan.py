@@ -250,6 +250,20 @@ def test_the_plan_holds_the_layer_split_and_the_links() -> None:
     assert plan.links.credits >= 4 and plan.links.shm_slot_bytes == 64 * 64 * 4
 
 
+
+def test_the_plan_holds_a_half_layer_split() -> None:
+    """--pipeline-stage-layers: per_stage keeps the halves, a split layer is listed on both its stages."""
+    plan = _plan(["--mock-data", "--num-layers", "16", "--pipeline-model-parallel-size", "4", "--device", "cpu",
+                  "--pipeline-stage-layers", "4.5,4,4,3.5", "--use-dpp", "--global-batch-size", "8"], world_size=4)
+    layers = plan.layers
+    assert layers.per_stage == (4.5, 4, 4, 3.5) and layers.per_chunk == (4.5, 4, 4, 3.5)
+    assert layers.describe() == "4.5/4/4/3.5" and layers.splits_inside_layers
+    assert layers.stage_layers() == [[[0, 1, 2, 3, 4]], [[4, 5, 6, 7, 8]], [[8, 9, 10, 11, 12]], [[12, 13, 14, 15]]]
+    whole = _plan(["--mock-data", "--num-layers", "16", "--pipeline-model-parallel-size", "4", "--device", "cpu",
+                   "--pipeline-stage-layers", "5,4,4,3", "--global-batch-size", "8"], world_size=4).layers
+    assert whole.per_stage == (5, 4, 4, 3) and whole.describe() == "5/4/4/3" and not whole.splits_inside_layers
+    assert whole.stage_layers()[0] == [[0, 1, 2, 3, 4]] and whole.stage_layers()[1] == [[5, 6, 7, 8]]
+
 # ---- the layer split: one set of rules, one balanced_split ----------------------------------------
 def _config_accepts(n: int, pp: int, vp: int, first: int | None, last: int | None) -> bool:
     parallel = ParallelConfig(pipeline_model_parallel_size=pp, num_virtual_stages_per_pipeline_rank=vp if vp > 1 else None,

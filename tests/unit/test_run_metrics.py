@@ -1,6 +1,6 @@
 """--metrics-dir during a --rampup-batch-size ramp: each iteration's record and the benchmark's tokens/s
 count that iteration's global batch, not --global-batch-size (trainer/measure/run_metrics.py,
-trainer/bench/results.py)."""
+trainer/bench/results.py); the layer split travels unrounded."""
 
 from __future__ import annotations
 
@@ -48,3 +48,16 @@ def test_without_a_ramp_the_figure_is_tokens_over_the_median_time(tmp_path) -> N
     measure.write()
     result = line_result("k", "dpp", "a", "dpp", tmp_path, skip_iters=0)
     assert result.tokens_per_s == pytest.approx(128 / 0.25)
+
+
+@pytest.mark.parametrize(("split", "read"), [((1.5, 2.5), [1.5, 2.5]), ((2.0, 2.0), [2, 2])])
+def test_the_layer_split_is_written_and_read_back_as_the_plan_has_it(tmp_path, split, read) -> None:
+    """--pipeline-stage-layers 1.5,2.5 stays 1.5/2.5 through the metrics file and the benchmark's
+    reading of it; whole counts come back as ints (a report prints 2, not 2.0)."""
+    flags = FLAGS[:FLAGS.index("--rampup-batch-size")] + FLAGS[FLAGS.index("--train-samples"):]
+    cfg = parse_config([*flags, "--metrics-dir", str(tmp_path)], world_size=2)
+    measure = RunMeasurement(cfg, Topology(world_size=2, rank=1, pipeline_parallel=2), "runtime 1f1b", 8, split)
+    measure.after_step(0, 0.1, {"lm loss": 1.0})
+    assert json.loads(measure.write().read_text())["layers_per_stage"] == list(split)
+    result = line_result("k", "dpp", "a", "dpp", tmp_path, skip_iters=0)
+    assert result.layers_per_stage == read and [type(n) for n in result.layers_per_stage] == [type(n) for n in read]

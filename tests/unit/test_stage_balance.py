@@ -30,7 +30,7 @@ def test_the_fitted_model_reproduces_every_measured_stage_time() -> None:
 def test_a_heavy_head_is_found_and_the_split_of_the_true_costs_recommended() -> None:
     """The benchmark model's shape: 16 layers, head = 2 layers, embedding 0.2, split evenly; the measured
     times are exactly that model's, so the fit finds it and the re-split is the true optimum."""
-    true = LayerCosts(16, layer=24.0, embedding=4.8, head=48.0)
+    true = LayerCosts(16, layer=24.0, embedding=4.8, head=48.0, attention_share=0.5)
     balance = stage_balance([_times(true, [4, 4, 4, 4])], [4, 4, 4, 4])
     assert (balance.costs.layer, balance.costs.embedding, balance.costs.head) == pytest.approx((24.0, 4.8, 48.0))
     assert balance.slowest == 3 and balance.persistent and balance.recommend
@@ -114,11 +114,54 @@ def test_the_simulator_replays_the_fit_and_simulates_the_re_split(capsys) -> Non
     assert simulate_args(stage_balance([[24.0, 30.0, 24.0, 30.0, 24.0]], [8] * 5), 32) is None
 
 
+def test_a_half_layer_split_is_fitted_with_its_halves() -> None:
+    """--pipeline-stage-layers 4.5/4/4/3.5: a half counts as half a layer's time (an approximation:
+    attention and MLP halves cost differently); the fit reproduces the measured times, names the split
+    as the run gave it and recommends whole-layer splits only."""
+    rng = random.Random(15)
+    for _ in range(200):
+        p = rng.randint(2, 6)
+        layers = [rng.randint(1, 16) / 2 for _ in range(p - 1)]
+        layers.append(1.0 if sum(layers) % 1 == 0 else 0.5)  # a whole number of layers in all
+        stage_ms = [rng.uniform(1.0, 100.0) for _ in range(p)]
+        costs, _ = fit_layer_costs(stage_ms, layers)
+        assert costs.stage_costs(layers) == pytest.approx(stage_ms, rel=1e-9), (layers, stage_ms)
+        assert costs.num_layers == sum(layers) and isinstance(costs.num_layers, int)
+    true = LayerCosts(16, layer=24.0, embedding=4.8, head=48.0, attention_share=0.5)
+    balance = stage_balance([_times(true, [4.5, 4, 4, 3.5])], [4.5, 4.0, 4.0, 3.5])
+    assert balance.layers == (4.5, 4, 4, 3.5) and balance.current.layers == (4.5, 4, 4, 3.5)
+    assert (balance.costs.layer, balance.costs.head) == pytest.approx((24.0, 48.0))
+    assert not balance.current.megatron and balance.best.layers == (4, 5, 5, 2)
+    assert "layers 4.5/4/4/3.5)" in describe(balance) and "4.5/4/4/3.5 layers, stage costs" in balance.current.describe()
+    whole = stage_balance([[100.0, 80.0, 80.0, 120.0]], [4.0, 4.0, 4.0, 4.0])
+    assert whole.layers == (4, 4, 4, 4) and "layers 4/4/4/4)" in describe(whole)
+    assert whole.current.megatron and whole.current.flags() == []
+
+
+def test_the_simulator_replays_a_half_layer_split(capsys) -> None:
+    balance = stage_balance([_times(LayerCosts(16, layer=24.0, embedding=4.8, head=48.0, attention_share=0.5), [4.5, 4, 4, 3.5])],
+                            [4.5, 4, 4, 3.5])
+    args = simulate_args(balance, 32)
+    assert args is not None and args[args.index("--split") + 1] == "4.5,4,4,3.5"
+    assert simulate.main([*args, "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "layer split: 4.5/4/4/3.5 layers, stage costs 4.70, 4.00, 4.00, 5.50" in out, out
+    assert "re-split: 4/5/5/2 layers" in out
+
+
+@pytest.mark.parametrize("split", ["4.25,4,4,3.75", "4.5,4,4,4", "0,8,4,4"])
+def test_the_simulator_refuses_a_split_that_is_not_whole_or_half_layers(split, capsys) -> None:
+    with pytest.raises(SystemExit):
+        simulate.main(["--pp", "4", "--layers", "16", "--split", split])
+    assert "need --pp=4 counts > 0, in whole or half layers, summing to --layers=16" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("rows", "layers", "message"), [
     ([[1.0]], [4], "two or more stages"),
     ([[1.0, 2.0, 3.0]], [4, 4], "one time per stage"),
     ([[1.0, 0.0, 3.0]], [4, 4, 4], "stages [1] have no layers or no positive time"),
     ([[1.0, 2.0, 3.0]], [4, 0, 4], "stages [1] have no layers or no positive time"),
+    ([[1.0, 2.0, 3.0]], [4, 0.5, 4], "add up to 8.5, not a whole number of layers"),
     ([], [4, 4], "no stage times"),
 ])
 def test_what_cannot_be_fitted_is_refused_by_name(rows, layers, message) -> None:
@@ -148,3 +191,18 @@ def test_the_benchmark_report_gives_each_lines_stage_balance(tmp_path) -> None:
     assert "- **dpp**: stage 3 is slowest in 2 of 2 iterations" in text
     assert "; re-split 4/5/5/2: --decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 2" in text
     assert "(this benchmark: `--split 4,2`)" in text
+
+
+def test_the_benchmark_report_shows_a_half_layer_split(tmp_path) -> None:
+    from trainer.bench.lines import BenchConfig
+    from trainer.bench.report import write_report
+    from trainer.bench.results import LineResult
+
+    rows = [[470.0, 400.0, 400.0, 480.0], [471.0, 401.0, 399.0, 479.0]]
+    halves = LineResult("a-dpp", "dpp", "a", "d", timed_ms=[450.0], layers_per_stage=[4.5, 4, 4, 3.5], busy_rows=rows,
+                        busy_ms={s: sum(r[s] for r in rows) / 2 for s in range(4)})
+    report = tmp_path / "r.md"
+    write_report(report, BenchConfig(device="cpu"), [halves], [], {}, {}, 1.0)
+    text = report.read_text()
+    assert "| dpp | 4.5/4/4/3.5 | 450.0 |" in text, text
+    assert "- **dpp**: stage 3 is slowest in 2 of 2 iterations" in text and "layers 4.5/4/4/3.5)" in text

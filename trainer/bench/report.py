@@ -22,6 +22,7 @@ from trainer.bench.lines import (
     variable_length_tokens,
 )
 from trainer.bench.results import LOSS_ITERATIONS, LineResult
+from trainer.schedule.stage_parts import describe as describe_counts
 
 
 def best_megatron(results: list[LineResult], scenario: str, eager_only: bool = False) -> LineResult | None:
@@ -51,7 +52,7 @@ def _table(results: list[LineResult], scenario: str) -> list[str]:
         memory = (f"{r.reserved_gib / bar.reserved_gib:.3f}x" if bar and r.reserved_gib and bar.reserved_gib
                   else "n/a")
         busy = " / ".join(f"{ms:.0f}" for ms in r.busy_ms.values()) or "n/a"
-        rows.append(f"| {r.name} | {'/'.join(map(str, r.layers_per_stage))} | {r.median_ms:.1f} | "
+        rows.append(f"| {r.name} | {describe_counts(r.layers_per_stage)} | {r.median_ms:.1f} | "
                     f"{min(r.timed_ms):.1f}–{max(r.timed_ms):.1f} | {lo:.1f}–{hi:.1f} | {r.tokens_per_s:,.0f} | "
                     f"{_fmt(r.reserved_gib, '{:.2f}')} | {_fmt(r.peak_gib, '{:.2f}')} | {ratio} | {memory} | {busy} | "
                     f"{'' if r.delayed_ops is None else r.delayed_ops} |")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from trainer.bench.lines import BenchConfig, Line, layer_attention_share, line_entry, plan
 from trainer.bench.results import LineResult
+from trainer.schedule.stage_parts import describe as describe_counts
 
 if TYPE_CHECKING:
     from trainer.schedule.stage_balance import StageBalance
@@ -111,7 +112,7 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
             split = (layers[0], layers[-1])
             cfg = dataclasses.replace(cfg, **{field: split})
             choices.append(SplitChoice(vp, split, f"the stage-balance fit's re-split of "
-                                                  f"{'/'.join(map(str, balance.layers))} ({source}): {fitted}"))
+                                                  f"{describe_counts(balance.layers)} ({source}): {fitted}"))
         else:
             choices.append(SplitChoice(vp, start, f"the fit recommends no re-split ({source}): {fitted}"))
     return cfg, choices

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.schedule.stage_parts import layer_count
+
 LOSS_ITERATIONS = 10
 
 
@@ -162,7 +164,7 @@ def line_result(key: str, name: str, scenario: str, label: str, folder: Path, sk
         result.busy_source = "host spans of our runtime (CPU run)" if result.busy_ms else "not measured"
     last = max(documents, key=lambda d: (d["stage"], -d["rank"]))
     result.losses = [r["losses"]["lm loss"] for r in last["iterations"][:LOSS_ITERATIONS] if "lm loss" in r["losses"]]
-    result.layers_per_stage = last["layers_per_stage"]
+    result.layers_per_stage = [layer_count(n) for n in last["layers_per_stage"]]
     stalls = [d["stalls"]["delayed_ops"] for d in documents if d.get("stalls")]
     result.delayed_ops = sum(stalls) if stalls else None
     result.versions = documents[0].get("versions", {})

@@ -210,8 +210,11 @@ def _sharded_state_dict(model: list, optimizer, use_distributed_optimizer: bool,
         metadata=_sharding_metadata(use_distributed_optimizer, saved_sharding)) for i, chunk in enumerate(chunks)}
     # The optimizer's state is keyed by the model tensors' global keys (it looks the parameters up
     # in ``state``), so it reshards with them.
-    state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata=_sharding_metadata(use_distributed_optimizer, saved_sharding))
+    from trainer.megatron.compat import fully_reshardable_bucket_offsets
+
+    with fully_reshardable_bucket_offsets():
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=_sharding_metadata(use_distributed_optimizer, saved_sharding))
     return state
 
 

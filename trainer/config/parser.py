@@ -117,11 +117,13 @@ _int_list.__name__ = "comma-separated integer list"  # argparse names the type i
 
 
 def _stage_layers(text: str) -> tuple[float, ...]:
-    """``4.5,4,4,3.5`` -> (4.5, 4, 4, 3.5): trainer.schedule.stage_parts's reading."""
-    return parse_stage_layers(text)
-
-
-_stage_layers.__name__ = "comma-separated list of layer counts"
+    """``4.5,4,4,3.5`` -> (4.5, 4, 4, 3.5): trainer.schedule.stage_parts's reading. Its error names
+    the entry that is not a number; argparse prints an ArgumentTypeError's text (a ValueError's it
+    replaces with the whole value)."""
+    try:
+        return parse_stage_layers(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _looks_like_number(token: str) -> bool:

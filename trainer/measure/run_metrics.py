@@ -66,8 +66,9 @@ class RunMeasurement:
     """Label of the schedule this rank runs (the run plan's ``schedule.label``, e.g. "megatron-core 1f1b",
     "runtime dpp-zb")."""
     num_microbatches: int
-    layers_per_stage: tuple[int, ...]
-    """The run plan's layer split (``layers.per_stage``): the aggregation fits layer costs with it."""
+    layers_per_stage: tuple[float, ...]
+    """The run plan's layer split (``layers.per_stage``): the aggregation fits layer costs with it.
+    Whole counts are ints; --pipeline-stage-layers may give halves (4.5), written as such."""
     records: list[dict[str, Any]] = field(default_factory=list)
     gpu_busy: Any = None
     stalls: Any = None

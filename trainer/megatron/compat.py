@@ -28,7 +28,8 @@ process without CUDA, :func:`apply_cpu_shims` patches them *at run time, in this
    a CPU-only build raises there, and with no device there is nothing to wait for: a no-op.
 
 Outside the CPU shims, :func:`torch_adam_distributed_optimizer_load` works around two faults of megatron-core's distributed
-optimizer when it loads into torch's own Adam (no Apex/TE, so every CPU run).
+optimizer when it loads into torch's own Adam (no Apex/TE, so every CPU run), and
+:func:`fully_reshardable_bucket_offsets` around one of its save in the fully reshardable form (every device).
 
 Everything is reversible (:class:`CpuShims.remove`) and refused when CUDA is available: a GPU run must
 never silently compute on the CPU. Public names are patched (``CudaRNGStatesTracker``,
@@ -259,3 +260,98 @@ def torch_adam_distributed_optimizer_load(optimizer: Any) -> Iterator[None]:
             for state in inner.state.values():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
+
+
+@contextlib.contextmanager
+def fully_reshardable_bucket_offsets() -> Iterator[None]:
+    """Around ``optimizer.sharded_state_dict`` for a save in the distributed optimizer's fully reshardable
+    form: each parameter's saved state read at the parameter's own place.
+
+    megatron-core (0.16) gathers the state into one tensor per buffer with each bucket's end padding
+    left out (``get_parameter_state_dp_zero``), then cuts every parameter out of it at its offset in
+    the *padded* buffer (``param_index_map``): every parameter after a bucket whose end was padded is
+    read from a later position, its tail past the end filled with zeros (megatron logs a warning only
+    when it runs off the end). The state of those parameters is saved wrong and a resumed run departs
+    from the uninterrupted one. Several buckets are the rule in a large model; the distributed optimizer
+    always gives the shared embedding its own bucket, so a pipeline's first and last stages hit it at
+    any size, wherever their other parameters do not fill whole 128-element blocks (a stage boundary
+    after a layer's attention, say).
+
+    For the duration, megatron's result is corrected: each parameter's tensors are cut again from the
+    same gathered tensors at ``offset in its bucket + unpadded sizes of the buckets before``. A release
+    that cuts them right (Megatron-LM's fix subtracts the padding) gets the same values written again.
+    A gathered tensor of another size than the buffer's unpadded one is left alone, and logged.
+    megatron's own warning of a parameter run off the end ("padded with zeros") is dropped meanwhile:
+    the recut replaces what it warns of.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = getattr(DistributedOptimizer, "sharded_param_state_fully_reshardable", None)
+    if original is None or not hasattr(DistributedOptimizer, "get_parameter_state_dp_zero"):
+        yield
+        return
+
+    def sharded(self: Any, model_sharded_state_dict: Any, is_loading: bool = False,
+                metadata: dict | None = None) -> Any:
+        gathered: list[Any] = []
+        gather = self.get_parameter_state_dp_zero
+
+        def keep(*args: Any, **kwargs: Any) -> Any:
+            gathered.append(gather(*args, **kwargs))
+            return gathered[-1]
+
+        self.get_parameter_state_dp_zero = keep  # an instance attribute: megatron calls it through self
+        try:
+            state = original(self, model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+        finally:
+            del self.get_parameter_state_dp_zero
+        if not is_loading and state is not None and gathered and gathered[0] is not None:
+            _recut_fully_reshardable(self, state, gathered[0])
+        return state
+
+    megatron_log = getattr(distrib_optimizer, "logger", logging.getLogger(distrib_optimizer.__name__))
+    recut = _DropMessage("param range exceeds unpadded buffer")
+    DistributedOptimizer.sharded_param_state_fully_reshardable = sharded
+    megatron_log.addFilter(recut)
+    try:
+        yield
+    finally:
+        DistributedOptimizer.sharded_param_state_fully_reshardable = original
+        megatron_log.removeFilter(recut)
+
+
+class _DropMessage(logging.Filter):
+    """Drops the records whose message contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _recut_fully_reshardable(optimizer: Any, state: dict, gathered: dict) -> None:
+    """Replace the data of ``state`` (megatron's per-parameter sharded tensors, numbered in its order:
+    buffers, then each buffer's ``param_index_map``) with the right slices of ``gathered``."""
+    index = 0
+    for gbuf_idx, ranges in enumerate(optimizer.gbuf_ranges):
+        buffer = optimizer.buffers[gbuf_idx]
+        unpadded_before, total = [], 0
+        for bucket in buffer.buckets:
+            unpadded_before.append(total)
+            total += bucket.numel_unpadded
+        for dtype in ranges:
+            world = gathered[gbuf_idx][dtype]
+            tensors = {k: v for k, v in world.items() if torch.is_tensor(v) and v.dim() == 1}
+            usable = all(len(v) == total for v in tensors.values())
+            if not usable:
+                log.warning("distributed optimizer state gathered as %s elements, the buffer holds %d unpadded: "
+                            "saved as megatron-core cut it", sorted({len(v) for v in tensors.values()}), total)
+            for start, end, bucket_id in buffer.param_index_map.values():
+                at = start - buffer.buckets[bucket_id].offset + unpadded_before[bucket_id]
+                for key, sharded in state[index].items():
+                    if usable and key in tensors:
+                        sharded.data = tensors[key][at:at + end - start].reshape(sharded.data.shape)
+                index += 1

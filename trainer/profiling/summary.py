@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainer.profiling.validate import COMPUTE_CATEGORIES
+from trainer.schedule.stage_parts import layer_count
 
 US_PER_MS = 1000.0
 
@@ -243,7 +244,7 @@ def summarize(merged: dict[str, Any], iteration: int | None = None) -> TraceSumm
         stages=summaries, missing_ranks=list(meta.get("missing_ranks", [])),
         median_op_ms=_median_op_ms(e for events in grouped.compute.values() for e in events),
         stage_busy_ms={it: stage_busy(it) for it in its},
-        layers_per_stage=[int(n) if float(n).is_integer() else float(n) for n in meta.get("layers_per_stage") or []],
+        layers_per_stage=[layer_count(n) for n in meta.get("layers_per_stage") or []],
     )
 
 

@@ -174,7 +174,7 @@ class LayerCosts:
             problems.append(f"stage_speed={self.stage_speed} has values that are not finite numbers > 0: {bad}")
         raise_if_any(problems, "invalid layer costs")
 
-    def stage_cost(self, stage: int, num_stages: int, layers: int) -> float:
+    def stage_cost(self, stage: int, num_stages: int, layers: float) -> float:
         extra = (self.embedding if stage == 0 else 0.0) + (self.head if stage == num_stages - 1 else 0.0)
         speed = self.stage_speed[stage] if self.stage_speed else 1.0
         return speed * (layers * self.layer + extra)
@@ -429,8 +429,10 @@ def _flatten(costs: LayerCosts, counts: list[int], p: int, v: int) -> list[int]:
         best, counts = new_key, new_counts
 
 
-def _as_megatron(layers: tuple[int, ...], n: int, p: int, v: int) -> tuple[int | None, int | None] | None:
-    """(first, last) flags that lay ``layers`` out in Megatron-LM, or None if none do."""
+def _as_megatron(layers: tuple[float, ...], n: int, p: int, v: int) -> tuple[int | None, int | None] | None:
+    """(first, last) flags that lay ``layers`` out in Megatron-LM, or None if none do (half layers never)."""
+    if not all(float(k).is_integer() for k in layers):
+        return None
     for first in (None, layers[0]):
         for last in (None, layers[-1]):
             if p > 1 and sum(layers) == n and not split_problems(n, p, v, first, last) \

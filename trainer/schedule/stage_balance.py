@@ -12,6 +12,12 @@ separates it from stage 0's layers). The fitted model reproduces every measured 
 split it prefers (:func:`~trainer.schedule.layers.balanced_split`) is a prediction from the run's
 own figures -- a new run must confirm it.
 
+A run split with ``--pipeline-stage-layers`` may hold half layers (4.5): the fit takes a half as
+half a layer's time. That is an approximation -- a layer's attention and its MLP cost differently
+(the MLP's GEMMs are about twice the attention's projections at the usual 4x hidden, and attention's
+cost grows with the sequence) -- so per-layer time and the splits fitted from a half-layer run are
+rougher than from a whole-layer one; the splits it recommends are whole layers.
+
 Pure: the trace aggregation (trainer.profiling.aggregate) and the benchmark report both call it.
 """
 
@@ -23,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.schedule.layers import LayerCosts, LayerSplit, balanced_split, half_counts, split_of
+from trainer.schedule.stage_parts import describe as describe_counts
+from trainer.schedule.stage_parts import layer_count
 
 PERSISTENT_SHARE = 0.75
 """A stage is *persistently* the slowest when it is the slowest in at least this share of the
@@ -107,6 +115,9 @@ def fit_layer_costs(stage_ms: Sequence[float], layers: Sequence[float],
     bad = [s for s in range(p) if layers[s] <= 0 or not (math.isfinite(stage_ms[s]) and stage_ms[s] > 0)]
     if bad:
         raise ValueError(f"stages {bad} have no layers or no positive time (times {list(stage_ms)}, layers {list(layers)})")
+    if not float(sum(layers)).is_integer():
+        raise ValueError(f"the layers per stage {describe_counts(layers)} add up to {layer_count(sum(layers))}, "
+                         "not a whole number of layers")
     halves = half_counts(layers)
     inside = any(a != m for a, m in halves)
     share = attention_share if attention_share is not None or not inside else 0.5
@@ -153,7 +164,7 @@ def stage_balance(per_iteration: Sequence[Sequence[float]], layers: Sequence[flo
              if len(rows) > 1 else None)
     costs, fit = fit_layer_costs(means, layers, attention_share)
     return StageBalance(
-        stage_ms=means, layers=tuple(layers), slowest=slowest, slowest_share=share,
+        stage_ms=means, layers=tuple(map(layer_count, layers)), slowest=slowest, slowest_share=share,
         iterations=len(rows) if len(rows) > 1 else 0, costs=costs, fit=fit,
         current=split_of(costs, layers, num_chunks), best=balanced_split(costs, p, num_chunks),
         free=balanced_split(costs, p, num_chunks, megatron_flags=False))
@@ -183,7 +194,7 @@ def simulate_args(balance: StageBalance, num_microbatches: int, num_chunks: int 
     # The share the fit assumed, so the simulator's half layers (the run's, --resplit's) cost the same.
     share = ["--attention-share", f"{costs.attention_share:.3g}"] if costs.attention_share is not None else []
     return ["--pp", str(len(balance.layers)), "--vp", str(num_chunks), "--microbatches", str(num_microbatches),
-            "--schedules", schedules, "--layers", str(costs.num_layers), "--split", ",".join(map(str, balance.layers)),
+            "--schedules", schedules, "--layers", str(costs.num_layers), "--split", describe_counts(balance.layers, ","),
             "--embedding-cost", f"{costs.embedding / layer:.3g}", "--head-cost", f"{costs.head / layer:.3g}",
             *straggler, *share, "--resplit"]
 
@@ -195,7 +206,7 @@ def describe(balance: StageBalance) -> str:
              if b.slowest_share is not None else "slowest on average")
     times = "/".join(f"{ms:.1f}" for ms in b.stage_ms)
     head = (f"stage balance: stage {b.slowest} is {where}, {b.excess:+.0%} over the others' mean "
-            f"(ms per iteration {times}; layers {'/'.join(map(str, b.layers))})")
+            f"(ms per iteration {times}; layers {describe_counts(b.layers)})")
     model = (f"  fitted: layer {b.costs.layer:.2f} ms, embedding {b.costs.embedding:.2f} ms, head "
              f"{b.costs.head:.2f} ms" + (f", stage speed {'/'.join(f'{x:.2f}' for x in b.costs.stage_speed)}"
                                          if b.costs.stage_speed else "") + f" ({b.fit})")
@@ -204,11 +215,11 @@ def describe(balance: StageBalance) -> str:
                    + ("" if b.slowest_share is None else f" in >= {PERSISTENT_SHARE:.0%} of the iterations"))
     elif b.recommend:
         flags = " ".join(b.best.flags()) or "(the even split: drop both flags)"
-        verdict = (f"  re-split {'/'.join(map(str, b.best.layers))}: {flags} -> slowest stage "
+        verdict = (f"  re-split {describe_counts(b.best.layers)}: {flags} -> slowest stage "
                    f"{b.best.bottleneck:.1f} ms predicted ({-b.gain:+.0%})")
     else:
         verdict = (f"  no Megatron split makes the slowest stage faster by >= {MIN_GAIN:.0%} "
-                   f"(best {'/'.join(map(str, b.best.layers))}: {b.best.bottleneck:.1f} ms)")
+                   f"(best {describe_counts(b.best.layers)}: {b.best.bottleneck:.1f} ms)")
     if b.persistent and b.free.bottleneck < b.best.bottleneck * (1 - MIN_GAIN):
         verdict += (f"; without Megatron's even middle stages ({' '.join(b.free.trainer_flags())}) "
                     f"{'/'.join(map(str, b.free.layers))} -> {b.free.bottleneck:.1f} ms")

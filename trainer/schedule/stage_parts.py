@@ -39,6 +39,14 @@ class LayerPart:
     part: Part
 
 
+def layer_count(value: float) -> float:
+    """A stage's layer count as a split states it: 4.0 -> 4, 4.5 -> 4.5. Counts travel through JSON
+    (traces, metrics) and arithmetic that can turn 4 into 4.0; whole counts stay ints so that every
+    log, report and command line prints 4, and half counts are never truncated."""
+    value = float(value)
+    return int(value) if value.is_integer() else value
+
+
 def parse_stage_layers(text: str) -> tuple[float, ...]:
     """``"4.5,4,4,3.5"`` (or ``4.5/4/4/3.5``) -> (4.5, 4, 4, 3.5); ValueError naming the bad entry."""
     out: list[float] = []
@@ -48,7 +56,7 @@ def parse_stage_layers(text: str) -> tuple[float, ...]:
             value = float(entry)
         except ValueError:
             raise ValueError(f"{STAGE_LAYERS_FLAG} {text!r}: {entry!r} is not a number") from None
-        out.append(int(value) if value.is_integer() else value)
+        out.append(layer_count(value))
     return tuple(out)
 
 
@@ -70,12 +78,12 @@ def stage_layers_problems(num_layers: int, pp: int, vp: int, counts: Sequence[fl
 
 
 def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
+    return str(layer_count(x))
 
 
-def describe(counts: Sequence[float]) -> str:
-    """``"4.5/4/4/3.5"``."""
-    return "/".join(map(_fmt, counts))
+def describe(counts: Sequence[float], sep: str = "/") -> str:
+    """``"4.5/4/4/3.5"`` (whole counts as ``4``, not ``4.0``)."""
+    return sep.join(map(_fmt, counts))
 
 
 def half_bounds(counts: Sequence[float]) -> list[int]:
