@@ -86,16 +86,23 @@ def test_half_layer_split_checkpoint_resumes_under_other_splits(tmp_path: Path) 
     assert "RNG states not restored" in output  # another layout: Megatron-LM's rule
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_whole_layer_checkpoint_resumes_under_a_half_layer_split(tmp_path: Path) -> None:
     """Plain PP=2 (2 + 2 layers) -> --pipeline-stage-layers 1.5,2.5 on the static 1F1B path: layer 1's
-    halves load from the one stage that saved the whole layer."""
+    halves load from the one stage that saved the whole layer; and -> two chunks per stage of half
+    layers under DPP."""
     straight, ckpt = straight_run_with_checkpoint_at_3(tmp_path, 2, "--pipeline-model-parallel-size", "2",
                                                         "--use-dpp")
     assert layer_writers(ckpt / "iter_0000003", 1) == {"self_attention": {0}, "mlp": {0}}
     resumed, output = train(tmp_path / "halves", 2, "--pipeline-model-parallel-size", "2", STAGE_LAYERS,
                             "1.5,2.5", "--load", str(ckpt))
     assert_continues(straight, resumed, output, exact=False)
+    # Two chunks per stage, one count per virtual stage: layer 0's attention alone on stage 0's chunk 0,
+    # its MLP and layer 1's attention on stage 1's chunk 0, layer 1's MLP and layer 2 on stage 0's chunk 1.
+    chunked, output = train(tmp_path / "vp2-halves", 2, "--pipeline-model-parallel-size", "2",
+                            "--num-virtual-stages-per-pipeline-rank", "2", "--use-dpp", STAGE_LAYERS, "0.5,1,1.5,1",
+                            "--load", str(ckpt))
+    assert_continues(straight, chunked, output, exact=False)
 
 
 @pytest.mark.timeout(900)

@@ -87,6 +87,9 @@ LAYOUTS["gpt-pp4-halves"] = ("gpt", 4, ["--pipeline-model-parallel-size", "4", S
 LAYOUTS["bert-pp2-halves"] = ("bert", 2, ["--pipeline-model-parallel-size", "2", STAGE_LAYERS, "1.5,2.5", *GLOO])
 LAYOUTS["llama-pp2-tp2-sp-halves"] = ("llama", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
                                                   "2", "--sequence-parallel", STAGE_LAYERS, "2.5,1.5"])
+# With virtual stages: one count per virtual stage, chunk 0 of every stage first (megatron-core's order).
+LAYOUTS["gpt-pp2-vp2-halves"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+                                            "2", STAGE_LAYERS, "2.5,1.5,2,2", *GLOO])
 LAYOUTS["gpt-pp2-halves-no-dpp"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", STAGE_LAYERS, "4.5,3.5", *GLOO])
 _A, _M = "attention", "mlp"
 HALVES = {
@@ -98,6 +101,9 @@ HALVES = {
     "llama-pp2-tp2-sp-halves": [{(0, _A), (0, _M), (1, _A), (1, _M), (2, _A)}] * 2 + [{(2, _M), (3, _A), (3, _M)}] * 2,
 }
 HALVES["gpt-pp2-halves-no-dpp"] = HALVES["gpt-pp2-halves"]
+_WHOLE = {(i, h) for i in range(8) for h in (_A, _M)}
+HALVES["gpt-pp2-vp2-halves"] = [{(0, _A), (0, _M), (1, _A), (1, _M), (2, _A)} | {x for x in _WHOLE if x[0] in (4, 5)},
+                                {(2, _M), (3, _A), (3, _M)} | {x for x in _WHOLE if x[0] in (6, 7)}]
 # Activation recompute: full recompute of every layer re-runs each forward inside the DPP
 # runtime's backward (and, under dpp-zb, inside I); the reference recomputes nothing.
 LAYOUTS["gpt-pp2-recompute"] = ("gpt", 2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
@@ -174,7 +180,7 @@ CASES = ([_case(layout, "dpp", layout) for layout in LAYOUTS if layout not in SP
          + [pytest.param(layout, policy, id=f"{layout}-{policy}")
             for layout, policy in (("gpt-pp4", "1f1b"), ("gpt-pp4-vp2", "interleaved"), ("gpt-pp4", "zb-h1"),
                                    ("gpt-pp2-uneven", "zb-h1"), ("gpt-pp4-halves", "1f1b"),
-                                   ("gpt-pp4-halves", "zb-h1"))])
+                                   ("gpt-pp4-halves", "zb-h1"), ("gpt-pp2-vp2-halves", "interleaved"))])
 
 
 # --variable-seq-lengths: mock documents of log-normal length, microbatches cut to their

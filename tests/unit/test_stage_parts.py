@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import ConfigError, parse_config
+from trainer.config import ConfigError, parse_config, resolve_plan
 from trainer.schedule.stage_parts import (
     LayerPart,
     describe,
@@ -79,10 +79,10 @@ def test_parse_stage_layers_names_the_bad_entry(text, entry) -> None:
     ((16, 4, 1, (4.25, 4, 4, 3.75)), ["every stage needs a positive whole or half number of layers (not 4.25, 3.75)"]),
     ((16, 4, 1, (8, 0, 4, 4)), ["every stage needs a positive whole or half number of layers (not 0)"]),
     ((16, 4, 1, (9, -1, 4, 4)), ["(not -1)"]),
-    ((16, 4, 2, SPLIT), ["--pipeline-stage-layers 4.5/4/4/3.5 lays out one model chunk per stage; it cannot be "
-                         "combined with virtual stages (2 per rank)"]),
-    ((16, 2, 2, (4, 4, 9)), ["gives 3 stages, --pipeline-model-parallel-size is 2",
-                             "places 17 layers, --num-layers is 16", "cannot be combined with virtual stages"]),
+    ((16, 2, 2, SPLIT), []),  # one count per virtual stage: chunk 0 of stages 0, 1, then chunk 1
+    ((16, 4, 2, SPLIT), ["--pipeline-stage-layers 4.5/4/4/3.5 gives 4 stages, 8 are needed: "
+                         "--pipeline-model-parallel-size 4 x 2 virtual stages per rank, chunk 0 of every stage first"]),
+    ((16, 2, 2, (4, 4, 9)), ["gives 3 stages, 4 are needed", "places 17 layers, --num-layers is 16"]),
 ])
 def test_stage_layers_problems_name_every_bad_value(args, needles) -> None:
     problems = stage_layers_problems(*args)
@@ -111,12 +111,18 @@ def test_the_flag_is_exclusive_with_megatrons_uneven_split() -> None:
                    for p in _problems("4.5,4,4,3.5", flag, "5")), flag
 
 
-@pytest.mark.parametrize("virtual", [["--num-layers-per-virtual-pipeline-stage", "2"],
-                                     ["--num-virtual-stages-per-pipeline-rank", "2"]])
-def test_the_flag_is_refused_with_virtual_stages(virtual) -> None:
-    problems = _problems("4.5,4,4,3.5", *virtual)
-    assert any("--pipeline-stage-layers 4.5/4/4/3.5 lays out one model chunk per stage; it cannot be combined with "
-               "virtual stages (2 per rank)" in p for p in problems), problems
+def test_with_virtual_stages_the_flag_gives_every_virtual_stage() -> None:
+    cfg = parse_config([*BASE, "2.5,2,2,2,2,2,2,1.5", "--num-virtual-stages-per-pipeline-rank", "2"], world_size=4)
+    plan = resolve_plan(cfg, 4)
+    assert plan.layers.per_stage == (4.5, 4, 4, 3.5) and plan.layers.describe() == "2.5/2/2/2/2/2/2/1.5"
+    # chunk 0 of stage 0 holds layers 0, 1 and layer 2's attention; its chunk 1 (virtual stage 4, half units
+    # 17-20) layer 8's MLP, layer 9 and layer 10's attention
+    assert plan.layers.stage_layers()[0] == [[0, 1, 2], [8, 9, 10]]
+    assert plan.layers.stage_layers()[1] == [[2, 3, 4], [10, 11, 12]]
+    assert any("gives 4 stages, 8 are needed" in p
+               for p in _problems("4.5,4,4,3.5", "--num-virtual-stages-per-pipeline-rank", "2"))
+    assert any("--pipeline-stage-layers and --num-layers-per-virtual-pipeline-stage=2" in p
+               for p in _problems("4.5,4,4,3.5", "--num-layers-per-virtual-pipeline-stage", "2"))
 
 
 def test_the_flag_must_place_every_layer_on_every_stage() -> None:

@@ -36,7 +36,7 @@ from trainer.schedule.dynamic import scaled_cap
 from trainer.schedule.layers import describe_split, layers_per_stage, stage_layers
 from trainer.schedule.registry import SPLIT_BACKWARD
 from trainer.schedule.stage_parts import describe as describe_stage_layers
-from trainer.schedule.stage_parts import splits_inside_layers, whole_layers
+from trainer.schedule.stage_parts import layer_count, splits_inside_layers, whole_layers
 
 Engine = Literal["megatron-core", "runtime"]
 MEGATRON: Engine = "megatron-core"
@@ -173,9 +173,12 @@ class LayerPlan:
 
     @property
     def per_chunk(self) -> tuple[float, ...]:
-        """Layers of each chunk, per stage."""
+        """Layers of each chunk, per stage (under --pipeline-stage-layers with chunks of unlike sizes,
+        their mean)."""
         if self.virtual_pipeline == 1:
             return self.per_stage
+        if self.stage_layers_flag:
+            return tuple(layer_count(n / self.virtual_pipeline) for n in self.per_stage)
         return tuple(n // self.virtual_pipeline for n in self.per_stage)
 
     @property
@@ -186,8 +189,9 @@ class LayerPlan:
     def stage_layers(self) -> list[list[list[int]]]:
         """``[stage][chunk] -> global layer indices`` (megatron-core's placement; a layer split
         between two stages is listed on both)."""
-        if self.stage_layers_flag:
-            return [[layers] for layers in whole_layers(self.stage_layers_flag)]
+        if self.stage_layers_flag:  # one entry per virtual stage, chunk 0 of every stage first
+            held, p = whole_layers(self.stage_layers_flag), len(self.per_stage)
+            return [[held[c * p + s] for c in range(self.virtual_pipeline)] for s in range(p)]
         return stage_layers(self.num_layers, len(self.per_stage), self.virtual_pipeline, self.first, self.last)
 
     def describe(self) -> str:
@@ -248,7 +252,9 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> RunPlan:
     (trainer.config.parse_config runs them)."""
     par = cfg.parallel
     shape = PipelineShape(par.pipeline_model_parallel_size, cfg.num_microbatches(world_size), cfg.virtual_pipeline)
-    per_stage = par.pipeline_stage_layers or tuple(layers_per_stage(
+    pp = par.pipeline_model_parallel_size
+    per_stage = tuple(layer_count(sum(par.pipeline_stage_layers[s::pp])) for s in range(pp)) \
+        if par.pipeline_stage_layers else tuple(layers_per_stage(
         cfg.model.num_layers, par.pipeline_model_parallel_size, par.decoder_first_pipeline_num_layers,
         par.decoder_last_pipeline_num_layers))
     layers = LayerPlan(cfg.model.num_layers, per_stage, cfg.virtual_pipeline, par.decoder_first_pipeline_num_layers,

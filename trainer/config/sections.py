@@ -369,7 +369,8 @@ class ParallelConfig:
     and half layers: x.5 ends a stage after the attention of its last layer, and the next stage
     starts with that layer's MLP. Balances a pipeline whole layers cannot (docs/schedules.md). Both
     megatron-core's schedules and --use-dpp run these stages; checkpoints keep megatron's layer keys,
-    so a run may resume under another split. One model chunk per stage; exclusive with
+    so a run may resume under another split. With --num-virtual-stages-per-pipeline-rank V: one count
+    per virtual stage, chunk 0 of every stage first (megatron-core's order). Exclusive with
     --decoder-first/last-pipeline-num-layers."""
     overlap_p2p_comm: bool = True
     """megatron-core's interleaved schedule overlaps P2P with compute (Megatron-LM's default; switched
@@ -478,6 +479,10 @@ class ParallelConfig:
             p.append(f"--num-virtual-stages-per-pipeline-rank={vs} and --num-layers-per-virtual-pipeline-stage="
                      f"{self.num_layers_per_virtual_pipeline_stage} are mutually exclusive")
         uneven = self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+        if self.pipeline_stage_layers and self.num_layers_per_virtual_pipeline_stage is not None:
+            p.append(f"--pipeline-stage-layers and --num-layers-per-virtual-pipeline-stage="
+                     f"{self.num_layers_per_virtual_pipeline_stage}: the first gives every virtual stage's layers; "
+                     "ask for the chunks with --num-virtual-stages-per-pipeline-rank")
         if self.pipeline_stage_layers and uneven:
             p.append("--pipeline-stage-layers and --decoder-first/last-pipeline-num-layers: give one (the first "
                      "places every stage, the others the first and last)")

@@ -244,7 +244,8 @@ def build_model_chunks(cfg: TrainConfig, topology: Topology, vocab_size: int,
     for c in range(v):
         block_spec = _block_spec(cfg, config, spec, c if v > 1 else None)
         if cfg.parallel.pipeline_stage_layers:
-            block_spec = parts_block_spec(config, block_spec, cfg.parallel.pipeline_stage_layers, s)
+            block_spec = parts_block_spec(config, block_spec, cfg.parallel.pipeline_stage_layers, c * p + s,
+                                          c if v > 1 else None)
         common = dict(
             config=config, transformer_layer_spec=block_spec,
             vocab_size=padded,

@@ -21,27 +21,29 @@ from trainer.schedule.stage_parts import LayerPart, stage_layers_problems, stage
 
 
 def stage_parts_layout(counts: Sequence[float], pp: int):
-    """megatron-core's layout object for ``counts`` layers per stage (--pipeline-stage-layers)."""
+    """megatron-core's layout object for ``counts`` layers per virtual stage (--pipeline-stage-layers:
+    chunk 0 of every stage, then chunk 1...; megatron-core's own order of a layout's rows)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
     class StagePartsLayout(PipelineParallelLayerLayout):
-        """One ``decoder`` entry per part of each stage; offsets by layer, not by part."""
+        """One ``decoder`` entry per part of each virtual stage; offsets by layer, not by part."""
 
         def __init__(self) -> None:
             self.counts = tuple(counts)
             self.parts = stage_parts(counts)
             self.offsets = stage_offsets(counts)
-            rows = [(["embedding"] if s == 0 else []) + ["decoder"] * len(self.parts[s])
-                    + (["loss"] if s == pp - 1 else []) for s in range(pp)]
+            last = len(counts) - 1
+            rows = [(["embedding"] if k == 0 else []) + ["decoder"] * len(self.parts[k])
+                    + (["loss"] if k == last else []) for k in range(len(counts))]
             super().__init__(rows, pp)
 
         def __repr__(self) -> str:
             return f"--pipeline-stage-layers {','.join(map(str, self.counts))}"
 
         def validate_layer_layout(self, num_layers: int, mtp_num_layers: int | None):
-            problems = stage_layers_problems(num_layers, pp, 1, self.counts)
+            problems = stage_layers_problems(num_layers, pp, self.virtual_pipeline_model_parallel_size, self.counts)
             if mtp_num_layers:
                 problems.append("--pipeline-stage-layers does not place multi-token-prediction layers")
             raise_if_any(problems, "no stage layout of these layers")
@@ -52,7 +54,7 @@ def stage_parts_layout(counts: Sequence[float], pp: int):
                 return super().get_layer_offset(layer_type=layer_type, vp_stage=vp_stage, pp_rank=pp_rank)
             if pp_rank is None:
                 pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-            return self.offsets[pp_rank]
+            return self.offsets[(vp_stage or 0) * pp + pp_rank]
 
     return StagePartsLayout()
 
@@ -72,9 +74,10 @@ def part_spec(layer_spec, part: LayerPart):
     return dataclasses.replace(layer_spec, submodules=sub)
 
 
-def parts_block_spec(config, spec, counts: Sequence[float], stage: int):
-    """The block spec of stage ``stage``: megatron's own block submodules for ``spec`` (a layer spec
-    or a block spec), each layer spec cut to its part.
+def parts_block_spec(config, spec, counts: Sequence[float], virtual_stage: int, vp_stage: int | None = None):
+    """The block spec of ``virtual_stage`` (chunk c of stage s is ``c * pp + s``): megatron's own block
+    submodules for ``spec`` (a layer spec or a block spec; ``vp_stage``: the chunk, as megatron asks
+    it), each layer spec cut to its part.
 
     It also answers ``.submodules`` with the whole layer's submodules: BertModel reads its attention
     spec there (the attention-mask layout, and under Transformer Engine it sets the mask type on it,
@@ -85,10 +88,10 @@ def parts_block_spec(config, spec, counts: Sequence[float], stage: int):
     class PartsBlockSubmodules(TransformerBlockSubmodules):
         submodules: object = None
 
-    block = _get_block_submodules(config, spec)
-    parts = stage_parts(counts)[stage]
+    block = _get_block_submodules(config, spec, vp_stage)
+    parts = stage_parts(counts)[virtual_stage]
     if len(block.layer_specs) != len(parts):
-        raise ValueError(f"stage {stage} of --pipeline-stage-layers {counts} has {len(parts)} parts, the block "
-                         f"spec {len(block.layer_specs)} layers")
+        raise ValueError(f"virtual stage {virtual_stage} of --pipeline-stage-layers {counts} has {len(parts)} parts, "
+                         f"the block spec {len(block.layer_specs)} layers")
     return PartsBlockSubmodules(layer_specs=[part_spec(s, p) for s, p in zip(block.layer_specs, parts, strict=True)],
                                 layer_norm=block.layer_norm, submodules=block.layer_specs[0].submodules)

@@ -61,19 +61,21 @@ def parse_stage_layers(text: str) -> tuple[float, ...]:
 
 
 def stage_layers_problems(num_layers: int, pp: int, vp: int, counts: Sequence[float]) -> list[str]:
-    """Every way ``counts`` (layers per stage, in halves) cannot lay out ``num_layers`` on ``pp``
-    stages of ``vp`` chunks; empty: it can."""
+    """Every way ``counts`` (layers per virtual stage, in halves) cannot lay out ``num_layers`` on ``pp``
+    stages of ``vp`` chunks; empty: it can. With ``vp`` > 1 there is one count per virtual stage, in
+    megatron-core's order: chunk 0 of every stage, then chunk 1..."""
     flag = f"{STAGE_LAYERS_FLAG} {'/'.join(map(_fmt, counts))}"
     p: list[str] = []
-    if len(counts) != pp:
-        p.append(f"{flag} gives {len(counts)} stages, --pipeline-model-parallel-size is {pp}")
+    if len(counts) != pp * vp:
+        wanted = (f"--pipeline-model-parallel-size is {pp}" if vp == 1 else
+                  f"{pp * vp} are needed: --pipeline-model-parallel-size {pp} x {vp} virtual stages per rank, "
+                  "chunk 0 of every stage first")
+        p.append(f"{flag} gives {len(counts)} stages, {wanted}")
     bad = [c for c in counts if not (math.isfinite(c) and c > 0 and float(2 * c).is_integer())]
     if bad:
         p.append(f"{flag}: every stage needs a positive whole or half number of layers (not {', '.join(map(_fmt, bad))})")
     elif sum(counts) != num_layers:
         p.append(f"{flag} places {_fmt(sum(counts))} layers, --num-layers is {num_layers}")
-    if vp > 1:
-        p.append(f"{flag} lays out one model chunk per stage; it cannot be combined with virtual stages ({vp} per rank)")
     return p
 
 
