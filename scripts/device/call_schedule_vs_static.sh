@@ -6,6 +6,8 @@
 # order, step vs the balanced limit).
 #   run(command="bash scripts/device/call_schedule_vs_static.sh a", kind="nvidia-h100-x4", carry=[".whl"])
 # Usage: bash scripts/device/call_schedule_vs_static.sh a|c|d [trainer.bench.pipeline flags, e.g. --resplit auto]
+# --resplit auto: a profiling round, the attention half's share measured on the GPU (trainer.measure.layer_halves),
+# and the lines on the split the fit recommends -- in half layers (--pipeline-stage-layers) where that is >= 2% faster.
 # CPU dry run of the same path: python -m trainer.bench.run schedule-vs-static --device cpu --scenarios a \
 #   --results /tmp/r --time-limit 900 -- --lines megatron-1f1b-best,1f1b-eager,dpp-zb
 set -u
