@@ -164,7 +164,9 @@ NO_DPP = {"gpt-pp2-no-dpp", "llama-pp2-no-dpp", "gpt-pp2-halves-no-dpp"}
 # DPP layout again under dpp-zb, and the static zb-h1 on the non-DPP path. Ids: "<layout>" for the
 # plain dpp policy (as before), "<layout>-<policy>" otherwise.
 # The slowest 4-rank split-backward cases run in the slow tier only.
-SLOW = {"gpt-pp2-vp2-dp2-overlap-dpp-zb", "gpt-pp2-tp2-sp-regather-dpp-zb", "gpt-pp2-vp2-dp2-overlap-param-gather-dpp-zb"}
+SLOW = {"gpt-pp2-vp2-dp2-overlap-dpp-zb", "gpt-pp2-tp2-sp-regather-dpp-zb", "gpt-pp2-vp2-dp2-overlap-param-gather-dpp-zb",
+        # half layers under split backward: GPT's three half-split layouts stay in the default tier
+        "llama-pp2-tp2-sp-halves-dpp-zb", "bert-pp2-halves-dpp-zb"}
 
 
 def _case(layout: str, policy: str, case_id: str):
