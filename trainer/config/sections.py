@@ -368,7 +368,7 @@ class ParallelConfig:
     any count per stage, where --decoder-first/last-pipeline-num-layers set only the first and last,
     and half layers: x.5 ends a stage after the attention of its last layer, and the next stage
     starts with that layer's MLP. Balances a pipeline whole layers cannot (docs/schedules.md). Both
-    megatron-core's schedules and --use-dpp run these stages; checkpoints keep megatron's layer keys,
+    megatron-core's schedules and --use-dpp build these stages; checkpoints keep megatron's layer keys,
     so a run may resume under another split. With --num-virtual-stages-per-pipeline-rank V: one count
     per virtual stage, chunk 0 of every stage first (megatron-core's order). Exclusive with
     --decoder-first/last-pipeline-num-layers."""
