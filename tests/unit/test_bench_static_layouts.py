@@ -229,3 +229,33 @@ def test_given_stage_layers_reach_the_v1_lines_and_bad_ones_are_refused(capsys) 
     err = capsys.readouterr().err
     assert "--pipeline-stage-layers and --split: give one" in err
     assert "--pipeline-stage-layers 2.5/2/2 gives 3 stages, --pipeline-model-parallel-size is 4" in err
+
+
+def test_the_attention_share_is_measured_once_per_model_and_falls_back_to_flops(monkeypatch) -> None:
+    """On CUDA the share comes from trainer.measure.layer_halves, one child process per model however
+    often the re-split and the report ask; a failed measurement falls back to FLOPs and says why."""
+    import json
+    import subprocess
+
+    from trainer.bench import lines
+
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append(command)
+        ok = "--hidden-size" in command and command[command.index("--hidden-size") + 1] == "64"
+        out = json.dumps({"attention_share": 0.684, "ms": {"attention": [0.6, 1.0], "mlp": [0.2, 0.5]}})
+        return subprocess.CompletedProcess(command, 0 if ok else 1, stdout=out if ok else "", stderr="no GPU here")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    lines._measured_share.cache_clear()
+    cfg = BenchConfig(device="cuda", hidden_size=64, num_attention_heads=4)
+    for _ in range(3):
+        share, how = lines.layer_attention_share(cfg)
+        assert share == 0.684 and how.startswith("measured on this GPU: attention half 1.600 ms"), how
+    assert len(calls) == 1 and calls[0][1:3] == ["-m", "trainer.measure.layer_halves"]
+    other = dataclasses.replace(cfg, hidden_size=32)
+    share, how = lines.layer_attention_share(other)
+    assert len(calls) == 2 and "by the model's FLOPs (its measurement failed (exit 1: no GPU here))" in how
+    assert 0 < share < 1
+    lines._measured_share.cache_clear()

@@ -9,6 +9,7 @@ direct-megatron line is listed as not run, with the reason.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -352,32 +353,39 @@ def common_args(cfg: BenchConfig) -> list[str]:
 def layer_attention_share(cfg: BenchConfig) -> tuple[float, str]:
     """The attention half's share of a layer's time, and where it comes from: --attention-share; else, on
     CUDA, measured on this GPU for the model every line trains (trainer.measure.layer_halves, a child
-    process: kernel times of its two halves); else, or where that fails, the model's FLOPs (hidden size,
-    heads, GQA, SwiGLU, MLP width), which misjudge memory-bound attention (the module says by how much)."""
+    process: kernel times of its two halves, once per model and process -- the re-split and the report
+    both ask); else, or where that fails, the model's FLOPs (hidden size, heads, GQA, SwiGLU, MLP width),
+    which misjudge memory-bound attention (the module says by how much)."""
     if cfg.attention_share > 0:
         return cfg.attention_share, "--attention-share"
     from trainer.config import parse_config
     from trainer.measure.flops import model_layer_attention_share
 
-    why = "not on CUDA"
-    if cfg.device == "cuda":
-        import json
-        import subprocess
-        import sys
+    args = tuple(common_args(cfg))
+    measured, why = _measured_share(args) if cfg.device == "cuda" else (None, "not on CUDA")
+    if measured is not None:
+        return measured, why
+    return model_layer_attention_share(parse_config(list(args), cfg.world_size).model), f"by the model's FLOPs ({why})"
 
-        command = [sys.executable, "-m", "trainer.measure.layer_halves", "--", *common_args(cfg)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode == 0:
-                measured = json.loads(done.stdout.strip().splitlines()[-1])
-                ms = measured["ms"]
-                return measured["attention_share"], (f"measured on this GPU: attention half {sum(ms['attention']):.3f} ms, "
-                                                     f"MLP half {sum(ms['mlp']):.3f} ms of kernels per microbatch")
-            why = f"its measurement failed (exit {done.returncode}: {done.stderr.strip()[-300:]})"
-        except (subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as err:
-            why = f"its measurement failed ({type(err).__name__}: {err})"
-    share = model_layer_attention_share(parse_config(common_args(cfg), cfg.world_size).model)
-    return share, f"by the model's FLOPs ({why})"
+
+@functools.cache
+def _measured_share(train_args: tuple[str, ...]) -> tuple[float | None, str]:
+    """(share, where from) measured by trainer.measure.layer_halves for these trainer flags, or (None, why not)."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "trainer.measure.layer_halves", "--", *train_args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            return None, f"its measurement failed (exit {done.returncode}: {done.stderr.strip()[-300:]})"
+        measured = json.loads(done.stdout.strip().splitlines()[-1])
+        ms = measured["ms"]
+        return measured["attention_share"], (f"measured on this GPU: attention half {sum(ms['attention']):.3f} ms, "
+                                             f"MLP half {sum(ms['mlp']):.3f} ms of kernels per microbatch")
+    except (subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as err:
+        return None, f"its measurement failed ({type(err).__name__}: {err})"
 
 
 def variable_length_args(cfg: BenchConfig) -> list[str]:

@@ -135,9 +135,9 @@ def _finer_split(balance: StageBalance, cfg: BenchConfig, source: str, fitted: s
         return None
     counts = finer.trainer_flags()[1]
     kind = "in half layers" if splits_inside_layers(finer.layers) else "in whole layers, beyond Megatron's flags"
-    reason = (f"the stage-balance fit's re-split of {'/'.join(map(str, balance.layers))} {kind} ({source}): slowest "
+    reason = (f"the stage-balance fit's re-split of {describe_counts(balance.layers)} {kind} ({source}): slowest "
               f"stage {finer.bottleneck:.1f} ms predicted against {whole.bottleneck:.1f} ms for the best split "
-              f"Megatron's first/last flags express ({'/'.join(map(str, whole.layers))}; "
+              f"Megatron's first/last flags express ({describe_counts(whole.layers)}; "
               f"{finer.bottleneck / whole.bottleneck - 1:+.0%}), the attention half taken as {share:.3f} of a "
               f"layer ({how}); the fit: {fitted}")
     return SplitChoice(1, None, reason, counts)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.problems import raise_if_any
-from trainer.schedule.stage_parts import STAGE_LAYERS_FLAG, half_bounds
+from trainer.schedule.stage_parts import STAGE_LAYERS_FLAG, half_bounds, layer_count
 from trainer.schedule.stage_parts import describe as describe_counts
 
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
@@ -185,9 +185,7 @@ class LayerCosts:
         if attention == mlp:
             return self.stage_cost(stage, num_stages, attention)
         share = _needs_share(self.attention_share)
-        extra = (self.embedding if stage == 0 else 0.0) + (self.head if stage == num_stages - 1 else 0.0)
-        speed = self.stage_speed[stage] if self.stage_speed else 1.0
-        return speed * ((attention * share + mlp * (1.0 - share)) * self.layer + extra)
+        return self.stage_cost(stage, num_stages, attention * share + mlp * (1.0 - share))
 
     def stage_costs(self, layers: Sequence[float]) -> list[float]:
         """Each stage's time for ``layers[s]`` layers on stage ``s`` (x.5: a boundary inside a layer)."""
@@ -310,7 +308,7 @@ class LayerSplit:
         them), else ``--pipeline-stage-layers`` with every stage's count."""
         if self.megatron:
             return self.flags()
-        return [STAGE_LAYERS_FLAG, describe_counts(self.layers).replace("/", ",")]
+        return [STAGE_LAYERS_FLAG, describe_counts(self.layers, ",")]
 
     def describe(self) -> str:
         layout = describe_counts(self.layers)
@@ -323,9 +321,8 @@ class LayerSplit:
 
 def split_of(costs: LayerCosts, layers: Sequence[float], num_chunks: int = 1) -> LayerSplit:
     """``layers`` as a :class:`LayerSplit` (its stage costs, and Megatron's flags if any)."""
-    layers = tuple(int(n) if float(n).is_integer() else n for n in layers)
-    whole = all(isinstance(n, int) for n in layers)
-    flags = _as_megatron(layers, costs.num_layers, len(layers), num_chunks) if whole else None
+    layers = tuple(map(layer_count, layers))
+    flags = _as_megatron(layers, costs.num_layers, len(layers), num_chunks)
     first, last = flags if flags else (None, None)
     return LayerSplit(layers, tuple(costs.stage_costs(layers)), first, last, megatron=flags is not None)
 
