@@ -68,6 +68,9 @@ def test_a_rank_killed_hard_ends_the_job_in_seconds_leaving_nothing(dataset, tmp
     took = time.monotonic() - killed
     text = log.read_text()
     assert took < ENDS_WITHIN_S, f"job {job_id} took {took:.1f} s to end after rank 1 was killed\n{text[-4000:]}"
+    # slurmdbd records the end a moment after squeue drops the job: wait for the accounting row to end too
+    wait_until(lambda: any(r.state in slurm.TERMINAL_STATES for r in slurm.query(job_ids=[job_id])), 60,
+               f"sacct to record job {job_id}'s end")
     records = slurm.query(job_ids=[job_id])
     assert records and records[0].state == "FAILED", records
     time.sleep(1)
