@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.checkpoints import assert_megatron_checkpoint
 from tests.corpus import GPT2_FILES
+from tests.dist.checkpoints import assert_megatron_checkpoint
 from tests.dist.launch import check_ok, launch
 from tests.model_flags import model_flags
+
 
 def _train(out: Path, data: str, iters: int, *extra: str) -> dict[int, float]:
     args = [*model_flags(hidden=64, seq=32, vocab=None, mock_data=False), "--data-path", data,

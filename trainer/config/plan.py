@@ -269,8 +269,12 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> RunPlan:
 
 def uses_megatron_schedule(cfg: TrainConfig) -> bool:
     """megatron-core's own schedule runs CUDA jobs without --use-dpp, except over gloo: its P2P cannot
-    send CUDA tensors through gloo, so ranks sharing a GPU run the runtime's static policy; CPU runs
-    too, because megatron's P2P communicator allocates on CUDA."""
+    send CUDA tensors through gloo, so ranks sharing a GPU run the runtime's static policy. CPU runs
+    too: there megatron-core's 1F1B computes right through the CPU shims (the dist tier calls it
+    directly), but its interleaved schedule does not -- with overlapped P2P (Megatron-LM's default) it
+    frees each sent output while gloo may still be reading it, and at PP=2 its batched sends to the one
+    peer in both directions are matched in order and swap -- while the runtime's static orders hold on
+    every layout."""
     par = cfg.parallel
     return not par.use_dpp and cfg.run.device == "cuda" and par.distributed_backend != "gloo"
 
@@ -343,10 +347,12 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
     if dpp_policy in STATIC_DPP_POLICIES:  # a static order asked for (zb-h1 also without --use-dpp)
         return SchedulePlan(RUNTIME, dpp_policy, reason=why, split_backward=dpp_policy in SPLIT_BACKWARD,
                             log_text=named, **common)
-    where = ("--device cpu" if cfg.run.device != "cuda" else
-             "--distributed-backend gloo (ranks may share a GPU)")
-    return SchedulePlan(RUNTIME, static, reason=f"without --use-dpp on {where}: megatron-core's P2P cannot run "
-                        f"there, so the runtime's static {static} policy stands in", log_text="1f1b policy", **common)
+    why_not = ("on --device cpu: megatron-core's interleaved P2P is not exact over gloo on CPU"
+               if cfg.run.device != "cuda" else
+               "over --distributed-backend gloo (ranks may share a GPU): megatron-core's P2P cannot send CUDA "
+               "tensors through gloo")
+    return SchedulePlan(RUNTIME, static, reason=f"without --use-dpp {why_not}, so the runtime's static {static} "
+                        "policy stands in", log_text="1f1b policy", **common)
 
 
 def held_cap_fits(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool:
@@ -420,7 +426,7 @@ def static_order_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         p.append("--dpp-policy=interleaved needs two or more model chunks per stage "
                  "(--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage)")
     o, tp = cfg.optim, cfg.parallel.tensor_model_parallel_size
-    # Without --use-dpp where megatron-core's P2P cannot run (CPU, gloo) the runtime's interleaved order
+    # Without --use-dpp where megatron-core's schedule does not run (CPU, gloo) the runtime's interleaved order
     # stands in for megatron-core's, with the same rule (its order cannot start otherwise).
     stand_in = (cfg.virtual_pipeline > 1 and not cfg.parallel.use_dpp and not uses_megatron_schedule(cfg)
                 and policy not in STATIC_DPP_POLICIES)
