@@ -37,7 +37,7 @@ def dry_run(tmp_path: Path, lines: str, scenarios: str) -> tuple[Path, str]:
 def assert_every_line_listed(text: str) -> None:
     """Scenario (b)'s flags are stated, and the lines that cannot run on CPU are listed, not dropped."""
     assert "`--variable-seq-lengths --mock-seq-len-dist lognormal:0.6 --seq-length-divisible-by 4`" in text
-    assert "direct-megatron**: megatron-core's schedules need CUDA" in text  # listed, not skipped silently
+    assert "direct-megatron**: trainer.bench.direct runs on CUDA only" in text  # listed, not skipped silently
     assert "CPU stand-in: our runtime's static 1f1b policy" in text
 
 

@@ -10,7 +10,7 @@ the loss all-reduce/broadcast, the LR scheduler, logging, checkpoint and preempt
 Each iteration ends with ``torch.cuda.synchronize()`` so the host time is the GPU's.
 
 It writes the same ``metrics_rank<R>.json`` as ``trainer.train --metrics-dir`` (losses only on the
-last stage). CUDA only: megatron-core's P2P allocates on the GPU.
+last stage). CUDA only: its times are what it is for, and it builds its microbatches on the GPU.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch = read_launch_env()
     cfg = parse_config(argv, launch.world_size)
     if cfg.run.device != "cuda" or cfg.model.model != "gpt":
-        print("trainer.bench.direct runs GPT on CUDA only (megatron-core's P2P allocates on the GPU)", file=sys.stderr)
+        print("trainer.bench.direct runs GPT on CUDA only", file=sys.stderr)
         return 1
     device = init_process_group(launch, "cuda")
     topo = build_topology(launch, cfg.parallel.tensor_model_parallel_size,

@@ -1,9 +1,9 @@
 """What the pipeline benchmark runs: one configuration, the lines (schedules) and scenarios over it.
 
 Every line is a separate run with the same model, data, optimizer, precision and iterations; all but
-``megatron-1f1b-default`` use the same balanced layer split (:func:`balanced_split`). On CPU
-megatron-core's schedules cannot run (its P2P allocates on CUDA), so the trainer runs our runtime's
-static ``1f1b`` / ``interleaved`` policies for the "megatron" lines: they are labelled so, and the
+``megatron-1f1b-default`` use the same balanced layer split (:func:`balanced_split`). On CPU the
+trainer runs jobs without --use-dpp on our runtime's static ``1f1b`` / ``interleaved`` policies
+(trainer.config.plan.uses_megatron_schedule says why), so those run for the "megatron" lines: they are labelled so, and the
 direct-megatron line is listed as not run, with the reason.
 """
 
@@ -469,8 +469,8 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
             label = what
             if cfg.device == "cpu" and name.startswith("megatron-"):
                 schedule = _schedule_of(args, cfg.world_size)  # what the trainer's plan runs instead (PP x TP x DP ranks)
-                label = f"CPU stand-in: our runtime's static {schedule.policy} policy (megatron-core's schedules " \
-                        "need CUDA); " + what.split(", ", 1)[-1]
+                label = f"CPU stand-in: our runtime's static {schedule.policy} policy (what the trainer runs on CPU " \
+                        "without --use-dpp, trainer.config.plan.uses_megatron_schedule); " + what.split(", ", 1)[-1]
             module = "trainer.bench.direct" if name == "direct-megatron" else "trainer.train"
             out.append(Line(name, scenario, label, module, args, split,
                             cfg.layout.label if cfg.layout is not None else "", cfg.world_size))
@@ -501,7 +501,7 @@ def _cannot_run(cfg: BenchConfig, name: str, flags: list[str], available_policie
     if name == "direct-megatron" and cfg.layout is not None and cfg.world_size != cfg.pipeline_parallel:
         return "trainer.bench.direct drives a pipeline only (TP = DP = 1); the layout's megatron line is megatron-1f1b-best"
     if name == "direct-megatron" and cfg.device != "cuda":
-        return "megatron-core's schedules need CUDA (its P2P allocates on the GPU); no CPU stand-in for this line"
+        return "trainer.bench.direct runs on CUDA only; no CPU stand-in for this line"
     if "--dpp-policy" in flags:
         policy = flags[flags.index("--dpp-policy") + 1]
         if policy not in available_policies:

@@ -10,8 +10,9 @@ for every line). Writes ``--report`` (markdown) and one timeline
 PNG per line beside it; ``--out`` keeps each line's metrics, logs and traces.
 
 GPU, the benchmark model gpt16-h2048 (4 GPUs): ``python -m trainer.bench.pipeline --out $OUT/bench --report
-$OUT/benchmarks.md``. CPU dry run: ``--device cpu --num-layers 4 --hidden-size 32 ...`` (megatron-core's
-schedules need CUDA, so there the "megatron" lines run our runtime's static policies, labelled so).
+$OUT/benchmarks.md``. CPU dry run: ``--device cpu --num-layers 4 --hidden-size 32 ...`` (the trainer
+runs CPU jobs without --use-dpp on our runtime's static policies, so there the "megatron" lines run those,
+labelled so).
 Named experiments with dated result files: ``python -m trainer.bench.run NAME`` (trainer/bench/experiments.py).
 Exit status: 0 when every planned line ran, 1 when some failed (the report says which), 2 bad flags.
 """
