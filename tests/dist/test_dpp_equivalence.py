@@ -41,9 +41,12 @@ MODELS = {"gpt": ["--model", "gpt", "--num-layers", "8"], "bert": ["--model", "b
           "llama": ["--model", "gpt", "--num-layers", "4", *LLAMA]}
 
 
-def _run(out: Path, world: int, args: list[str], harness: list[str]) -> None:
-    check_ok(launch(["tests.dist.train_harness", "--out", str(out), "--dump-grads", str(ITERS), *harness,
-                     "--", *args], world, timeout_s=420))
+def _run(out: Path, world: int, args: list[str], harness: list[str]) -> str:
+    """Rank 0's output."""
+    results = launch(["tests.dist.train_harness", "--out", str(out), "--dump-grads", str(ITERS), *harness,
+                      "--", *args], world, timeout_s=420)
+    check_ok(results)
+    return results[0].output
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +215,9 @@ def varlen_references(tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
-# megatron-core's own schedules -- what a CUDA run without --use-dpp runs -- on CPU over gloo, called
-# in place of the runtime (harness --megatron-schedule; the CPU shims of trainer/megatron/compat.py move
-# its P2P buffers to the CPU): the bench's megatron lines get the same half-layer chunks as DPP's.
+# megatron-core's own schedules -- what a CUDA run without --use-dpp runs -- on CPU over gloo, planned
+# as on CUDA (harness --megatron-schedule; the CPU shims of trainer/megatron/compat.py move its P2P
+# buffers to the CPU): the bench's megatron lines get the same half-layer chunks as DPP's.
 # Interleaved only without overlapped P2P and at PP > 2, where it is exact over gloo on CPU (why the
 # others are not: trainer/config/plan.py uses_megatron_schedule; both were seen here as wrong losses).
 MEGATRON_SCHEDULE = [pytest.param("gpt-pp2-halves-no-dpp", [], id="gpt-pp2-halves-1f1b"),
@@ -222,7 +225,10 @@ MEGATRON_SCHEDULE = [pytest.param("gpt-pp2-halves-no-dpp", [], id="gpt-pp2-halve
                      pytest.param("gpt-pp4-vp2-halves", ["--no-overlap-p2p-communication"], id="gpt-pp4-vp2-halves-interleaved"),
                      pytest.param("gpt-pp4-halves", [], id="gpt-pp4-halves-1f1b", marks=pytest.mark.slow),
                      pytest.param("bert-pp2-halves", [], id="bert-pp2-halves-1f1b", marks=pytest.mark.slow),
-                     pytest.param("gpt-pp2-uneven", [], id="gpt-pp2-uneven-1f1b", marks=pytest.mark.slow)]
+                     pytest.param("gpt-pp2-uneven", [], id="gpt-pp2-uneven-1f1b", marks=pytest.mark.slow),
+                     # its overlapped DP reduction (Megatron-LM's --align-grad-reduce: the plan's grad_sync_func)
+                     pytest.param("gpt-pp2-dp2-overlap-distopt", [], id="gpt-pp2-dp2-overlap-distopt-1f1b"),
+                     pytest.param("gpt-pp2-dp2-overlap", [], id="gpt-pp2-dp2-overlap-1f1b", marks=pytest.mark.slow)]
 
 
 @pytest.mark.timeout(900)
@@ -230,8 +236,7 @@ MEGATRON_SCHEDULE = [pytest.param("gpt-pp2-halves-no-dpp", [], id="gpt-pp2-halve
 def test_megatron_core_schedule_matches_single_process_reference(layout: str, extra: list[str], references,
                                                                  tmp_path: Path) -> None:
     model, _, flags = LAYOUTS[layout]
-    _check_layout(layout, references[model], TINY + MODELS[model] + flags + extra, tmp_path,
-                  harness=["--megatron-schedule"])
+    _check_layout(layout, references[model], TINY + MODELS[model] + flags + extra, tmp_path, megatron=True)
 
 
 @pytest.mark.timeout(900)
@@ -285,20 +290,37 @@ def test_dpp_zb_matches_the_reference_while_gradients_are_in_transit(layout: str
             assert counts == {"looks": 0, "not_landed": 0}, (rank, counts)
 
 
-def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path, harness: list[str] = ()) -> None:
-    """Run ``layout`` with ``args`` from the reference's weights; losses and gradients must match it."""
+def _check_overlapped(tmp_path: Path, world: int, megatron: bool) -> None:
+    """Every bucket group's reduction was under way before finalize_model_grads."""
+    for rank in range(world):
+        counts = json.loads((tmp_path / f"reductions_rank{rank}.json").read_text())
+        if megatron:  # megatron-core's DDP may start them at the finish in the first step, by design: it
+            # learns there how many gradients each parameter gets per step (its schedule's grad_sync_func
+            # starts the last stage's earlier)
+            groups, rest = divmod(counts["started_at_finish"] + counts["started_before"], ITERS)
+            assert rest == 0 and groups > 0 and counts["started_at_finish"] <= groups, (rank, counts)
+        else:
+            assert counts["started_at_finish"] == 0 and counts["started_before"] >= ITERS, (rank, counts)
+
+
+def _check_layout(layout: str, ref: Path, args: list[str], tmp_path: Path, harness: list[str] = (),
+                  megatron: bool = False) -> None:
+    """Run ``layout`` with ``args`` from the reference's weights; losses and gradients must match it.
+    ``megatron``: under megatron-core's own schedule (harness --megatron-schedule)."""
     world = LAYOUTS[layout][1]
+    if megatron:
+        harness = [*harness, "--megatron-schedule"]
     overlapped = layout in OVERLAPPED
     if overlapped:
         harness = [*harness, "--count-reductions"]
     gathered = layout in PARAM_GATHERED
     if gathered:
         harness = [*harness, "--count-param-gathers"]
-    _run(tmp_path, world, args, ["--load-init", str(ref / "init.pt"), *harness])
-    if overlapped:  # every bucket group's reduction was under way before finalize_model_grads
-        for rank in range(world):
-            counts = json.loads((tmp_path / f"reductions_rank{rank}.json").read_text())
-            assert counts["started_at_finish"] == 0 and counts["started_before"] >= ITERS, (rank, counts)
+    output = _run(tmp_path, world, args, ["--load-init", str(ref / "init.pt"), *harness])
+    if megatron:  # the run's first line names the engine the plan chose
+        assert "| schedule megatron-core |" in output, output[-3000:]
+    if overlapped:
+        _check_overlapped(tmp_path, world, megatron)
     if gathered:  # each chunk's first forward after steps 1 and 2 found its gathers started and done
         chunks = PARAM_GATHERED[layout]
         for rank in range(world):

@@ -17,9 +17,10 @@ single-process reference:
   loss / M, backward), i.e. what megatron's forward_backward_no_pipelining does, without our runtime;
   with Megatron's 3-tuple loss and calculate_per_token_loss (``--variable-seq-lengths``), the summed
   loss and a 1 / total-tokens gradient scaling in finalize_model_grads, as megatron does.
-* ``--megatron-schedule``: replace the schedule by megatron-core's own (``get_forward_backward_func()``:
-  1F1B, or interleaved 1F1B with virtual stages), which a CUDA run without ``--use-dpp`` runs; on CPU
-  the plan's engine is the runtime (trainer/config/plan.py ``uses_megatron_schedule`` says why).
+* ``--megatron-schedule``: plan a run without ``--use-dpp`` as on CUDA, with megatron-core's own schedule
+  as the engine (``get_forward_backward_func()``: 1F1B, or interleaved 1F1B with virtual stages; its
+  DDP hooks and, with ``--overlap-grad-reduce``, its ``grad_sync_func``), where the CPU plan would run
+  the runtime's static orders (trainer/config/plan.py ``uses_megatron_schedule`` says why).
 * ``--landing-delay N``: stand-in for GPU payloads still in flight (CPU has none): the links answer
   "not landed yet" to the first N looks at each message of an odd microbatch (``StageLinks.landed``,
   a scheduling hint dpp-zb reads); even microbatches' messages land at the first look, so both
@@ -103,14 +104,6 @@ def sequential_reference(*, forward_step_func, data_iterator, model, num_microba
     if not forward_only:
         config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
     return losses
-
-
-def megatron_schedule(**kwargs):
-    """megatron-core's own pipeline schedule (1F1B, or interleaved with virtual stages), looked up at the
-    first step, once its process groups exist."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()(**kwargs)
 
 
 def delay_landing(looks: int, counts: dict[str, int]) -> None:
@@ -277,8 +270,7 @@ def build_hooks(args: argparse.Namespace) -> TrainHooks:
             (out / f"reductions_rank{rank}.json").write_text(json.dumps(reductions))
 
     hooks = TrainHooks(after_build=after_build, after_backward=after_backward, after_step=after_step,
-                       forward_backward_func=sequential_reference if args.reference
-                       else megatron_schedule if args.megatron_schedule else None)
+                       forward_backward_func=sequential_reference if args.reference else None)
     return ParamGatherProbe().around(hooks, out / f"param_gathers_rank{rank}.json") if args.count_param_gathers \
         else hooks
 
@@ -298,6 +290,10 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--started-seconds-ago", type=float, default=0.0)
     args = parser.parse_args(argv[:split])
     trainer.train._PROCESS_START -= args.started_seconds_ago
+    if args.megatron_schedule:
+        from trainer.config import plan
+
+        plan.uses_megatron_schedule = lambda cfg: not cfg.parallel.use_dpp
     return main(argv[split + 1:], build_hooks(args))
 
 
