@@ -203,6 +203,30 @@ def test_resplit_runs_a_short_round_and_takes_the_fits_split() -> None:
     assert kept.split is None and "recommends no re-split" in choices[0].reason
 
 
+def test_resplit_gives_the_v2_lines_a_count_per_virtual_stage() -> None:
+    """With whole layers megatron-core gives both chunks of a stage the same count: the v=2 lines' best
+    split keeps the head on the last stage. The fit of their round places half layers per virtual stage."""
+    cfg = BenchConfig(device="cpu", num_layers=16, pipeline_parallel=4, num_microbatches=8, train_iters=10)
+
+    def run(line: Line, short: BenchConfig) -> LineResult:
+        result = _line(line.name, 100.0, None)
+        # 4/4/4/4 measured 105/100/100/150 ms: layer 25, embedding 5, head 50 ms
+        result.busy_rows, result.layers_per_stage = [[105.0, 100.0, 100.0, 150.0]] * 4, [4, 4, 4, 4]
+        return result
+
+    chosen, [choice] = choose_splits(cfg, ["megatron-interleaved-v2", "dpp-v2"], DPP_POLICIES, run)
+    assert choice.vp == 2 and chosen.split_vp is None and not chosen.pipeline_stage_layers
+    assert chosen.pipeline_stage_layers_vp == choice.stage_layers == "2,2,2,2,2.5,2.5,2.5,0.5"
+    assert "half layers per virtual stage" in choice.note() and "116.0 ms predicted against 150.0 ms" in choice.note()
+    lines = plan(chosen, ["megatron-interleaved-v2", "dpp-v2", "dpp"], ["a"], DPP_POLICIES)
+    assert [ln.args[ln.args.index("--pipeline-stage-layers") + 1] if "--pipeline-stage-layers" in ln.args else None
+            for ln in lines] == ["2,2,2,2,2.5,2.5,2.5,0.5"] * 2 + [None]  # the v=1 line keeps its split
+    assert parse_config(lines[1].args, world_size=4).parallel.pipeline_stage_layers == (2, 2, 2, 2, 2.5, 2.5, 2.5, 0.5)
+    kept, [choice] = choose_splits(dataclasses.replace(cfg, pipeline_stage_layers_vp="2,2,2,2,2,2,2,2"), ["dpp-v2"],
+                                   DPP_POLICIES, run)
+    assert kept.pipeline_stage_layers_vp == "2,2,2,2,2,2,2,2" and "given (--pipeline-stage-layers-vp)" in choice.note()
+
+
 def test_the_v2_parity_line_recomputes_enough_slots_to_match_the_interleaved_orders_memory() -> None:
     from trainer.bench.lines import parity_recompute_slots
 
@@ -229,6 +253,15 @@ def test_given_stage_layers_reach_the_v1_lines_and_bad_ones_are_refused(capsys) 
     err = capsys.readouterr().err
     assert "--pipeline-stage-layers and --split: give one" in err
     assert "--pipeline-stage-layers 2.5/2/2 gives 3 stages, --pipeline-model-parallel-size is 4" in err
+    # the v=2 lines' own: one count per virtual stage
+    assert pipeline_main([*tiny, "--pipeline-stage-layers-vp", "1.5,1,1,0.5,1,1,1,1", "--dry-plan"]) == 0
+    planned = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": python -m " in line)
+    assert "--pipeline-stage-layers 1.5,1,1,0.5,1,1,1,1" in planned["a-dpp-v2"]
+    assert "--pipeline-stage-layers" not in planned["a-dpp"]
+    assert pipeline_main([*tiny, "--pipeline-stage-layers-vp", "2.5,2,2,1.5", "--split-vp", "2,2", "--dry-plan"]) == 2
+    err = capsys.readouterr().err
+    assert "--pipeline-stage-layers-vp and --split-vp: give one" in err
+    assert "gives 4 stages, 8 are needed: --pipeline-model-parallel-size 4 x 2 virtual stages per rank" in err
 
 
 def test_the_attention_share_is_measured_once_per_model_and_falls_back_to_flops(monkeypatch) -> None:

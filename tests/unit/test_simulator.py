@@ -490,6 +490,15 @@ def test_stage_ops_and_cli_layer_ops(capsys):
     assert table.durations[Op.I][1][0] == [5.0] * 3 and table.durations[Op.B][0][0] == [5.0] * 3
     with pytest.raises(ValueError, match="stage_ops=.*not three finite numbers"):
         CostModel(stage_ops=((1.0, 0.0, 1.0),))
+    # One entry per virtual stage (model order: chunk c of stage s at c * p + s), each its chunk's own times;
+    # a one-chunk schedule (the 1F1B baseline) runs a stage's chunks summed.
+    chunks = CostModel(stage_ops=((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), (3.0, 3.0, 3.0), (4.0, 4.0, 4.0)))
+    table = chunks.draw(PipelineShape(2, 3, 2), np.random.default_rng(0))
+    assert [[table.durations[Op.F][s][c][0] for c in range(2)] for s in range(2)] == [[1.0, 3.0], [2.0, 4.0]]
+    one = chunks.draw(PipelineShape(2, 3), np.random.default_rng(0))
+    assert [one.durations[Op.W][s][0][0] for s in range(2)] == [4.0, 6.0]
+    with pytest.raises(ValueError, match="stage_ops has 4 entries, need one per stage .* or one per virtual stage"):
+        chunks.draw(PipelineShape(2, 3, 3), np.random.default_rng(0))
     args = ["--pp", "4", "--vp", "1", "--microbatches", "32", "--schedules", "1f1b,dpp-zb", "--layers", "16",
             "--layer-ops", "0.731:1.081:0.555", "--embedding-ops", "0.166:0:0.331", "--head-ops", "1.276:1.276:1.276"]
     assert simulate_main([*args, "--split", "5,4,4,3", "--resplit"]) == 0

@@ -247,6 +247,10 @@ class BenchConfig:
     pipeline_stage_layers: str = ""
     """Layers of every stage for v=1 lines, the trainer's --pipeline-stage-layers (e.g. 4.5,4.5,4.5,2.5: x.5
     = a stage boundary between a layer's attention and its MLP); replaces --split; v=2 lines keep theirs."""
+    pipeline_stage_layers_vp: str = ""
+    """Layers of every virtual stage for v=2 lines (2 x PP counts, model order: chunk 0 of every stage
+    first), the trainer's --pipeline-stage-layers with --num-virtual-stages-per-pipeline-rank 2; replaces
+    --split-vp."""
     attention_share: float = 0.0
     """The attention half's share of a layer's time, for --resplit auto's split in half layers; 0: by the
     model's FLOPs (trainer.measure.flops; 0.36 for gpt16-h2048)."""
@@ -445,7 +449,7 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
                 out.append(NotRun(name, scenario, reason, cfg.layout.label if cfg.layout is not None else ""))
                 continue
             split = _split_for(cfg, vp) if balanced else None
-            stage_layers = cfg.pipeline_stage_layers if balanced and vp == 1 else ""
+            stage_layers = (cfg.pipeline_stage_layers if vp == 1 else cfg.pipeline_stage_layers_vp) if balanced else ""
             if stage_layers:  # every stage's count given: Megatron's first/last flags would contradict it
                 split = None
             args = common_args(cfg) + flags

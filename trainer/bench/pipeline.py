@@ -150,17 +150,21 @@ def _stage_layers_problems(args: argparse.Namespace, layouts: list[Layout]) -> l
     from trainer.schedule.stage_parts import parse_stage_layers, stage_layers_problems
 
     p: list[str] = []
-    if not args.pipeline_stage_layers:
-        return p
-    if args.split is not None:
-        p.append("--pipeline-stage-layers and --split: give one (the first places every stage of the v=1 lines)")
-    try:
-        counts = parse_stage_layers(args.pipeline_stage_layers)
-    except ValueError as err:
-        return [*p, str(err)]
     sizes = {lay.pipeline_parallel for lay in layouts if not lay.model} if layouts else {args.pipeline_parallel}
-    for pp in sorted(sizes):
-        p += stage_layers_problems(args.num_layers, pp, 1, counts)
+    for text, split, vp, suffix in ((args.pipeline_stage_layers, args.split, 1, ""),
+                                    (args.pipeline_stage_layers_vp, args.split_vp, 2, "-vp")):
+        if not text:
+            continue
+        if split is not None:
+            p.append(f"--pipeline-stage-layers{suffix} and --split{suffix}: give one (the first places every "
+                     f"{'virtual ' if vp > 1 else ''}stage of the v={vp} lines)")
+        try:
+            counts = parse_stage_layers(text)
+        except ValueError as err:
+            p.append(str(err))
+            continue
+        for pp in sorted(sizes):
+            p += stage_layers_problems(args.num_layers, pp, vp, counts)
     return p
 
 
@@ -207,7 +211,8 @@ def _layout_configs(args: argparse.Namespace) -> list[BenchConfig]:
     layouts = parse_layouts(args.layouts)[0]
 
     def model_of(lay: Layout) -> dict[str, object]:
-        return ({**MODELS[lay.model].bench_fields(), "split": None, "split_vp": None, "pipeline_stage_layers": ""}
+        return ({**MODELS[lay.model].bench_fields(), "split": None, "split_vp": None, "pipeline_stage_layers": "",
+                 "pipeline_stage_layers_vp": ""}
                 if lay.model else {})
 
     return [dataclasses.replace(base, pipeline_parallel=lay.pipeline_parallel, layout=lay, **model_of(lay))

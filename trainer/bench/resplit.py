@@ -7,11 +7,13 @@ busy (host spans on CPU) is fitted, and where the fit recommends a re-split ever
 count runs on it. The report says, per chunk count, which split the lines ran and why (the fit's
 figures, or why the split stayed).
 
-The v=1 lines may also run a split in half layers (``--pipeline-stage-layers``, a stage boundary between a
+The lines may also run a split in half layers (``--pipeline-stage-layers``, a stage boundary between a
 layer's attention and its MLP; trainer/schedule/half_split.py): where the fit's model, with the attention
-half's share of a layer from the model's FLOPs (or ``--attention-share``), puts that split's slowest stage
-at least :data:`~trainer.schedule.stage_balance.MIN_GAIN` below the best split Megatron's first/last flags
-express. v=2 lines keep whole layers (the trainer lays out half layers with one chunk per stage only).
+half's share of a layer measured on the GPU (else from the model's FLOPs, or ``--attention-share``), puts
+that split's slowest stage at least :data:`~trainer.schedule.stage_balance.MIN_GAIN` below the best split
+Megatron's first/last flags express. v=1 lines get one count per stage, v=2 lines one per virtual stage
+(``balanced_chunk_split``: with whole layers megatron-core gives both chunks of a stage the same count, so
+the last stage keeps the head on top of its share).
 """
 
 from __future__ import annotations
@@ -74,9 +76,10 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
         candidates = profiling_lines(names, vp)
         field = "split" if vp == 1 else "split_vp"
         given = getattr(cfg, field)
-        if vp == 1 and cfg.pipeline_stage_layers:
-            choices.append(SplitChoice(vp, None, "given (--pipeline-stage-layers); no profiling round",
-                                       cfg.pipeline_stage_layers))
+        given_layers = cfg.pipeline_stage_layers if vp == 1 else cfg.pipeline_stage_layers_vp
+        if given_layers:
+            flag = "--pipeline-stage-layers" + ("" if vp == 1 else "-vp")
+            choices.append(SplitChoice(vp, None, f"given ({flag}); no profiling round", given_layers))
             continue
         if given is not None:
             choices.append(SplitChoice(vp, given, f"given (--{field.replace('_', '-')}); no profiling round"))
@@ -103,9 +106,10 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
             continue
         fitted = describe(balance).removeprefix("stage balance: ").replace("\n  ", "; ")
         source = f"profiling round of {name}, {short.train_iters} iterations, busy from {result.busy_source}"
-        finer = _finer_split(balance, cfg, source, fitted) if vp == 1 else None
+        finer = _finer_split(balance, cfg, source, fitted, vp)
         if finer is not None:
-            cfg = dataclasses.replace(cfg, pipeline_stage_layers=finer.stage_layers)
+            cfg = dataclasses.replace(cfg, **{"pipeline_stage_layers" if vp == 1 else "pipeline_stage_layers_vp":
+                                              finer.stage_layers})
             choices.append(finer)
         elif balance.recommend:
             layers = balance.best.layers
@@ -118,26 +122,34 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
     return cfg, choices
 
 
-def _finer_split(balance: StageBalance, cfg: BenchConfig, source: str, fitted: str) -> SplitChoice | None:
-    """The v=1 lines' split in half layers (or in whole layers Megatron's flags cannot lay out) where the fit
-    predicts its slowest stage at least MIN_GAIN below both the best Megatron split's and the run's; else None."""
-    from trainer.schedule.half_split import balanced_half_split
+def _finer_split(balance: StageBalance, cfg: BenchConfig, source: str, fitted: str, vp: int) -> SplitChoice | None:
+    """The lines' split in half layers -- per stage at v=1 (or in whole layers Megatron's flags cannot lay
+    out), per virtual stage at v > 1 -- where the fit predicts its slowest stage at least MIN_GAIN below both
+    the best Megatron split's and the run's; else None."""
+    from trainer.schedule.half_split import balanced_chunk_split, balanced_half_split
     from trainer.schedule.stage_balance import MIN_GAIN
     from trainer.schedule.stage_parts import splits_inside_layers
 
     if not balance.persistent:  # the stages measured alike: a finer split would chase noise
         return None
     share, how = layer_attention_share(cfg)
-    finer = balanced_half_split(dataclasses.replace(balance.costs, attention_share=share), len(balance.layers))
+    costs = dataclasses.replace(balance.costs, attention_share=share)
+    if vp == 1:
+        finer = balanced_half_split(costs, len(balance.layers))
+        if finer.megatron:
+            return None
+    else:
+        finer = balanced_chunk_split(costs, len(balance.layers), vp)
     whole = balance.best
     bar = min(whole.bottleneck, balance.current.bottleneck) * (1 - MIN_GAIN)
-    if finer.megatron or finer.bottleneck > bar:
+    if finer.bottleneck > bar:
         return None
     counts = finer.trainer_flags()[1]
-    kind = "in half layers" if splits_inside_layers(finer.layers) else "in whole layers, beyond Megatron's flags"
+    kind = ("in half layers per virtual stage" if vp > 1 else "in half layers" if splits_inside_layers(finer.layers)
+            else "in whole layers, beyond Megatron's flags")
     reason = (f"the stage-balance fit's re-split of {describe_counts(balance.layers)} {kind} ({source}): slowest "
               f"stage {finer.bottleneck:.1f} ms predicted against {whole.bottleneck:.1f} ms for the best split "
               f"Megatron's first/last flags express ({describe_counts(whole.layers)}; "
               f"{finer.bottleneck / whole.bottleneck - 1:+.0%}), the attention half taken as {share:.3f} of a "
               f"layer ({how}); the fit: {fitted}")
-    return SplitChoice(1, None, reason, counts)
+    return SplitChoice(vp, None, reason, counts)

@@ -66,10 +66,13 @@ class CostModel:
     """Cost multiplier of each stage (one entry per stage; empty: all 1). E.g. the per-stage work
     of a layer split with the head's extra work (``trainer.schedule.layers.stage_costs``)."""
     stage_ops: tuple[tuple[float, float, float], ...] = ()
-    """(F, I, W) of one microbatch on each stage (one entry per stage; empty: ``forward``,
-    ``input_grad``, ``weight_grad`` everywhere): measured op times, e.g. per layer, embedding and
-    head times summed over a split (``trainer.schedule.layers.LayerOps``). ``stage_scale`` still
-    multiplies them."""
+    """(F, I, W) of one microbatch on each stage (one entry per stage, its chunks taking 1/v each;
+    empty: ``forward``, ``input_grad``, ``weight_grad`` everywhere): measured op times, e.g. per
+    layer, embedding and head times summed over a split (``trainer.schedule.layers.LayerOps``). Or
+    one entry per virtual stage (p x v, model order: chunk c of stage s at c * p + s), each that
+    chunk's own times: where a stage's chunks differ (the embedding in chunk 0 of stage 0, the head
+    in the last chunk of the last stage, a split per virtual stage); a one-chunk schedule runs each
+    stage's entries summed. ``stage_scale`` still multiplies them."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -112,6 +115,18 @@ class CostModel:
                 and (self.stall_probability == 0 or self.stall_duration == 0)
                 and len(set(self.stage_scale)) <= 1 and len(set(self.stage_ops)) <= 1)
 
+    def _chunk_nominal(self, p: int, v: int) -> list[np.ndarray]:
+        """F, I, W of one microbatch on each chunk, each shaped [stage][chunk][1]."""
+        given = len(self.stage_ops) // p if self.stage_ops else 0
+        if given > 1:  # per virtual stage, model order
+            per = np.asarray(self.stage_ops, dtype=float).reshape(given, p, 3)  # [chunk][stage][op]
+            if v == 1:  # a one-chunk schedule (e.g. the 1F1B baseline) runs a stage's chunks as one
+                per = per.sum(axis=0, keepdims=True)
+            return [per[:, :, k].T[:, :, None] for k in range(3)]
+        nominal = (list(zip(*self.stage_ops, strict=True)) if self.stage_ops
+                   else (self.forward, self.input_grad, self.weight_grad))
+        return [np.asarray(x, dtype=float).reshape(-1, 1, 1) / v * np.ones((1, v, 1)) for x in nominal]
+
     def draw(self, shape: PipelineShape, rng: np.random.Generator) -> CostTable:
         """One random realisation of every op's duration for ``shape``."""
         p, v, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
@@ -123,9 +138,10 @@ class CostModel:
         if self.stage_scale and len(self.stage_scale) != p:
             raise ValueError(f"stage_scale has {len(self.stage_scale)} entries, need one per stage:"
                              f" num_stages={p}")
-        if self.stage_ops and len(self.stage_ops) != p:
-            raise ValueError(f"stage_ops has {len(self.stage_ops)} entries, need one per stage:"
-                             f" num_stages={p}")
+        entries = len(self.stage_ops)
+        if entries and not (entries in (p, p * v) or (v == 1 and entries % p == 0)):
+            raise ValueError(f"stage_ops has {len(self.stage_ops)} entries, need one per stage (num_stages={p})"
+                             f" or one per virtual stage ({p * v})")
         scale = np.ones((p, v, m))
         microbatch_cost = np.ones(m)
         if self.seq_len_sigma > 0:
@@ -139,15 +155,13 @@ class CostModel:
             scale[self.straggler_stage] *= self.straggler_factor
         jitter_sigma = math.sqrt(math.log1p(self.jitter**2))  # log-normal sigma giving that CV
 
-        def op_times(nominal) -> np.ndarray:
-            times = scale * (np.asarray(nominal, dtype=float).reshape(-1, 1, 1) / v)
+        def op_times(per_chunk: np.ndarray) -> np.ndarray:
+            times = scale * per_chunk
             if self.jitter > 0:
                 times = times * _mean_one_lognormal(rng, jitter_sigma, times.shape)
             return times
 
-        nominal = (list(zip(*self.stage_ops, strict=True)) if self.stage_ops
-                   else (self.forward, self.input_grad, self.weight_grad))
-        forward, input_grad, weight_grad = (op_times(x) for x in nominal)
+        forward, input_grad, weight_grad = (op_times(x) for x in self._chunk_nominal(p, v))
         if self.stall_probability > 0 and self.stall_duration > 0:
             # Drawn last, so turning stalls on leaves every other draw of a seed as it was.
             # Per chunk op 1/v of the chance: a stage meets as many stalls whatever v is.

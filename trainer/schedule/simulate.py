@@ -30,7 +30,13 @@ from trainer.problems import problems_text
 from trainer.schedule.compare import ScheduleSpec, Simulator, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
 from trainer.schedule.dynamic import CAP_BASES, CHUNK_ORDERS, MICROBATCH_ORDERS, PRIORITIES, WEIGHT_ORDERS
-from trainer.schedule.half_split import balanced_half_split
+from trainer.schedule.half_split import (
+    ChunkSplit,
+    balanced_chunk_split,
+    balanced_half_split,
+    chunk_split_of,
+    chunks_of_stages,
+)
 from trainer.schedule.host_ahead import simulate_host_ahead
 from trainer.schedule.layers import LayerCosts, LayerOps, LayerSplit, balanced_split, split_of
 from trainer.schedule.registry import DYNAMIC_SCHEDULES, POLICY_NAMES
@@ -87,7 +93,8 @@ def _parser() -> OneLineParser:
         help="with --layer-ops: the last stage's extra F:I:W (output head and loss; default 0:0:0)")
     add("--split", default=None,
         help="with --layers: layers per stage, e.g. 5,4,4,3 (default even); x.5 = a stage boundary between a"
-        " layer's attention and its MLP, e.g. 4.5/4/4/3.5 (the trainer's --pipeline-stage-layers)")
+        " layer's attention and its MLP, e.g. 4.5/4/4/3.5 (the trainer's --pipeline-stage-layers); with --vp V"
+        " and --layer-ops also one count per virtual stage, model order (chunk 0 of every stage first)")
     add("--attention-share", default=None,
         help="with --layers: the attention half's share of a layer (input norm, attention, residual add; the MLP"
         " half has the rest), one number or F:I:W per op; what half layers in --split and --resplit cost"
@@ -95,7 +102,8 @@ def _parser() -> OneLineParser:
         + ":".join(f"{x:.3f}" for x in DEFAULT_ATTENTION_SHARE) + ")")
     add("--resplit", action="store_true",
         help="with --layers: print the balanced split (and Megatron-LM's flags for it) and simulate it too; also"
-        " the balanced split in half layers (--pipeline-stage-layers) where its slowest stage is faster")
+        " the balanced split in half layers (--pipeline-stage-layers) where its slowest stage is faster (with"
+        " --vp V > 1 and --layer-ops: one count per virtual stage)")
     add("--forward", type=float, default=1.0, help="forward cost of one stage (default 1)")
     add("--input-grad", type=float, default=1.0, help="input-gradient (I) cost of one stage (default 1)")
     add("--weight-grad", type=float, default=1.0,
@@ -252,8 +260,14 @@ def _attention_share(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 def _stage_ops(args: argparse.Namespace, parser: argparse.ArgumentParser,
                layers: tuple[float, ...] | None) -> tuple[tuple[float, float, float], ...]:
+    """Measured op times of each stage, or with --vp V > 1 of each virtual stage (model order): the
+    embedding in chunk 0 of stage 0, the head in the last chunk of the last stage."""
     ops = _layer_ops(args, parser)
-    return ops.stage_ops(layers) if ops is not None and layers is not None else ()
+    if ops is None or layers is None:
+        return ()
+    if args.vp > 1 and len(layers) == args.pp:  # a stage's chunks alike, as megatron-core lays out layers
+        layers = chunks_of_stages(layers, args.vp)
+    return ops.stage_ops(layers)
 
 
 def _layer_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LayerCosts:
@@ -285,10 +299,13 @@ def _initial_split(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             layers = parse_stage_layers(args.split)
         except ValueError:
             parser.error(f"--split={args.split!r}: expected layer counts separated by ',' or '/'")
-        if (len(layers) != args.pp or sum(layers) != args.layers
+        virtual = args.vp > 1 and len(layers) == args.pp * args.vp
+        if virtual and not args.layer_ops:
+            parser.error(f"--split={args.split!r} has a count per virtual stage: chunk costs need --layer-ops")
+        if ((len(layers) != args.pp and not virtual) or sum(layers) != args.layers
                 or not all(n > 0 and float(2 * n).is_integer() for n in layers)):
             parser.error(f"--split={args.split!r}: need --pp={args.pp} counts > 0, in whole or half layers, summing"
-                         f" to --layers={args.layers}")
+                         f" to --layers={args.layers} (with --vp V > 1 also --pp x V, one per virtual stage)")
         return layers
     if args.layers % args.pp:
         parser.error(f"--layers={args.layers} is not divisible by --pp={args.pp}: give --split")
@@ -391,15 +408,24 @@ def _write_traces(args, specs: list[ScheduleSpec], costs: CostModel, simulator: 
     return written
 
 
-def _resplits(costs: LayerCosts, args: argparse.Namespace) -> list[LayerSplit]:
+def _resplits(costs: LayerCosts, args: argparse.Namespace) -> list[LayerSplit | ChunkSplit]:
     """The balanced split Megatron's flags express, the free one in whole layers and the one in half
-    layers, each where its slowest stage is faster than the ones before."""
-    splits = [balanced_split(costs, args.pp, args.vp if args.layers % args.vp == 0 else 1)]
-    candidates = [balanced_split(costs, args.pp, 1, megatron_flags=False), balanced_half_split(costs, args.pp)]
+    layers, each where its slowest stage is faster than the ones before; with --vp V > 1 and measured op
+    times, Megatron's and the one in half layers per virtual stage (its chunks apart)."""
+    splits: list[LayerSplit | ChunkSplit] = [balanced_split(costs, args.pp, args.vp if args.layers % args.vp == 0 else 1)]
+    if args.vp > 1:
+        candidates = [balanced_chunk_split(costs, args.pp, args.vp)] if args.layer_ops else []
+    else:
+        candidates = [balanced_split(costs, args.pp, 1, megatron_flags=False), balanced_half_split(costs, args.pp)]
     for split in candidates:
         if split.bottleneck < min(s.bottleneck for s in splits) - 1e-9:
             splits.append(split)
     return splits
+
+
+def _split_of(costs: LayerCosts, args: argparse.Namespace) -> LayerSplit | ChunkSplit:
+    layers = args.split_layers
+    return chunk_split_of(costs, layers, args.pp) if len(layers) > args.pp else split_of(costs, layers)
 
 
 def _simulator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Simulator:
@@ -433,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = _specs(args, parser)
         if args.split_layers is not None:
             layer_costs = _layer_costs(args, parser)
-            print(f"layer split: {split_of(layer_costs, args.split_layers).describe()}")
+            print(f"layer split: {_split_of(layer_costs, args).describe()}")
         baseline, rows = compare(specs, args.pp, args.microbatches, costs, seeds, simulator)
         print(_format_table(baseline, rows))
         if args.resplit:
