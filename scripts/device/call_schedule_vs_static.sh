@@ -6,8 +6,10 @@
 # order, step vs the balanced limit).
 #   run(command="bash scripts/device/call_schedule_vs_static.sh a", kind="nvidia-h100-x4", carry=[".whl"])
 # Usage: bash scripts/device/call_schedule_vs_static.sh a|c|d [trainer.bench.pipeline flags, e.g. --resplit auto]
-# --resplit auto: a profiling round, the attention half's share measured on the GPU (trainer.measure.layer_halves),
-# and the lines on the split the fit recommends -- in half layers (--pipeline-stage-layers) where that is >= 2% faster.
+# --resplit auto: a profiling round per chunk count, the attention half's share measured on the GPU
+# (trainer.measure.layer_halves), and the lines on the split the fit recommends -- in half layers where that is >= 2%
+# faster: per stage for the v=1 lines, per virtual stage for the v=2 lines. Without the rounds (the model's splits for
+# the 4xH200 costs, docs/schedules.md): --pipeline-stage-layers 4,4.5,4.5,3 --pipeline-stage-layers-vp 2,1.5,2,2,2.5,2.5,2.5,1
 # CPU dry run of the same path: python -m trainer.bench.run schedule-vs-static --device cpu --scenarios a \
 #   --results /tmp/r --time-limit 900 -- --lines megatron-1f1b-best,1f1b-eager,dpp-zb
 set -u

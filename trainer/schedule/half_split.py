@@ -163,11 +163,15 @@ def balanced_chunk_split(costs: LayerCosts, num_stages: int, num_chunks: int) ->
     Why: with whole layers megatron-core gives every chunk of a stage the same count and moves layers
     ``v`` at a time, so the last stage keeps the output head on top of its share (16 layers, 4 stages,
     2 chunks: 4/4/4/4, the last stage 1.26x the mean with the benchmark's head). Here each virtual
-    stage gets its own count. First the split whose slowest *chunk* is fastest (exact:
-    :func:`balanced_half_split`'s programme over the ``p * v`` virtual stages, the embedding on the
-    first, the head on the last), then boundaries move one half layer at a time while that makes the
-    stages (their chunks together) flatter, slowest first, and then the chunks: a local search, so
-    the stages' balance is not proven optimal, only no worse than the chunks' min-max split.
+    stage gets its own count. The search starts from the split whose slowest *chunk* is fastest
+    (exact: :func:`balanced_half_split`'s programme over the ``p * v`` virtual stages, the embedding
+    on the first, the head on the last) and moves boundaries one half layer at a time while that makes
+    the stages (their chunks together) flatter, slowest first, then the chunks; then it kicks the best
+    split found (a few boundaries moved at random, seeded: the same split on every call) and descends
+    again, :data:`CHUNK_SEARCH_KICKS` times. A stage's chunks lie apart in the model, so no programme
+    like the one-chunk split's applies and the result is not proven optimal: against a brute force it
+    found the optimum on the benchmark's costs (16 layers, 4 stages, 2 chunks) and came within 1.3% of
+    it on small random models (tests/unit/test_half_split.py).
     """
     p, v, n = num_stages, num_chunks, costs.num_layers
     problems = [f"num_stages={p} and num_chunks={v} must be >= 1"] if p < 1 or v < 1 else []
