@@ -405,6 +405,33 @@ def test_stalls_are_per_stage_op_whatever_v_and_leave_other_draws_alone():
         CostModel(stall_probability=2, stall_duration=-1, stage_scale=(1.0, 0.0))
 
 
+def test_stalls_narrowed_to_one_stages_forwards_are_the_same_draws(capsys):
+    """The benchmark's scenario (c) delays rank 1's forwards only: --stalls 0.05:20:1:F. A seed's stalls
+    narrow to that stage and op; every other op is as without stalls."""
+    shape = PipelineShape(4, 32, 1)
+    every = CostModel(stall_probability=0.3, stall_duration=1).draw(shape, np.random.default_rng(5))
+    one = CostModel(stall_probability=0.3, stall_duration=1, stall_stage=1, stall_ops="F").draw(
+        shape, np.random.default_rng(5))
+    for op in (Op.F, Op.I, Op.W):
+        narrowed, all_stages = np.array(one.durations[op]), np.array(every.durations[op])
+        if op is Op.F:
+            assert (narrowed[1] == all_stages[1]).all() and narrowed[1].max() == 2.0
+            assert (np.delete(narrowed, 1, axis=0) == 1.0).all()
+        else:
+            assert (narrowed == 1.0).all() and all_stages.max() == 2.0
+    for bad in (dict(stall_stage=-1), dict(stall_ops="FX"), dict(stall_ops="")):
+        with pytest.raises(ValueError, match="stall_"):
+            CostModel(**bad)
+    with pytest.raises(ValueError, match="stall_stage=4 outside"):
+        CostModel(stall_probability=0.1, stall_duration=1, stall_stage=4).draw(shape, np.random.default_rng(0))
+    args = ["--pp", "4", "--vp", "1", "--microbatches", "8", "--seeds", "2", "--schedules", "zb-h1"]
+    assert simulate_main([*args, "--stalls", "0.5:3:1:F"]) == 0
+    assert simulate_main([*args, "--stalls", "0.5:3:1:FW"]) == 0
+    for bad in ("0.5", "0.5:3:x", "0.5:3:1:F:9", "0.5:3:1:Q"):
+        with pytest.raises(SystemExit):
+            simulate_main([*args, "--stalls", bad])
+
+
 def test_balanced_layer_split_fixes_a_heavy_last_stage():
     from trainer.schedule.layers import LayerCosts, balanced_split, split_of
 

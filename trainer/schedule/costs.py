@@ -62,6 +62,10 @@ class CostModel:
     chunk's op (1/v of a stage) has 1/v of it, so every v sees the same stalls per stage."""
     stall_duration: float = 0.0
     """Time a stalled op takes on top of its cost (units of one stage's forward)."""
+    stall_stage: int | None = None
+    """Only this stage's ops stall (the benchmark's scenario c delays one rank's); None: every stage's."""
+    stall_ops: str = "FIW"
+    """Which ops stall: any of F, I, W (a whole backward B = I + W meets the stalls of both)."""
     stage_scale: tuple[float, ...] = ()
     """Cost multiplier of each stage (one entry per stage; empty: all 1). E.g. the per-stage work
     of a layer split with the head's extra work (``trainer.schedule.layers.stage_costs``)."""
@@ -94,6 +98,10 @@ class CostModel:
             problems.append(f"stall_probability={self.stall_probability} must lie in [0, 1]")
         if not (math.isfinite(self.stall_duration) and self.stall_duration >= 0):
             problems.append(f"stall_duration={self.stall_duration} must be a finite number >= 0")
+        if self.stall_stage is not None and self.stall_stage < 0:
+            problems.append(f"stall_stage={self.stall_stage} must be >= 0")
+        if not self.stall_ops or set(self.stall_ops) - set("FIW"):
+            problems.append(f"stall_ops={self.stall_ops!r} must be one or more of F, I, W")
         bad_scale = [x for x in self.stage_scale if not (math.isfinite(x) and x > 0)]
         if bad_scale:
             problems.append(f"stage_scale={self.stage_scale} has values that are not finite numbers"
@@ -130,8 +138,9 @@ class CostModel:
     def draw(self, shape: PipelineShape, rng: np.random.Generator) -> CostTable:
         """One random realisation of every op's duration for ``shape``."""
         p, v, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
-        if self.straggler_stage is not None and self.straggler_stage >= p:
-            raise ValueError(f"straggler_stage={self.straggler_stage} outside [0, num_stages={p})")
+        for name in ("straggler_stage", "stall_stage"):
+            if getattr(self, name) is not None and getattr(self, name) >= p:
+                raise ValueError(f"{name}={getattr(self, name)} outside [0, num_stages={p})")
         if self.edge_transfer and len(self.edge_transfer) != p:
             raise ValueError(f"edge_transfer has {len(self.edge_transfer)} entries, need one per edge:"
                              f" num_stages={p}")
@@ -165,10 +174,12 @@ class CostModel:
         if self.stall_probability > 0 and self.stall_duration > 0:
             # Drawn last, so turning stalls on leaves every other draw of a seed as it was.
             # Per chunk op 1/v of the chance: a stage meets as many stalls whatever v is.
+            # The same draws whichever stage and ops stall: a seed's stalls only narrow to them.
             chance = self.stall_probability / v
+            where = np.ones((p, 1, 1)) if self.stall_stage is None else (np.arange(p) == self.stall_stage)[:, None, None]
             forward, input_grad, weight_grad = (
-                t + self.stall_duration * (rng.random(t.shape) < chance)
-                for t in (forward, input_grad, weight_grad))
+                t + self.stall_duration * (rng.random(t.shape) < chance) * where * (op in self.stall_ops)
+                for op, t in zip("FIW", (forward, input_grad, weight_grad), strict=True))
         edges = list(self.edge_transfer) if self.edge_transfer else [self.transfer] * p
         hints = microbatch_cost.tolist() if self.seq_len_sigma > 0 else None  # None: all alike
         return CostTable(forward, input_grad, weight_grad, edges, hints)

@@ -75,8 +75,9 @@ def _parser() -> OneLineParser:
         help="share of an op's cost quadratic in sequence length (default 0.2)")
     add("--straggler", default=None, help="'STAGE:FACTOR': that stage runs FACTOR times slower (e.g. 1:1.2)")
     add("--stalls", default=None,
-        help="'PROB:DURATION': each op of a whole stage is held up DURATION longer with chance PROB"
-        " (transient stalls, e.g. 0.02:4)")
+        help="'PROB:DURATION[:STAGE[:OPS]]': each op of a whole stage is held up DURATION longer with chance"
+        " PROB (transient stalls, e.g. 0.02:4); only STAGE's, and only its OPS (any of F, I, W; e.g."
+        " 0.05:6:1:F, the benchmark's scenario c: rank 1's forwards)")
     add("--layers", type=int, default=None,
         help="transformer layers of the model: stage costs then come from a layer split (see"
         " --split, --layer-cost, --embedding-cost, --head-cost; --straggler is a slow GPU)")
@@ -195,16 +196,21 @@ def _parse_costs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> C
             parser.error(f"--edge-transfer={args.edge_transfer!r}: expected comma-separated numbers")
         if len(edge_transfer) != args.pp:
             parser.error(f"--edge-transfer has {len(edge_transfer)} values, need --pp={args.pp}")
-    stall_probability, stall_duration = 0.0, 0.0
+    stall_probability, stall_duration, stall_stage, stall_ops = 0.0, 0.0, None, "FIW"
     if args.stalls:
-        prob, _, duration = args.stalls.partition(":")
+        parts = args.stalls.split(":")
         try:
-            stall_probability, stall_duration = float(prob), float(duration)
-        except ValueError:
-            parser.error(f"--stalls={args.stalls!r}: expected PROB:DURATION, e.g. 0.02:4")
+            stall_probability, stall_duration = float(parts[0]), float(parts[1])
+            stall_stage = int(parts[2]) if len(parts) > 2 else None
+            stall_ops = parts[3] if len(parts) > 3 else stall_ops
+            if len(parts) > 4:
+                raise ValueError
+        except (ValueError, IndexError):
+            parser.error(f"--stalls={args.stalls!r}: expected PROB:DURATION[:STAGE[:OPS]], e.g. 0.02:4 or 0.05:6:1:F")
     try:
         return CostModel(
-            stall_probability=stall_probability, stall_duration=stall_duration,
+            stall_probability=stall_probability, stall_duration=stall_duration, stall_stage=stall_stage,
+            stall_ops=stall_ops,
             stage_scale=() if args.layer_ops else _stage_scale(args, parser, args.split_layers),
             stage_ops=_stage_ops(args, parser, args.split_layers),
             forward=args.forward, edge_transfer=edge_transfer, input_grad=args.input_grad, weight_grad=args.weight_grad,
