@@ -72,7 +72,7 @@ def test_cpu_plan_labels_stand_ins_and_refuses_the_direct_line() -> None:
     cfg = BenchConfig(device="cpu", num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
                       pipeline_parallel=2, num_microbatches=4)
     planned = plan(cfg, ["megatron-interleaved-v2", "direct-megatron"], ["a"], ("dpp", "dpp-zb"))
-    assert isinstance(planned[1], NotRun) and "need CUDA" in planned[1].reason
+    assert isinstance(planned[1], NotRun) and "runs on CUDA only" in planned[1].reason
     assert planned[0].label.startswith("CPU stand-in: our runtime's static interleaved policy")
 
 
