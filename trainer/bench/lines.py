@@ -432,6 +432,11 @@ def variable_length_tokens(cfg: BenchConfig, scenario: str = "b") -> tuple[float
     return real / cfg.train_iters, padded / cfg.train_iters
 
 
+def stage_layers_field(vp: int) -> str:
+    """The BenchConfig field of the lines of ``vp`` chunks per stage that gives every (virtual) stage's count."""
+    return "pipeline_stage_layers" if vp == 1 else "pipeline_stage_layers_vp"
+
+
 def _split_for(cfg: BenchConfig, vp: int) -> tuple[int, int] | None:
     given = cfg.split if vp == 1 else cfg.split_vp
     return given if given is not None else balanced_split(cfg.num_layers, cfg.pipeline_parallel, vp, cfg.head_weight)
@@ -449,7 +454,7 @@ def plan(cfg: BenchConfig, names: list[str], scenarios: list[str],
                 out.append(NotRun(name, scenario, reason, cfg.layout.label if cfg.layout is not None else ""))
                 continue
             split = _split_for(cfg, vp) if balanced else None
-            stage_layers = (cfg.pipeline_stage_layers if vp == 1 else cfg.pipeline_stage_layers_vp) if balanced else ""
+            stage_layers = getattr(cfg, stage_layers_field(vp)) if balanced else ""
             if stage_layers:  # every stage's count given: Megatron's first/last flags would contradict it
                 split = None
             args = common_args(cfg) + flags

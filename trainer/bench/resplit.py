@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer.bench.lines import BenchConfig, Line, layer_attention_share, line_entry, plan
+from trainer.bench.lines import BenchConfig, Line, layer_attention_share, line_entry, plan, stage_layers_field
 from trainer.bench.results import LineResult
 from trainer.schedule.stage_parts import describe as describe_counts
 
@@ -76,10 +76,10 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
         candidates = profiling_lines(names, vp)
         field = "split" if vp == 1 else "split_vp"
         given = getattr(cfg, field)
-        given_layers = cfg.pipeline_stage_layers if vp == 1 else cfg.pipeline_stage_layers_vp
-        if given_layers:
-            flag = "--pipeline-stage-layers" + ("" if vp == 1 else "-vp")
-            choices.append(SplitChoice(vp, None, f"given ({flag}); no profiling round", given_layers))
+        layers_field = stage_layers_field(vp)
+        if getattr(cfg, layers_field):
+            choices.append(SplitChoice(vp, None, f"given (--{layers_field.replace('_', '-')}); no profiling round",
+                                       getattr(cfg, layers_field)))
             continue
         if given is not None:
             choices.append(SplitChoice(vp, given, f"given (--{field.replace('_', '-')}); no profiling round"))
@@ -108,8 +108,7 @@ def choose_splits(cfg: BenchConfig, names: list[str], available_policies: tuple[
         source = f"profiling round of {name}, {short.train_iters} iterations, busy from {result.busy_source}"
         finer = _finer_split(balance, cfg, source, fitted, vp)
         if finer is not None:
-            cfg = dataclasses.replace(cfg, **{"pipeline_stage_layers" if vp == 1 else "pipeline_stage_layers_vp":
-                                              finer.stage_layers})
+            cfg = dataclasses.replace(cfg, **{layers_field: finer.stage_layers})
             choices.append(finer)
         elif balance.recommend:
             layers = balance.best.layers
