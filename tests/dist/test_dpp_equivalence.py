@@ -268,6 +268,18 @@ def test_dpp_zb_at_each_stage_s_own_held_cap_matches_the_reference(references, t
                   + ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-held-cap", "stage"], tmp_path)
 
 
+# --dpp-chunk-caps interleaved (auto's choice under CUDA graphs at v > 1): each chunk holds no more than the
+# interleaved order holds in it, fewer than the stage's cap lets one chunk take (stage 3 of PP=4 at M=4: 4/1
+# against 5 in all). Forced on an eager CPU run (the graphs are CUDA only): the order changes, the maths must
+# not, and the per-chunk bound must not stall the pipeline.
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("policy", ["dpp", "dpp-zb"])
+def test_dpp_per_chunk_caps_match_the_reference(policy: str, references, tmp_path: Path) -> None:
+    model, _, flags = LAYOUTS["gpt-pp4-vp2"]
+    _check_layout("gpt-pp4-vp2", references[model], TINY + MODELS[model] + flags
+                  + ["--use-dpp", "--dpp-policy", policy, "--dpp-chunk-caps", "interleaved"], tmp_path)
+
+
 # dpp-zb asks the links whether a gradient's payload has landed (StageLinks.landed): a landed
 # gradient's I goes before a travelling one's, and while every ready gradient travels a deferred W
 # runs. CPU payloads are always there, so the harness makes the links answer "not yet" to each

@@ -192,7 +192,7 @@ def test_graphed_half_layer_boundary_equals_eager(tmp_path: Path, policy: list[s
     flags, logged = HALVES[split]
     _, eager = _run(tmp_path / "eager", [*flags, *policy, *EAGER])
     results, graphed = _run(tmp_path / "graphed", [*flags, *policy, "--dpp-cuda-graphs"])
-    _replayed_everywhere(results)
+    _replayed_everywhere(results, chunks=2 if "--num-virtual-stages-per-pipeline-rank" in flags else 1)
     assert any(logged in r.output for r in results), results[0].output[-2000:]
     assert_same_losses(eager, graphed)
     assert_same_grads(tmp_path / "eager", tmp_path / "graphed")

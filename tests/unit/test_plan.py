@@ -166,6 +166,39 @@ def test_the_held_cap_basis_reaches_each_stage_s_policy_and_its_graph_slots() ->
             _plan(argv, world_size=world)
 
 
+def test_per_chunk_caps_under_graphs_give_each_chunk_the_interleaved_order_s_slots() -> None:
+    """--dpp-chunk-caps auto: at two chunks per stage under CUDA graphs each chunk holds (and captures) what
+    megatron-core's interleaved order holds in it (8/4 on stage 0 at PP=4, M=32) instead of the stage's whole
+    cap in every chunk (11/11); eager, at one chunk, or with none: no per-chunk bound. The first log line
+    says so; refused without a dynamic policy."""
+    from trainer.pipeline.runtime import graph_slots
+    from trainer.schedule.registry import make_policy
+
+    vp2 = ["--mock-data", "--num-layers", "8", "--pipeline-model-parallel-size", "4", "--global-batch-size", "32",
+           "--micro-batch-size", "1", "--num-virtual-stages-per-pipeline-rank", "2", "--device", "cuda",
+           "--transformer-impl", "local", *GRAPHS]
+
+    def slots(argv: list[str]) -> list[tuple[int, ...]]:
+        plan = _plan(argv, world_size=4)
+        policies = [make_policy(plan.schedule.policy, plan.shape, s, **plan.schedule.policy_kwargs) for s in range(4)]
+        return [graph_slots(p, plan.shape, s) for s, p in enumerate(policies)]
+
+    zb = [*vp2, "--dpp-policy", "dpp-zb"]
+    assert _plan(zb, world_size=4).schedule.policy_kwargs["chunk_caps"] == "interleaved"
+    assert "--dpp-chunk-caps auto" in _plan(zb, world_size=4).schedule.log_text
+    assert slots(zb) == [(8, 4)] * 4  # dpp-zb's held cap is stage 0's bound on every stage
+    assert slots([*vp2, "--dpp-policy", "dpp"]) == [(8, 4), (8, 4), (7, 3), (5, 1)]  # each stage's own
+    assert slots([*zb, "--dpp-chunk-caps", "none"]) == [(11, 11)] * 4
+    assert slots([*vp2, "--dpp-policy", "dpp", "--dpp-chunk-caps", "none"]) == [(11, 11), (9, 9), (7, 7), (5, 5)]
+    eager = [*CPU_PP2, "--device", "cpu", "--use-dpp", "--num-virtual-stages-per-pipeline-rank", "2"]
+    assert "chunk_caps" not in _plan(eager).schedule.policy_kwargs
+    assert _plan([*eager, "--dpp-chunk-caps", "interleaved"]).schedule.policy_kwargs["chunk_caps"] == "interleaved"
+    assert "chunk_caps" not in _plan([*CPU_PP2, "--device", "cpu", "--use-dpp", "--dpp-chunk-caps",
+                                      "interleaved"]).schedule.policy_kwargs  # one chunk: the stage's cap
+    with pytest.raises(ConfigError, match="--dpp-chunk-caps=interleaved applies to --use-dpp"):
+        _plan([*CPU_PP2, "--dpp-chunk-caps", "interleaved"])
+
+
 def test_use_dpp_alone_picks_graphs_where_they_can_run(monkeypatch) -> None:
     """--use-dpp alone on CUDA: CUDA graphs and dpp-zb (the fastest measured), one op queued ahead;
     --dpp-eager turns them off; a layout the graph checks block runs eagerly and says why (no error),

@@ -112,6 +112,7 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
                            "cap_basis": str(rng.choice(["stage", "peak"])),
                            "reserve_owed": bool(rng.choice([True, False])),
                            "microbatch_order": str(rng.choice(["cost", "index"]))}
+                options["chunk_caps"] = str(rng.choice(["none", "interleaved"]))
                 if name == "dpp-zb":
                     order = rng.choice(["oldest", "youngest", "default"])  # default: by v
                     if order != "default":
@@ -132,6 +133,8 @@ def _deadlock_sweep(names: list[str], draws: int, seed: int) -> int:
             result = simulate(shape, policies, costs.draw(shape, rng))
             if name in ("dpp", "dpp-zb"):
                 assert all(peak <= pol.cap for peak, pol in zip(result.peak_inflight, policies, strict=True))
+                for peaks, pol in zip(result.peak_inflight_per_chunk, policies, strict=True):
+                    assert pol.chunk_caps is None or all(n <= c for n, c in zip(peaks, pol.chunk_caps, strict=True))
             done += 1
             runs += 1
     return runs
@@ -576,3 +579,16 @@ def test_cli_drain_lag_flag(capsys):
     out = capsys.readouterr().out
     assert out.count("zb-h1         1    391.94") == 2 and "dpp-zb        1    391.94" in out
     assert "dpp-zb        1    393.84" in out  # the greedy drain, a W before a critical input gradient
+
+
+def test_cli_chunk_caps_hold_each_chunk_to_the_interleaved_order_s_count(capsys):
+    """--chunk-caps interleaved: dpp-zb at v=2 with each chunk held to the interleaved order's count (its CUDA
+    graph slots) on the benchmark model's chunk split (4xH200 op costs): 360.05 against the unbounded
+    chunks' 357.72 and interleaved's 369.04 (docs/schedules.md)."""
+    args = ["--pp", "4", "--vp", "2", "--microbatches", "32", "--schedules", "interleaved,dpp-zb", "--layers", "16",
+            "--layer-ops", "0.731:1.081:0.555", "--embedding-ops", "0.166:0:0.331", "--head-ops", "1.276:1.276:1.276",
+            "--attention-share", "0.721:0.662:0.662", "--split", "2,1.5,2,2,2.5,2.5,2.5,1"]
+    assert simulate_main(args) == 0 and simulate_main([*args, "--chunk-caps", "interleaved"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("interleaved   2    369.04") == 2 and "dpp-zb        2    357.72" in out
+    assert "dpp-zb        2    360.05" in out and "11/11[8+4],11/9[8+4],11/7[8+4],11/5[8+4]" in out

@@ -99,6 +99,10 @@ CATALOGUE = {
                                  "peak"], True),
     "dpp-zb-v2": ("--use-dpp --dpp-eager --dpp-policy dpp-zb, v=2", 2, ["--use-dpp", "--dpp-eager", "--dpp-policy",
                                                                          "dpp-zb"], True),
+    # Graphed split backward with two chunks per stage: the simulator's fastest line on the benchmark model
+    # once the chunks are split in half layers (--pipeline-stage-layers-vp / --resplit auto).
+    "dpp-zb-graphs-v2": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs, v=2 (F, I and W graphs per slot of "
+                         "each chunk)", 2, ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs"], True),
     # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the fair bars for the
     # dynamic policies -- same runtime, transport, graphs and run-ahead bound, only the order differs. Graphed,
     # each chunk gets as many slots as the order holds at most (ZB-H1: p on every stage; the log and the

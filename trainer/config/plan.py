@@ -60,9 +60,13 @@ class PolicyOptions:
     """dpp-zb only (--no-dpp-fill-transit); None for the other policies."""
     cap_basis: str | None = None
     """--dpp-held-cap stage/peak; None for auto (the policy's own default)."""
+    chunk_caps: str = "none"
+    """--dpp-chunk-caps resolved: "interleaved" (each chunk held to the interleaved order's count) or "none"."""
 
     def as_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"max_inflight": self.max_inflight, "cap_factor": self.cap_factor}
+        if self.chunk_caps != "none":
+            out["chunk_caps"] = self.chunk_caps
         if self.fill_transit is not None:
             out["fill_transit"] = self.fill_transit
         if self.cap_basis is not None:
@@ -337,8 +341,12 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
     if par.use_dpp and dpp_policy not in STATIC_DPP_POLICIES:
         fit = held_cap_fits(cfg, dpp_policy, graphs)
         basis = "peak" if fit else None if par.dpp_held_cap == "auto" else par.dpp_held_cap
+        chunk_caps = resolve_chunk_caps(cfg, graphs)
         options = PolicyOptions(par.dpp_max_inflight, par.dpp_cap_factor,
-                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None, basis)
+                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None, basis, chunk_caps)
+        if chunk_caps != "none":
+            named += ("; each chunk holds at most what the interleaved order holds in it (its CUDA graph slots: "
+                      "--dpp-chunk-caps " + par.dpp_chunk_caps + ")")
         if fit:
             named += ("; held cap fitted to memory: each stage's own 1F1B bound, then slots up to stage 0's "
                       "while within the largest rank's memory (--dpp-held-cap " + par.dpp_held_cap + ")")
@@ -353,6 +361,17 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
                "tensors through gloo")
     return SchedulePlan(RUNTIME, static, reason=f"without --use-dpp {why_not}, so the runtime's static {static} "
                         "policy stands in", log_text="1f1b policy", **common)
+
+
+def resolve_chunk_caps(cfg: TrainConfig, graphs: bool) -> str:
+    """--dpp-chunk-caps with auto resolved: per-chunk caps where each chunk captures graph slots for what it
+    may hold (graphs, two or more chunks per stage); at one chunk the stage's cap is the chunk's."""
+    choice = cfg.parallel.dpp_chunk_caps
+    if cfg.virtual_pipeline == 1:
+        return "none"
+    if choice == "auto":
+        return "interleaved" if graphs else "none"
+    return choice
 
 
 def held_cap_fits(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool:

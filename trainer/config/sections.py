@@ -284,6 +284,14 @@ class ParallelConfig:
     ``peak`` for eager dpp-zb. ``peak`` assumes every stage's microbatch costs stage 0's memory; where a
     later stage's costs more (BERT: the last stage's slots, 4 at PP=4, made it the largest rank, 1.30x
     megatron-core's memory), ``fit`` and ``stage`` keep the job at what 1F1B's bounds need."""
+    dpp_chunk_caps: Literal["auto", "interleaved", "none"] = "auto"
+    """With two or more chunks per stage, whether the dynamic policies also cap each chunk's held
+    activations (``--dpp-chunk-caps``): ``interleaved`` = at what megatron-core's interleaved order holds
+    in that chunk (on the stage --dpp-held-cap's bound comes from; 8/4 on stage 0 at PP=4, M=32), so the
+    CUDA graphs capture the interleaved order's slots per chunk; ``none`` = only the stage's cap, so a
+    forward may take any chunk's slot and each chunk captures the whole cap (11 per chunk there: about
+    1.8x the interleaved order's slot memory); ``auto`` = ``interleaved`` with CUDA graphs, ``none``
+    eager (eager memory is what is held, bounded by the stage's cap already)."""
     dpp_max_queued_ops: int | None = None
     """How many of its queued ops a DPP stage's host may have unfinished on the GPU before it decides
     the next (``--dpp-max-queued-ops``; trainer/pipeline/run_ahead.py): decisions near GPU time
@@ -400,7 +408,7 @@ class ParallelConfig:
     --no-<field> convention for TransformerConfig.batch_p2p_sync). Only megatron-core's schedules use it."""
 
     def _cap_problems(self) -> list[str]:
-        """The dynamic policies' caps: --dpp-cap-factor, --dpp-held-cap, --dpp-max-inflight."""
+        """The dynamic policies' caps: --dpp-cap-factor, --dpp-held-cap, --dpp-max-inflight, --dpp-chunk-caps."""
         p: list[str] = []
         if not (math.isfinite(self.dpp_cap_factor) and self.dpp_cap_factor >= 1.0):
             p.append(f"--dpp-cap-factor={self.dpp_cap_factor} must be a finite number >= 1")
@@ -418,6 +426,10 @@ class ParallelConfig:
             p.append(f"--dpp-held-cap={self.dpp_held_cap} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
         if self.dpp_max_inflight is not None and self.dpp_max_inflight < 1:
             p.append(f"--dpp-max-inflight={self.dpp_max_inflight} must be >= 1")
+        if self.dpp_chunk_caps not in ("auto", "interleaved", "none"):
+            p.append(f"--dpp-chunk-caps={self.dpp_chunk_caps!r} must be one of auto, interleaved, none")
+        elif self.dpp_chunk_caps != "auto" and not (self.use_dpp and self.dpp_policy not in STATIC_DPP_POLICIES):
+            p.append(f"--dpp-chunk-caps={self.dpp_chunk_caps} applies to --use-dpp with --dpp-policy dpp/dpp-zb")
         return p
 
     def _dpp_problems(self) -> list[str]:

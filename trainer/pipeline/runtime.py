@@ -50,15 +50,18 @@ def _link_options(links: LinkPlan) -> LinkOptions:
 
 
 def graph_slots(policy: Any, shape: PipelineShape, stage: int) -> tuple[int, ...]:
-    """CUDA graph slots per chunk of ``stage`` under ``policy``: a dynamic policy's cap (each chunk
-    may hold up to it), or what a static order holds at most per chunk (its fixed order needs them all:
-    ZB-H1 holds p activations on every stage where its 1F1B cap is p - s, and a forward without a
-    free slot would run eagerly)."""
+    """CUDA graph slots per chunk of ``stage`` under ``policy``: a dynamic policy's per-chunk caps
+    (--dpp-chunk-caps), else its cap (each chunk may hold up to it), or what a static order holds at most
+    per chunk (its fixed order needs them all: ZB-H1 holds p activations on every stage where its 1F1B cap
+    is p - s, and a forward without a free slot would run eagerly)."""
     from trainer.schedule.dynamic import one_f_one_b_cap
 
     held = getattr(policy, "held_per_chunk", None)
     if held is not None:
         return held(shape.num_chunks)
+    chunk_caps = getattr(policy, "chunk_caps", None)
+    if chunk_caps is not None:
+        return tuple(min(c, policy.cap) for c in chunk_caps)
     return (getattr(policy, "cap", None) or one_f_one_b_cap(shape, stage),) * shape.num_chunks
 
 

@@ -122,6 +122,10 @@ class StageState:
     inflight: int = 0
     """Forwards whose activations are still held (F done, backward not finished)."""
     peak_inflight: int = 0
+    inflight_per_chunk: list[int] = field(default_factory=list)
+    """``inflight`` per chunk (filled in at construction): what a policy with per-chunk caps reads."""
+    peak_inflight_per_chunk: list[int] = field(default_factory=list)
+    """The most ``inflight_per_chunk`` reached, per chunk (since construction)."""
     reserved_forwards: int = 0
     """Forwards of later chunks still owed by microbatches whose chunk-0 forward ran here. A
     memory cap must keep room for them, or interleaved microbatches could starve each other."""
@@ -161,12 +165,15 @@ class StageState:
         for action in self.done:
             self._done_keys[action.op].add((action.microbatch, action.chunk))
         self._open = {}
+        self.inflight_per_chunk = [0] * self.shape.num_chunks
         release = Op.W if self.split_backward else Op.B
         for action in self.done:
             if action.op in (Op.F, release):
                 entry = self._open.setdefault(action.microbatch, [0, 0])
                 entry[0] += action.op is Op.F
                 entry[1] += 1 if action.op is Op.F else -1
+                self.inflight_per_chunk[action.chunk] += 1 if action.op is Op.F else -1
+        self.peak_inflight_per_chunk = list(self.inflight_per_chunk)
         self._open = {m: e for m, e in self._open.items()
                       if e[0] < self.shape.num_chunks or e[1] > 0}
         if self.done:
@@ -203,6 +210,8 @@ class StageState:
         self._done_keys[action.op].add((m, c))
         if action.op is Op.F:
             self.inflight += 1
+            self.inflight_per_chunk[c] += 1
+            self.peak_inflight_per_chunk[c] = max(self.peak_inflight_per_chunk[c], self.inflight_per_chunk[c])
             self.peak_inflight = max(self.peak_inflight, self.inflight)
             self.reserved_forwards += self.shape.num_chunks - 1 if c == 0 else -1
             entry = self._open.setdefault(m, [0, 0])
@@ -217,6 +226,7 @@ class StageState:
             # Activations are released when the whole backward of (m, c) has run: for a split
             # backward W still reads the saved inputs, so they are held until W.
             self.inflight -= 1
+            self.inflight_per_chunk[c] -= 1
             entry = self._open[m]
             entry[1] -= 1
             if entry[1] == 0 and entry[0] == self.shape.num_chunks:

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 
 from trainer.problems import raise_if_any
 from trainer.schedule.core import Action, Op, PipelineShape, StageState, cost_order
-from trainer.schedule.static import interleaved_warmup
+from trainer.schedule.static import interleaved_order, interleaved_warmup, peak_held_per_chunk
 
 PRIORITIES = ("forward", "backward")
 CHUNK_ORDERS = ("depth", "breadth")
 CAP_BASES = ("stage", "peak")
 MICROBATCH_ORDERS = ("cost", "index")
 WEIGHT_ORDERS = ("oldest", "youngest")
+CHUNK_CAPS = ("none", "interleaved")
 
 
 def one_f_one_b_cap(shape: PipelineShape, stage: int) -> int:
@@ -43,6 +44,17 @@ def one_f_one_b_cap(shape: PipelineShape, stage: int) -> int:
 def scaled_cap(shape: PipelineShape, stage: int, factor: float) -> int:
     """``factor`` x :func:`one_f_one_b_cap`, rounded down (the tolerance keeps e.g. 1.5 x 2 at 3)."""
     return math.floor(factor * one_f_one_b_cap(shape, stage) + 1e-9)
+
+
+def interleaved_chunk_caps(shape: PipelineShape, stage: int, factor: float = 1.0) -> tuple[int, ...]:
+    """Per chunk, ``factor`` x the activations Megatron-Core's interleaved order holds at most in that
+    chunk on ``stage`` (rounded down, at least 1): 8/4 on stage 0 at p = 4, v = 2, M = 32. Its two chunks
+    do not peak together, so the sum exceeds :func:`one_f_one_b_cap` (12 against 11 there). Where Megatron
+    refuses M (not a multiple of p), the order of M rounded up to one stands in, each count at most M."""
+    p, m = shape.num_stages, shape.num_microbatches
+    whole = PipelineShape(p, -(-m // p) * p, shape.num_chunks)
+    peaks = peak_held_per_chunk(interleaved_order(whole, stage), shape.num_chunks, split_backward=False)
+    return tuple(max(1, min(m, math.floor(factor * n + 1e-9))) for n in peaks)
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,17 @@ class DynamicOptions:
     v = 2 it is not (lengths sigma 0.6 +0.14, stalls 1% x 8 +0.26). Which W runs changes no
     dependency and no cap (any W frees one slot); it changes which microbatch's W meets an idle
     slot, so which ops overlap a neighbour's stall and how long the filler is under lengths."""
+
+    chunk_caps: str = "none"
+    """v > 1: "interleaved" bounds each chunk's held activations by what Megatron-Core's interleaved
+    order holds in that chunk (:func:`interleaved_chunk_caps`, x ``cap_factor``) on the stage
+    ``cap_basis`` names (this one, or stage 0 for "peak"); "none": only the stage's cap. Why: with CUDA
+    graphs every chunk captures a slot per activation it may hold, and without per-chunk caps a
+    forward may take any chunk's slot, so each chunk captures the whole cap (11/11 slots on stage 0 at
+    p = 4, M = 32 against the interleaved order's 8/4; measured on one H200: 27.4 against 15.6 GiB
+    peak reserved). The caps are Megatron's own per-chunk peaks, so the slots are the interleaved
+    order's. Safe with the banker's check: a chunk-c slot is held only by microbatches whose
+    remaining work here lies in later virtual stages, so one frees as the pipeline downstream drains."""
 
     split_first_stage: bool = False
     """dpp-zb at v = 1: whether stage 0 splits its backwards too. False (default): stage 0 runs whole
@@ -151,6 +174,8 @@ class DynamicOptions:
             problems.append(f"microbatch_order={self.microbatch_order!r} not in {MICROBATCH_ORDERS}")
         if self.weight_order is not None and self.weight_order not in WEIGHT_ORDERS:
             problems.append(f"weight_order={self.weight_order!r} not in {WEIGHT_ORDERS}")
+        if self.chunk_caps not in CHUNK_CAPS:
+            problems.append(f"chunk_caps={self.chunk_caps!r} not in {CHUNK_CAPS}")
         raise_if_any(problems, "invalid dynamic schedule options")
 
     def _scaled_bound(self, shape: PipelineShape, stage: int) -> int:
@@ -178,6 +203,14 @@ class DynamicOptions:
             live = min(live, cap)
         return cap, live
 
+    def resolve_chunk_caps(self, shape: PipelineShape, stage: int, split_backward: bool) -> tuple[int, ...] | None:
+        """Per-chunk held caps for ``stage`` (:attr:`chunk_caps`), or None: no per-chunk bound (also
+        at v = 1, where the stage's cap is the chunk's)."""
+        if self.chunk_caps == "none" or shape.num_chunks == 1:
+            return None
+        basis = self.cap_basis or ("peak" if split_backward else "stage")
+        return interleaved_chunk_caps(shape, stage if basis == "stage" else 0, self.cap_factor)
+
 
 class DynamicPolicy:
     """Greedy policy over the ready set; ``split_backward`` turns ``dpp`` into ``dpp-zb``."""
@@ -189,6 +222,8 @@ class DynamicPolicy:
         self.name = name
         self.options = options
         self.cap, self.live_cap = options.resolve_caps(shape, stage, split_backward)
+        self.chunk_caps = options.resolve_chunk_caps(shape, stage, split_backward)
+        """Held activations allowed per chunk, or None (only :attr:`cap`); CUDA graph slots per chunk."""
         if (split_backward and not options.split_first_stage and stage == 0 and shape.num_chunks == 1
                 and self.live_cap == self.cap):
             split_backward, self.live_cap = False, None  # whole backwards there: see split_first_stage
@@ -246,6 +281,11 @@ class DynamicPolicy:
         ready = state.ready_of(Op.F)
         if not ready or state.inflight >= self.cap:
             return None
+        if self.chunk_caps is not None:
+            held, caps = state.inflight_per_chunk, self.chunk_caps
+            ready = [a for a in ready if held[a.chunk] < caps[a.chunk]]
+            if not ready:
+                return None
         if self.live_cap is not None and state.inflight - len(state.ready_of(Op.W)) >= self.live_cap:
             # Only new microbatches wait for the live cap: a started one must finish its
             # later chunks (the banker's check below guarantees them room).

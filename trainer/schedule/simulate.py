@@ -29,7 +29,14 @@ from trainer.measure.flops import attention_share
 from trainer.problems import problems_text
 from trainer.schedule.compare import ScheduleSpec, Simulator, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
-from trainer.schedule.dynamic import CAP_BASES, CHUNK_ORDERS, MICROBATCH_ORDERS, PRIORITIES, WEIGHT_ORDERS
+from trainer.schedule.dynamic import (
+    CAP_BASES,
+    CHUNK_CAPS,
+    CHUNK_ORDERS,
+    MICROBATCH_ORDERS,
+    PRIORITIES,
+    WEIGHT_ORDERS,
+)
 from trainer.schedule.half_split import (
     ChunkSplit,
     balanced_chunk_split,
@@ -120,6 +127,10 @@ def _parser() -> OneLineParser:
     add("--cap-basis", choices=CAP_BASES, default=None,
         help="1F1B bound the cap multiplies: this stage's (p-s) or stage 0's (the per-GPU peak);"
         " default: stage for dpp, peak for dpp-zb")
+    add("--chunk-caps", choices=CHUNK_CAPS, default="none",
+        help="dpp/dpp-zb at --vp > 1: interleaved = each chunk holds at most what the interleaved order holds in"
+        " it on the --cap-basis stage (the CUDA graph slots the interleaved order captures); none = only the"
+        " stage's cap (default)")
     add("--held-caps", default=None, metavar="C0,C1,...",
         help="dpp/dpp-zb: each stage's held cap, set after the policy is built at --cap-basis's bounds (as the"
         " runtime sets a held cap fitted to memory, --dpp-held-cap fit; e.g. 4,3,3,2 with --cap-basis peak)")
@@ -338,6 +349,8 @@ def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
         options["reserve_owed"] = args.reserve_owed == "yes"
     if args.drain_lag is not None:
         options["drain_lag"] = args.drain_lag == "yes"
+    if args.chunk_caps != "none":
+        options["chunk_caps"] = args.chunk_caps
     return options
 
 

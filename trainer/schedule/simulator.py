@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainer.schedule.core import Action, Op, PipelineShape, Policy, StageState
 from trainer.schedule.costs import CostTable
@@ -52,6 +52,8 @@ class SimResult:
     """Compute time of each stage."""
     peak_inflight: list[int]
     """Peak activations held per stage, in chunk units (one chunk = 1/v of a stage)."""
+    peak_inflight_per_chunk: list[tuple[int, ...]] = field(default_factory=list)
+    """Per stage, the peak held in each of its chunks."""
     timeline: list[OpRecord] | None = None
     """Every executed action, when the run was asked to record them."""
     edge_transfer: list[float] | None = None
@@ -137,6 +139,7 @@ def simulate(
     return SimResult(
         schedule=policies[0].name, shape=shape, step_time=finish, busy=busy,
         peak_inflight=[st.peak_inflight for st in states], timeline=timeline,
+        peak_inflight_per_chunk=[tuple(st.peak_inflight_per_chunk) for st in states],
         edge_transfer=list(edge_transfer),
     )
 
