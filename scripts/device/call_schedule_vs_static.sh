@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One 4-GPU device call (< 10 min) of the schedule-vs-static experiment for ONE scenario (a, c or d):
 # python -m trainer.bench.run with --time-limit (the lines finished by then are written, and the result
-# file says it was cut off), the dated result file and its timelines under $OUT (7 lines: 8 files), and
+# file says it was cut off), the dated result file and its timelines under $OUT (8 lines: 9 files), and
 # each scenario's three ratios printed (vs megatron-core's best eager line, vs the best graphed static
 # order, step vs the balanced limit).
 #   run(command="bash scripts/device/call_schedule_vs_static.sh a", kind="nvidia-h100-x4", carry=[".whl"])

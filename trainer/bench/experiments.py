@@ -136,12 +136,12 @@ EXPERIMENTS = {e.name: e for e in (
         "schedule-vs-static",
         "How much of DPP's speed-up over megatron-core is the dynamic schedule, and how much the CUDA "
         "graphs? Megatron-core's best eager 1F1B, the static orders (1F1B, interleaved, ZB-H1) replayed by the "
-        "DPP runtime through the same graph slots, and graphed dpp / dpp-zb / v=2 dpp at the interleaved "
-        "order's memory: three ratios per scenario (vs megatron, vs the best graphed static order, step vs "
-        "the balanced limit).",
+        "DPP runtime through the same graph slots, and graphed dpp / dpp-zb at v=1 and v=2 (each chunk's slots "
+        "the interleaved order's): three ratios per scenario (vs megatron, vs the best graphed static order, "
+        "step vs the balanced limit).",
         "pipeline", 4,
         lines=("megatron-1f1b-best", "1f1b-graphs", "interleaved-graphs", "zb-h1-graphs", "dpp-graphs",
-               "dpp-zb-graphs", "dpp-graphs-v2-parity"),
+               "dpp-zb-graphs", "dpp-graphs-v2", "dpp-zb-graphs-v2"),
         scenarios=("a", "c", "d"), args=("--threads", "4", "--line-timeout", "90")),
     Experiment(
         "layouts",

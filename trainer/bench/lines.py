@@ -71,6 +71,8 @@ CATALOGUE = {
                        ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2"], True),
     "dpp-graphs-v2-rc": ("--use-dpp --dpp-cuda-graphs --recompute-activations, v=2", 2,
                          ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--recompute-activations"], True),
+    # Graphed v=2 dynamic lines: each chunk held to what the interleaved order holds in it (--dpp-chunk-caps
+    # auto), so their slots per chunk are interleaved-graphs' (dpp: the same memory; dpp-zb: plus its W's).
     "dpp-graphs-v2": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs, v=2", 2,
                       ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
     "dpp-graphs-v2-cf1.25": ("--use-dpp --dpp-cuda-graphs --dpp-cap-factor 1.25, v=2", 2,
@@ -116,13 +118,16 @@ CATALOGUE = {
     "zb-h1-graphs": ("--use-dpp --dpp-policy zb-h1 --dpp-cuda-graphs (the static ZB-H1 order, F, I and W graphs per "
                      "slot, p slots on every stage: what ZB-H1 holds)", 1,
                      ["--use-dpp", "--dpp-policy", "zb-h1", "--dpp-cuda-graphs"], True),
-    # v=2 at memory parity with interleaved-graphs: the dynamic policy captures its whole cap in *each* chunk
-    # (a forward may take any chunk's slot), the interleaved order only what it holds per chunk, so enough
-    # slots per stage recompute the core attention (--dpp-recompute-slots, each chunk's) to come within 1.10x
-    # of the interleaved order's slot memory; counts from parity_recompute_slots for the call's PP and M.
-    "dpp-graphs-v2-parity": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs --dpp-recompute-slots <per stage>, v=2 "
-                             "(recomputing slots chosen for <= 1.10x interleaved-graphs' slot memory)", 2,
-                             ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs"], True),
+    # v=2 at memory parity by recompute, the earlier way to it: without per-chunk caps (--dpp-chunk-caps none)
+    # the dynamic policy captures its whole cap in *each* chunk (a forward may take any chunk's slot), the
+    # interleaved order only what it holds per chunk, so enough slots per stage recompute the core attention
+    # (--dpp-recompute-slots, each chunk's) to come within 1.10x of the interleaved order's slot memory;
+    # counts from parity_recompute_slots for the call's PP and M. The graphed v=2 lines above reach parity
+    # with per-chunk caps instead (the default), without recompute.
+    "dpp-graphs-v2-parity": ("--use-dpp --dpp-policy dpp --dpp-cuda-graphs --dpp-chunk-caps none --dpp-recompute-slots "
+                             "<per stage>, v=2 (recomputing slots chosen for <= 1.10x interleaved-graphs' slot memory)",
+                             2, ["--use-dpp", "--dpp-policy", "dpp", "--dpp-cuda-graphs", "--dpp-chunk-caps", "none"],
+                             True),
     "1f1b-eager": ("--use-dpp --dpp-eager --dpp-policy 1f1b (megatron-core's 1F1B order in the DPP runtime, eager)",
                    1, ["--use-dpp", "--dpp-eager", "--dpp-policy", "1f1b"], True),
     "interleaved-eager": ("--use-dpp --dpp-eager --dpp-policy interleaved, v=2 (the interleaved order in the DPP "
@@ -145,8 +150,9 @@ trainer/pipeline/cuda_graphs.py)."""
 
 def parity_recompute_slots(pp: int, microbatches: int, vp: int = 2, bound: float = 1.10) -> tuple[int, ...]:
     """Per stage, how many of each chunk's graph slots the dynamic policy must capture recomputing so its
-    slot memory stays within ``bound`` x the interleaved order's: the dynamic policy holds its cap in every
-    chunk, the interleaved order its own peak per chunk (trainer.pipeline.runtime.graph_slots)."""
+    slot memory stays within ``bound`` x the interleaved order's, without per-chunk caps (``--dpp-chunk-caps
+    none``): the dynamic policy then holds its cap in every chunk, the interleaved order its own peak per
+    chunk (trainer.pipeline.runtime.graph_slots)."""
     from trainer.schedule.core import PipelineShape
     from trainer.schedule.dynamic import one_f_one_b_cap
     from trainer.schedule.registry import make_policy
