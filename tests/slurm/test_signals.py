@@ -6,12 +6,14 @@ each job trains TRAIN_ITERS iterations and is interrupted in its own way:
 * ``ranks-term``: ``scancel --signal=TERM`` reaches the ranks only. Before: they checkpointed and
   exited 0, and the job ended COMPLETED after a few of its iterations.
 * ``usr1-start-batch`` / ``usr1-start-ranks``: USR1 to the batch shell as soon as it runs (its trap,
-  set by the file's first lines, seen in /proc), long before srun, or to the ranks as soon as their
-  step exists. Before: the ranks had no handler until set-up was done and died of it; the batch
-  shell had no trap yet while it probed the node addresses. Now the shell's trap comes first and
-  the ranks note the signal before importing torch; only the interpreter's own start (a fraction of
-  a second) remains, where a rank still dies and the job ends FAILED, which the invariant below
-  allows (the shell's own start is waited out: a signal there would end the job whatever it held).
+  set by the file's first lines, seen in /proc), long before srun, or to the ranks as soon as every
+  one of them has its early handlers (its file in the job's ready folder), while they still import
+  torch. Before: the ranks had no handler until set-up was done and died of it; the batch shell had
+  no trap yet while it probed the node addresses. Now the shell's trap comes first and the ranks
+  note the signal before importing torch. Both ends are waited out because no process can catch a
+  signal there: the shell's own start, and a rank's interpreter start (a signal to the step before
+  Slurm has started its tasks reaches nobody at all, and the job trains on as if never interrupted).
+  Each of the three is a polite stop, asserted as such.
 
 Whatever happens, a job that ends COMPLETED must have logged its last iteration; a requeued one is
 released at once (tests/slurm/test_chain.py's release_when_held) and must then finish for real.
@@ -175,6 +177,17 @@ def batch_shell_traps(job_id: str, signum: int) -> bool:
     return False
 
 
+def ranks_ready(job_id: str, log: Path) -> bool:
+    """Whether every rank of the training step has its early USR1/TERM handlers in place: each leaves a
+    file in the job's ready folder (trainer/launch/early_signals.py) before it imports torch. A signal to
+    the step before its tasks exist reaches no process (Slurm signals the tasks it has started), and the
+    job then trains to the end as if never interrupted; before a rank's handlers, the default action
+    ends it."""
+    ranks = re.search(r"^train: .* (\d+) ranks, ", log.read_text(), re.M)
+    ready = log.parent / f".train-ready-{job_id}"
+    return ranks is not None and ready.is_dir() and len(list(ready.iterdir())) >= int(ranks.group(1))
+
+
 def interrupt(kind: str, job_id: str, log: Path) -> None:
     wait_until_running(job_id)
     if kind == "usr1-start-batch":  # the batch shell, before srun exists
@@ -182,10 +195,9 @@ def interrupt(kind: str, job_id: str, log: Path) -> None:
                    job_id)
         slurm.run(["scancel", "--batch", "--signal=USR1", job_id])
         return
-    if kind == "usr1-start-ranks":  # the ranks, as soon as their step exists (still importing torch)
+    if kind == "usr1-start-ranks":  # the ranks, as soon as they catch it (still importing torch)
         wait_until(lambda: log.exists() and "restart 0" in log.read_text(), TIMEOUT_S, "the srun line", job_id)
-        wait_until(lambda: f"{job_id}." in slurm.run(["squeue", "--steps", "--noheader", "-j", job_id]),
-                   TIMEOUT_S, "the training step", job_id)
+        wait_until(lambda: ranks_ready(job_id, log), TIMEOUT_S, "every rank's early signal handlers", job_id)
         slurm.run(["scancel", "--signal=USR1", job_id])
         return
     wait_until(lambda: last_iteration(log) >= 3, TIMEOUT_S, "iteration 3", job_id)
@@ -253,13 +265,11 @@ def test_an_interrupted_training_job_is_never_completed_early(kind, jobs):
     if state == "COMPLETED":
         assert last_iteration(log) == TRAIN_ITERS, text[-4000:]
         assert restarts >= 1, text[-4000:]  # it only completed through a requeue
-    if kind in ("ranks-term", "usr1-start-batch"):  # a polite stop: checkpoint, requeue, resume, finish
-        assert (state, "on signal" in text) == ("COMPLETED", True), f"{state}\n{text[-4000:]}"
-        # ... the batch shell's own requeue, of a plain job by its id (an array task's:
-        # tests/slurm/test_sweep_arrays.py)
-        assert f"requeueing job {job_id} to resume" in text, text[-4000:]
-    else:
-        assert state != "COMPLETED" or restarts >= 1, f"{state}\n{text[-4000:]}"
+    # Each is a polite stop: checkpoint, requeue, resume, finish ...
+    assert (state, "on signal" in text) == ("COMPLETED", True), f"{state}\n{text[-4000:]}"
+    # ... the batch shell's own requeue, of a plain job by its id (an array task's:
+    # tests/slurm/test_sweep_arrays.py)
+    assert f"requeueing job {job_id} to resume" in text, text[-4000:]
 
 
 @pytest.fixture(scope="module")
