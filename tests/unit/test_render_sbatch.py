@@ -44,6 +44,15 @@ case "${FAKE_RANKS:-done}" in
         for ((i = 0; i < ${ntasks:-1}; i++)); do : > "$MDPP_READY_DIR/rank$i"; done
         for _ in $(seq 200); do sleep 0.1; done
         exit 9 ;;
+    killed-on-signal-peer-noticed)  # the same, but rank 0 noticed its killed peer first and recorded it
+        echo started > "$FAKE_SRUN_LOG.started"
+        trap 'echo USR1 >> "$FAKE_SRUN_LOG.signals"
+              record "failed at iteration 5: rank 0 on node1 (rank 1 lost): TransportError: peer rank 1 is probably dead"
+              exit 137' USR1
+        ntasks=$(printf '%s\n' "$@" | sed -n 's/^--ntasks=//p')
+        for ((i = 0; i < ${ntasks:-1}; i++)); do : > "$MDPP_READY_DIR/rank$i"; done
+        for _ in $(seq 200); do sleep 0.1; done
+        exit 9 ;;
 esac
 """
 # Answers `show job` with FAKE_JOB_STATE (RUNNING unless a test says Slurm is ending the job) and
@@ -262,16 +271,21 @@ def test_a_signal_to_the_batch_shell_reaches_the_ranks_as_usr1_and_requeues(tmp_
     assert (tmp_path / "srun.argv.scontrol").read_text() == "requeue 7\n"
 
 
-@pytest.mark.parametrize(("signame", "job_state", "status", "requeued"), [
-    ("TERM", "RUNNING", 0, True),        # scancel --full --signal=TERM: resume from the last periodic save
-    ("TERM", "COMPLETING", 75, False),   # Slurm is ending the job (scancel, requeue): its decision stands
-    ("USR1", "RUNNING", 137, False),     # srun does not kill on USR1: ranks that died without a record failed
+@pytest.mark.parametrize(("signame", "ranks", "job_state", "status", "requeued"), [
+    ("TERM", "killed-on-signal", "RUNNING", 0, True),  # scancel --full --signal=TERM: resume from the last save
+    ("TERM", "killed-on-signal-peer-noticed", "RUNNING", 0, True),  # rank 0 recorded its killed peer first
+    ("TERM", "killed-on-signal", "COMPLETING", 75, False),  # Slurm is ending the job: its decision stands
+    ("USR1", "killed-on-signal", "RUNNING", 137, False),  # srun does not kill on USR1: such ranks failed
+    ("USR1", "killed-on-signal-peer-noticed", "RUNNING", 137, False),  # ... and a failure recorded stays one
 ])
-def test_ranks_killed_after_a_term_to_the_whole_job_requeue_it(tmp_path, signame, job_state, status, requeued):
+def test_ranks_killed_after_a_term_to_the_whole_job_requeue_it(tmp_path, signame, ranks, job_state, status,
+                                                                requeued):
     """TERM to the batch shell and srun together (`scancel --full --signal=TERM`): srun SIGKILLs the
-    ranks, which leave no checkpoint and no record. Before: the job ended FAILED; now it is requeued
-    while it still runs, and resumes from its last periodic checkpoint."""
-    done = signal_the_batch_shell(tmp_path, signame, FAKE_RANKS="killed-on-signal", FAKE_JOB_STATE=job_state)
+    ranks, which leave no checkpoint and no record -- or, where rank 0 outlived a killed peer by the
+    moment it takes to notice, its "failed" record of that peer's loss (seen in a CI run: the job ended
+    FAILED). Before: the job ended FAILED; now it is requeued while it still runs, and resumes from its
+    last periodic checkpoint."""
+    done = signal_the_batch_shell(tmp_path, signame, FAKE_RANKS=ranks, FAKE_JOB_STATE=job_state)
     assert done.returncode == status, done.stdout + done.stderr
     scontrol = tmp_path / "srun.argv.scontrol"
     assert (scontrol.read_text() == "requeue 7\n") if requeued else not scontrol.exists(), done.stderr
