@@ -73,26 +73,17 @@ def run_once(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: 
     return simulator(shape, policies, costs.draw(shape, np.random.default_rng(seed)), record=record)
 
 
-@dataclass(frozen=True)
-class _Caps:
-    cap: int
-    live_cap: int | None
-
-
 def describe_caps(policies: list[Policy]) -> str:
     caps = [getattr(p, "cap", None) for p in policies]
     if any(c is None for c in caps):
         return "-"
-    chunk_caps = [getattr(p, "chunk_caps", None) for p in policies]
-    if any(c is not None for c in chunk_caps):  # per chunk in brackets after each stage's caps
-        plain = describe_caps([_Caps(p.cap, getattr(p, "live_cap", None)) for p in policies]).split(",")
-        return ",".join(f"{text}[{'+'.join(map(str, c))}]" if c else text
-                        for text, c in zip(plain, chunk_caps, strict=True))
     lives = [getattr(p, "live_cap", None) for p in policies]
-    if all(live is None for live in lives):
-        return ",".join(map(str, caps))
-    # A stage with no live cap (dpp-zb's stage 0, which runs whole backwards) shows its held cap alone.
-    return ",".join(str(c) if live is None else f"{c}/{live}" for c, live in zip(caps, lives, strict=True))
+    # A stage with no live cap (dpp per stage; dpp-zb's stage 0, which runs whole backwards) shows its held
+    # cap alone; per-chunk caps follow in brackets.
+    texts = [str(c) if live is None else f"{c}/{live}" for c, live in zip(caps, lives, strict=True)]
+    chunk_caps = [getattr(p, "chunk_caps", None) for p in policies]
+    return ",".join(text if c is None else f"{text}[{'+'.join(map(str, c))}]"
+                    for text, c in zip(texts, chunk_caps, strict=True))
 
 
 def compare(specs: list[ScheduleSpec], num_stages: int, num_microbatches: int, costs: CostModel,
