@@ -351,7 +351,7 @@ leftover_step_daemons() {
 
 cmd_down() {
     export SLURM_CONF=$CONF
-    local i jobs pid
+    local jobs pid
     if running_pid slurmctld >/dev/null; then
         jobs=$(squeue -h -o %A 2>/dev/null | tr '\n' ' ')
         if [[ -n ${jobs// /} ]]; then
@@ -362,10 +362,18 @@ cmd_down() {
             # a checkpoint first. Stopping slurmd sooner would leave them running without a job.
             local kill_wait
             kill_wait=$(sed -n 's/^KillWait=\([0-9]*\).*/\1/p' "$CONF" | tail -1)
-            for ((i = 0; i < (${kill_wait:-30} + 15) * 5; i++)); do
-                [[ -z $(squeue -h -o %A 2>/dev/null) ]] && break
-                sleep 0.2
+            local left t0=$SECONDS report=$((SECONDS + 10))
+            while ((SECONDS - t0 < ${kill_wait:-30} + 15)); do
+                left=$(squeue -h -o '%A %T' 2>/dev/null | tr '\n' ' ')
+                [[ -z ${left// /} ]] && break
+                # Every 10 s, what is still there (a job stuck COMPLETING waits on a step daemon).
+                if ((SECONDS >= report)); then
+                    log "waiting for jobs to end ($((SECONDS - t0)) s): $left"
+                    report=$((SECONDS + 10))
+                fi
+                sleep 0.5
             done
+            [[ -z ${left// /} ]] || log "jobs still listed after $((SECONDS - t0)) s, stopping the daemons anyway: $left"
         fi
     fi
     # Slurm's daemons first (slurmdbd still needs MariaDB and munge to shut down cleanly).

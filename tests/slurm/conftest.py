@@ -46,7 +46,8 @@ def run_command(args: Sequence[str], timeout: float, **kwargs) -> subprocess.Com
     try:
         proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **kwargs)
     except subprocess.TimeoutExpired as error:
-        raise AssertionError(f"`{' '.join(args)}` did not finish within {timeout:.0f} s") from error
+        said = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else (error.stderr or "")
+        raise AssertionError(f"`{' '.join(args)}` did not finish within {timeout:.0f} s; it said:\n{said}") from error
     return proc
 
 
