@@ -400,7 +400,7 @@ class TrainingSession:
             log.info("stage %d: split backward: %d Transformer Engine weight GEMM(s) deferred to W, %d run in their "
                      "backward (no I open)", stage, split.te_deferred, split.te_at_once)
         if context is not None and context.landing_checks:
-            log.info("stage %d: dpp-zb looked %d time(s) whether gradients had landed, %.3f s of host time in all",
+            log.info("stage %d: dpp-zb looked %d time(s) whether inputs had landed, %.3f s of host time in all",
                      stage, context.landing_checks, context.landing_check_s)
         bound = context.run_ahead if context is not None else None
         if bound is not None:

@@ -280,17 +280,21 @@ def test_dpp_per_chunk_caps_match_the_reference(policy: str, references, tmp_pat
                   + ["--use-dpp", "--dpp-policy", policy, "--dpp-chunk-caps", "interleaved"], tmp_path)
 
 
-# dpp-zb asks the links whether a gradient's payload has landed (StageLinks.landed): a landed
+# dpp-zb asks the links whether an input's payload has landed (StageLinks.landed): a landed
 # gradient's I goes before a travelling one's, and while every ready gradient travels a deferred W
-# runs. CPU payloads are always there, so the harness makes the links answer "not yet" to each
-# odd microbatch's gradient's first two looks (--landing-delay, a stand-in for GPU copies in flight): the order of the
-# ops changes, the maths must not, and the run must not stall on a gradient said to be travelling.
-# Who looks: a stage that splits its backward and receives gradients. dpp-zb leaves stage 0 unsplit at
-# v=1 (its input gradients feed nobody) and the last stage receives none; with v=2 every stage does both.
+# runs; at v=2 a forward whose activation travels waits behind a landed forward, I or W. CPU payloads
+# are always there, so the harness makes the links answer "not yet" to each odd microbatch's input's
+# first two looks (--landing-delay, a stand-in for GPU copies in flight): the order of the
+# ops changes, the maths must not, and the run must not stall on an input said to be travelling.
+# Who looks: a stage that splits its backward and receives gradients (dpp-zb leaves stage 0 unsplit at
+# v=1, its input gradients feed nobody, and the last stage receives none), and at v=2 every stage at its
+# activations too (each receives some: chunk 1's on stage 0 come from the last stage).
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("layout", "looking"), [("gpt-pp4", {1, 2}), ("gpt-pp4-vp2", {0, 1, 2, 3})])
-def test_dpp_zb_matches_the_reference_while_gradients_are_in_transit(layout: str, looking: set[int], references,
-                                                                    tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layout", "looking", "at_activations"),
+                         [("gpt-pp4", {1, 2}, False), ("gpt-pp4-vp2", {0, 1, 2, 3}, True)])
+def test_dpp_zb_matches_the_reference_while_inputs_are_in_transit(layout: str, looking: set[int],
+                                                                 at_activations: bool, references,
+                                                                 tmp_path: Path) -> None:
     model, world, flags = LAYOUTS[layout]
     args = TINY + MODELS[model] + flags + ["--use-dpp", "--dpp-policy", "dpp-zb"]
     _check_layout(layout, references[model], args, tmp_path, harness=["--landing-delay", "2"])
@@ -298,8 +302,9 @@ def test_dpp_zb_matches_the_reference_while_gradients_are_in_transit(layout: str
         counts = json.loads((tmp_path / f"landing_rank{rank}.json").read_text())
         if rank in looking:  # told both "travelling" (odd) and "landed" (even)
             assert counts["not_landed"] > 0 and counts["looks"] > counts["not_landed"], (rank, counts)
+            assert (counts["not_landed_act"] > 0) == at_activations, (rank, counts)
         else:
-            assert counts == {"looks": 0, "not_landed": 0}, (rank, counts)
+            assert counts == {"looks": 0, "not_landed": 0, "not_landed_act": 0}, (rank, counts)
 
 
 def _check_overlapped(tmp_path: Path, world: int, megatron: bool) -> None:

@@ -127,6 +127,7 @@ def delay_landing(looks: int, counts: dict[str, int]) -> None:
                 n = seen[id(message)] = seen.get(id(message), 0) + 1
                 if message.header.microbatch % 2 == 1 and n <= looks:
                     counts["not_landed"] += 1
+                    counts["not_landed_act"] += message.header.kind == "act"
                     return False
                 return _original(self, message)
             cls.landed = landed
@@ -223,7 +224,7 @@ def build_hooks(args: argparse.Namespace) -> TrainHooks:
     rank = int(__import__("os").environ.get("RANK", "0"))
     topo_box: dict = {}
     losses: dict[int, dict] = {}
-    landing = {"looks": 0, "not_landed": 0}
+    landing = {"looks": 0, "not_landed": 0, "not_landed_act": 0}
     if args.landing_delay:
         delay_landing(args.landing_delay, landing)
     reductions = {"started_before": 0, "started_at_finish": 0}

@@ -148,7 +148,7 @@ def test_data_aware_needs_host_ahead_on_the_cli(capsys: pytest.CaptureFixture[st
 
 
 def _landed_gradient_draws(count: int) -> None:
-    """The schedule's invariants under the fill_transit rule, which only acts where arrival is not landing
+    """The schedule's invariants under the fill_transit and land_forwards rules, which only act where arrival is not landing
     (host-time decisions, data-aware): over ``count`` random shapes, costs, options and host latencies no
     stage deadlocks (DeadlockError), every op runs once and only when ready (StageState asserts), and
     no stage holds more activations than its cap. The same seed: a smaller count checks the first draws
@@ -161,7 +161,8 @@ def _landed_gradient_draws(count: int) -> None:
         options = {"cap_factor": float(rng.choice([1.0, 1.5, 2.0])),
                    "priority": str(rng.choice(["forward", "backward"])),
                    "weight_order": str(rng.choice(["oldest", "youngest"])),
-                   "split_first_stage": bool(rng.integers(2)), "fill_transit": bool(rng.integers(4))}
+                   "split_first_stage": bool(rng.integers(2)), "fill_transit": bool(rng.integers(4)),
+                   "land_forwards": (None, True, False)[int(rng.integers(3))]}
         shape = PipelineShape(p, m_count, v)
         policies = [make_policy("dpp-zb", shape, s, **options) for s in range(p)]
         costs = CostModel(forward=float(rng.uniform(0.3, 2)), input_grad=float(rng.uniform(0.3, 2)),

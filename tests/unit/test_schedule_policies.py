@@ -189,6 +189,45 @@ def test_dpp_zb_first_stage_runs_w_to_unblock_a_forward_before_an_i_that_feeds_n
         assert policy.choose(state) == expected, stage
 
 
+def test_dpp_zb_at_v2_runs_a_landed_op_before_a_forward_whose_activation_is_on_its_way():
+    """DynamicOptions.land_forwards: the forward it would run next (depth first: chunk 1) has its header
+    but not its data; a landed forward goes first, then a landed gradient's I, then a deferred W, and the
+    travelling forward only when nothing landed is ready."""
+    shape = PipelineShape(4, 8, 2)
+    state = StageState(shape, 1, split_backward=True)
+    policy = make_policy("dpp-zb", shape, 1)
+    assert policy.tracks_activation_landing and policy.tracks_landing
+    state.mark_activation_arrived(0, 0, landed=False)
+    assert state.acts_in_transit == {(0, 0)}
+    assert policy.choose(state) == Action(Op.F, 0, 0)  # nothing landed is ready: queue it after all
+    state.mark_activation_arrived(1, 0)
+    assert policy.choose(state) == Action(Op.F, 1, 0)  # the landed forward first
+    for action in (Action(Op.F, 0, 0), Action(Op.F, 1, 0)):
+        state.mark_done(action)
+    assert state.acts_in_transit == set()
+    state.mark_activation_arrived(0, 1)
+    state.mark_done(Action(Op.F, 0, 1))
+    state.mark_grad_arrived(0, 1)
+    state.mark_done(Action(Op.I, 0, 1))
+    state.mark_activation_arrived(1, 1, landed=False)  # depth first: F1.c1 is the forward it would run
+    assert policy.choose(state) == Action(Op.W, 0, 1)  # a deferred W meanwhile
+    state.mark_grad_arrived(0, 0)
+    assert policy.choose(state) == Action(Op.I, 0, 0)  # a landed gradient's I before that W
+    state.mark_activation_landed(1, 1)
+    assert policy.choose(state) == Action(Op.F, 1, 1)  # landed: the forward goes first again
+    # The header alone decides where the option is off: at v = 1, without fill_transit, and for dpp.
+    assert not make_policy("dpp-zb", PipelineShape(4, 8), 1).tracks_activation_landing
+    assert not make_policy("dpp-zb", shape, 1, fill_transit=False).tracks_activation_landing
+    assert not make_policy("dpp", shape, 1).tracks_activation_landing
+    off = make_policy("dpp-zb", shape, 1, land_forwards=False)
+    state.mark_activation_arrived(2, 0, landed=False)
+    state.mark_done(Action(Op.I, 0, 0))
+    assert off.choose(state) == Action(Op.F, 1, 1) and not off.tracks_activation_landing
+    state.acts_in_transit.add((1, 1))
+    assert off.choose(state) == Action(Op.F, 1, 1)
+    assert make_policy("dpp", shape, 1, land_forwards=True).tracks_activation_landing
+
+
 def _stage1_of_four_with_two_live_and_one_w() -> tuple[PipelineShape, StageState]:
     """PP=4, stage 1 (live cap 3, held cap 4): F0..F2 ran, I0 ran (W0 deferred), F3's activation is
     not here; gradients of microbatches 1 and 2 arrive below."""

@@ -302,8 +302,10 @@ class ParallelConfig:
     dpp_fill_transit: bool = True
     """dpp-zb: while every ready input gradient is still on its way to this GPU (its header comes
     when the neighbour *queued* the op making it), run a deferred W meanwhile, and a landed gradient's
-    I before a travelling one's (``--no-dpp-fill-transit``: decide on headers alone, the earlier
-    behaviour; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit."""
+    I before a travelling one's; at v > 1 likewise a landed forward, I or W before a forward whose
+    activation is still on its way (``--no-dpp-fill-transit``: decide on headers alone, the earlier
+    behaviour; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit and
+    land_forwards."""
     dpp_sp_wgrad_input: Literal["keep", "regather"] = "keep"
     """Split backward (dpp-zb, zb-h1) with --sequence-parallel: a column-parallel linear's deferred
     weight GEMM needs its input gathered over TP. ``keep`` (default) keeps the gathered input from the

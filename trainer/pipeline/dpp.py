@@ -92,8 +92,8 @@ class DppContext:
     peak_inflight: int = field(default=0, init=False)
     """Largest number of held activations seen in the last step (for logs/benchmarks)."""
     landing_checks: int = field(default=0, init=False)
-    """dpp-zb (fill_transit): how often this rank asked the transport whether a gradient had landed,
-    and the host time those looks took in all (end-of-run log line)."""
+    """dpp-zb (fill_transit, land_forwards): how often this rank asked the transport whether an input
+    had landed, and the host time those looks took in all (end-of-run log line)."""
     landing_check_s: float = field(default=0.0, init=False)
     policy_factory: Callable[[int], Policy] | None = None
     """num_microbatches -> this stage's policy for that many microbatches. Policies are built for one
@@ -206,8 +206,11 @@ class _Step:
         # Summed where the loss lives (never copied to the host inside the step: that would sync).
         self.num_tokens: torch.Tensor | None = None
         self.decisions = 0
-        # dpp-zb: which arrived gradients are still on their way to this device (policy fill_transit)
+        # dpp-zb: which arrived gradients (policy fill_transit) and, at v > 1, activations (land_forwards)
+        # are still on their way to this device
         self._tracks_landing = bool(getattr(ctx.policy, "tracks_landing", False)) and ctx.links is not None
+        self._tracks_act_landing = (bool(getattr(ctx.policy, "tracks_activation_landing", False))
+                                    and ctx.links is not None)
 
     # ---- data ------------------------------------------------------------------------------
     def _data_source(self, data_iterator) -> MicrobatchData:
@@ -300,10 +303,13 @@ class _Step:
 
     def _choose(self) -> Action | None:
         if not self.forward_only:
-            if self.state.grads_in_transit:  # look again at the gradients still on their way
+            state = self.state
+            if state.grads_in_transit or state.acts_in_transit:  # look again at the inputs still on their way
                 ctx, start = self.ctx, time.perf_counter()
-                for key in [k for k in self.state.grads_in_transit if ctx.links.landed(self.grads[k])]:
-                    self.state.mark_grad_landed(*key)
+                for key in [k for k in state.grads_in_transit if ctx.links.landed(self.grads[k])]:
+                    state.mark_grad_landed(*key)
+                for key in [k for k in state.acts_in_transit if ctx.links.landed(self.acts[k])]:
+                    state.mark_activation_landed(*key)
                 ctx.landing_checks += 1
                 ctx.landing_check_s += time.perf_counter() - start
             return self.ctx.policy.choose(self.state)
@@ -340,7 +346,7 @@ class _Step:
         if h.kind == "act":
             assert key not in self.acts, f"rank {self.rank}: activation {key} arrived twice"
             self.acts[key] = msg
-            self.state.mark_activation_arrived(*key)
+            self.state.mark_activation_arrived(*key, landed=not self._tracks_act_landing)
         else:
             assert key not in self.grads, f"rank {self.rank}: gradient {key} arrived twice"
             self.grads[key] = msg

@@ -119,6 +119,9 @@ class StageState:
     looked, is not on its device yet (a host-time runtime learns of a gradient when the sender
     *queued* it; :meth:`mark_grad_landed` when it is there). Empty where arrival means the data is
     there (the GPU-time simulator, CPU runs)."""
+    acts_in_transit: set[tuple[int, int]] = field(default_factory=set)
+    """The same for ``activations_arrived``: header here, data (as far as this stage has looked)
+    not yet on its device (:meth:`mark_activation_landed`)."""
     inflight: int = 0
     """Forwards whose activations are still held (F done, backward not finished)."""
     peak_inflight: int = 0
@@ -185,8 +188,11 @@ class StageState:
         return Op.I if self.split_backward else Op.B
 
     # ---- events ------------------------------------------------------------------------------
-    def mark_activation_arrived(self, microbatch: int, chunk: int) -> None:
+    def mark_activation_arrived(self, microbatch: int, chunk: int, landed: bool = True) -> None:
+        """The activation's header is here; ``landed=False``: its data is still on the way."""
         self.activations_arrived.add((microbatch, chunk))
+        if not landed:
+            self.acts_in_transit.add((microbatch, chunk))
         if (microbatch, chunk) not in self._done_keys[Op.F]:
             self._ready[Op.F].add(Action(Op.F, microbatch, chunk))
 
@@ -200,6 +206,9 @@ class StageState:
     def mark_grad_landed(self, microbatch: int, chunk: int) -> None:
         self.grads_in_transit.discard((microbatch, chunk))
 
+    def mark_activation_landed(self, microbatch: int, chunk: int) -> None:
+        self.acts_in_transit.discard((microbatch, chunk))
+
     def mark_done(self, action: Action) -> None:
         assert action not in self.done, f"stage {self.stage}: {action} ran twice"
         # The ready set is kept equal to is_ready() (tests check it): an O(1) readiness check.
@@ -209,6 +218,7 @@ class StageState:
         m, c = action.microbatch, action.chunk
         self._done_keys[action.op].add((m, c))
         if action.op is Op.F:
+            self.acts_in_transit.discard((m, c))
             self.inflight += 1
             self.inflight_per_chunk[c] += 1
             self.peak_inflight_per_chunk[c] = max(self.peak_inflight_per_chunk[c], self.inflight_per_chunk[c])

@@ -16,8 +16,8 @@ that arrived by ``h``; the op is queued (``h += launch``), runs on the GPU from
 ``h + header_latency`` and its data at ``end + edge transfer``. ``max_queued_ops = K`` is the
 runtime's ``--dpp-max-queued-ops``: the host decides only once at most K of its queued ops are
 unfinished on the GPU (K = None: unbounded, the runtime's default). ``data_aware``: the host also
-knows, when it decides, which arrived gradients have landed on its GPU (``StageState.
-grads_in_transit``), as the runtime does for dpp-zb (``StageLinks.landed``: the transport looks at
+knows, when it decides, which arrived inputs have landed on its GPU (``StageState.grads_in_transit``,
+``acts_in_transit``), as the runtime does for dpp-zb (``StageLinks.landed``: the transport looks at
 the payload's GPU-side completion). Policies are the same objects
 the runtime and the GPU-time simulator use. Static schedules are unaffected in their order (they
 do not look at arrivals beyond readiness) but pay the same stream waits.
@@ -75,7 +75,7 @@ def simulate_host_ahead(
         state = states[s]
         if kind != _WAKE:  # a header: the input counts as arrived for the host from now on
             if kind == _ACTIVATION:
-                state.mark_activation_arrived(m, c)
+                state.mark_activation_arrived(m, c, landed=not data_aware or data_at[(s, _ACTIVATION, m, c)] <= now)
             else:
                 state.mark_grad_arrived(m, c, landed=not data_aware or data_at[(s, _GRADIENT, m, c)] <= now)
             wake(s, now)
@@ -89,9 +89,8 @@ def simulate_host_ahead(
                 wake_pending[s] = True
                 push(bound, _WAKE, s)
                 continue
-        if data_aware and state.grads_in_transit:  # the runtime looks at its in-transit gradients before deciding
-            for key in [k for k in state.grads_in_transit if data_at[(s, _GRADIENT, *k)] <= t]:
-                state.mark_grad_landed(*key)
+        if data_aware:  # the runtime looks at its in-transit inputs before deciding
+            _look_at_landing(state, s, t, data_at)
         action = policies[s].choose(state)
         if action is None:
             continue  # the next header for this stage wakes it
@@ -121,6 +120,14 @@ def _check(p: int, policies: Sequence[Policy], launch: float, header_latency: fl
         raise ValueError(f"max_queued_ops={max_queued_ops} must be >= 1 (or None: unbounded)")
     if launch < 0 or header_latency < 0:
         raise ValueError(f"launch={launch} and header_latency={header_latency} must be >= 0")
+
+
+def _look_at_landing(state: StageState, stage: int, now: float, data_at: dict) -> None:
+    """Mark the inputs whose data is on this stage's GPU by ``now`` as landed."""
+    for key in [k for k in state.grads_in_transit if data_at[(stage, _GRADIENT, *k)] <= now]:
+        state.mark_grad_landed(*key)
+    for key in [k for k in state.acts_in_transit if data_at[(stage, _ACTIVATION, *k)] <= now]:
+        state.mark_activation_landed(*key)
 
 
 def _input_ready(stage: int, action: Action, data_at: dict) -> float:

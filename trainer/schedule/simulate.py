@@ -156,6 +156,9 @@ def _parser() -> OneLineParser:
     add("--drain-lag", choices=("yes", "no"), default=None,
         help="dpp-zb at v=1: once a stage's forwards are done, keep ZB-H1's lag of s deferred weight"
         " gradients until its last input gradient (yes, default) or fill idle time with all of them (no)")
+    add("--land-forwards", choices=("yes", "no"), default=None,
+        help="with --host-ahead --data-aware: run a landed op instead of a forward whose activation is"
+        " still on the way (default yes for dpp-zb at v>1, no otherwise; DynamicOptions.land_forwards)")
     add("--host-ahead", action="store_true",
         help="decide at host time as the runtime does (trainer/schedule/host_ahead.py): an input is"
         " ready when its header arrives (posted when the producer is queued), each GPU runs its ops"
@@ -167,7 +170,7 @@ def _parser() -> OneLineParser:
         help="with --host-ahead: decide only with at most this many queued ops unfinished on the GPU"
         " (the runtime's --dpp-max-queued-ops; default 0 = unbounded)")
     add("--data-aware", action="store_true",
-        help="with --host-ahead: the host also knows which arrived gradients have landed on its GPU"
+        help="with --host-ahead: the host also knows which arrived inputs have landed on its GPU"
         " (the runtime does, for dpp-zb: StageLinks.landed)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
@@ -349,6 +352,8 @@ def _dynamic_options(args: argparse.Namespace, cap_factor: float) -> dict:
         options["reserve_owed"] = args.reserve_owed == "yes"
     if args.drain_lag is not None:
         options["drain_lag"] = args.drain_lag == "yes"
+    if args.land_forwards is not None:
+        options["land_forwards"] = args.land_forwards == "yes"
     if args.chunk_caps != "none":
         options["chunk_caps"] = args.chunk_caps
     return options
