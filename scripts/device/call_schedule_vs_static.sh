@@ -10,9 +10,10 @@
 # (trainer.measure.layer_halves), and the lines on the split the fit recommends -- in half layers where that is >= 2%
 # faster: per stage for the v=1 lines, per virtual stage for the v=2 lines. Without the rounds (the model's splits for
 # the 4xH200 costs, docs/schedules.md): --pipeline-stage-layers 4,4.5,4.5,3 --pipeline-stage-layers-vp 2,1.5,2,2,2.5,2.5,2.5,1
-# v=2 with the run-ahead bound lifted (the host-time model predicts dpp-zb v=2 far behind at the graphed default of one
-# queued op, level with the interleaved order unbounded; docs/schedules.md):
-#   ... a --lines interleaved-graphs,dpp-graphs-v2,dpp-zb-graphs-v2,dpp-graphs-v2-q0,dpp-zb-graphs-v2-q0 \
+# v=2, dpp-zb's forwards after their data landed (the default) against queued on their header (-headers) and with the
+# run-ahead bound lifted (-q0); the host-time model: 362.20 / 477.70 / 371.09 against the interleaved order's 369.69
+# (docs/schedules.md):
+#   ... a --lines interleaved-graphs,dpp-zb-graphs-v2,dpp-zb-graphs-v2-headers,dpp-zb-graphs-v2-q0,dpp-graphs-v2 \
 #       --pipeline-stage-layers-vp 2,1.5,2,2,2.5,2.5,2.5,1
 # CPU dry run of the same path: python -m trainer.bench.run schedule-vs-static --device cpu --scenarios a \
 #   --results /tmp/r --time-limit 900 -- --lines megatron-1f1b-best,1f1b-eager,dpp-zb

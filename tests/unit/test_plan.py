@@ -26,7 +26,7 @@ from trainer.schedule import layers as layer_split
 REPO = Path(__file__).resolve().parents[2]
 
 SCHEDULE_FLAGS = frozenset({"use_dpp", "dpp_policy", "dpp_cuda_graphs", "dpp_max_queued_ops", "dpp_max_inflight",
-                            "dpp_cap_factor", "dpp_fill_transit", "dpp_recompute_slots",
+                            "dpp_cap_factor", "dpp_fill_transit", "dpp_land_forwards", "dpp_recompute_slots",
                             "dpp_sp_wgrad_input", "dpp_eager", "dpp_held_cap"})
 """ParallelConfig fields that decide which schedule runs and with which options: the plan's alone."""
 DECIDERS = frozenset({"resolve_dpp_policy", "resolve_cuda_graphs", "auto_graph_problems", "uses_megatron_schedule",

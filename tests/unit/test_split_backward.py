@@ -315,6 +315,16 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
         parse_config([*base, "--dpp-eager", "--no-dpp-fill-transit"], world_size=2)
     assert not parse_config([*base, "--dpp-cuda-graphs", "--transformer-impl", "local", "--no-dpp-fill-transit"],
                             world_size=2).parallel.dpp_fill_transit
+    # --no-dpp-land-forwards only where dpp-zb runs with two or more chunks per stage, landing looked at
+    vp2 = [*base, "--dpp-cuda-graphs", "--transformer-impl", "local", "--num-virtual-stages-per-pipeline-rank", "2",
+           "--global-batch-size", "4"]
+    assert "land_forwards" not in resolve_plan(parse_config(vp2, world_size=2), 2).schedule.policy_kwargs
+    off = resolve_plan(parse_config([*vp2, "--no-dpp-land-forwards"], world_size=2), 2).schedule
+    assert off.policy == "dpp-zb" and off.policy_kwargs["land_forwards"] is False
+    for refused in ([*base, "--dpp-cuda-graphs", "--transformer-impl", "local"], [*vp2, "--dpp-policy", "dpp"],
+                    [*vp2, "--no-dpp-fill-transit"]):
+        with pytest.raises(ConfigError, match="--no-dpp-land-forwards applies to --use-dpp with dpp-zb, two or more"):
+            parse_config([*refused, "--no-dpp-land-forwards"], world_size=2)
 
 
 def test_te_split_backward_keeps_the_default_graphs(monkeypatch) -> None:

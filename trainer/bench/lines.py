@@ -105,6 +105,12 @@ CATALOGUE = {
     # once the chunks are split in half layers (--pipeline-stage-layers-vp / --resplit auto).
     "dpp-zb-graphs-v2": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs, v=2 (F, I and W graphs per slot of "
                          "each chunk)", 2, ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs"], True),
+    # The same, its forwards queued on their input's header (--no-dpp-land-forwards, the earlier behaviour): in the
+    # host-time model each waited on the stream for its activation, 29% behind the interleaved order at PP=4.
+    "dpp-zb-graphs-v2-headers": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --no-dpp-land-forwards, v=2 (a "
+                                 "forward is queued on its input's header, not after its data landed)", 2,
+                                 ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--no-dpp-land-forwards"],
+                                 True),
     # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the fair bars for the
     # dynamic policies -- same runtime, transport, graphs and run-ahead bound, only the order differs. Graphed,
     # each chunk gets as many slots as the order holds at most (ZB-H1: p on every stage; the log and the

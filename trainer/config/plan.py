@@ -62,6 +62,8 @@ class PolicyOptions:
     """--dpp-held-cap stage/peak; None for auto (the policy's own default)."""
     chunk_caps: str = "none"
     """--dpp-chunk-caps resolved: "interleaved" (each chunk held to the interleaved order's count) or "none"."""
+    land_forwards: bool | None = None
+    """False with --no-dpp-land-forwards (dpp-zb at v > 1); None: the policy's default."""
 
     def as_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"max_inflight": self.max_inflight, "cap_factor": self.cap_factor}
@@ -71,6 +73,8 @@ class PolicyOptions:
             out["fill_transit"] = self.fill_transit
         if self.cap_basis is not None:
             out["cap_basis"] = self.cap_basis
+        if self.land_forwards is not None:
+            out["land_forwards"] = self.land_forwards
         return out
 
 
@@ -343,7 +347,8 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
         basis = "peak" if fit else None if par.dpp_held_cap == "auto" else par.dpp_held_cap
         chunk_caps = resolve_chunk_caps(cfg, graphs)
         options = PolicyOptions(par.dpp_max_inflight, par.dpp_cap_factor,
-                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None, basis, chunk_caps)
+                                par.dpp_fill_transit if dpp_policy == "dpp-zb" else None, basis, chunk_caps,
+                                None if par.dpp_land_forwards else False)
         if chunk_caps != "none":
             named += ("; each chunk holds at most what the interleaved order holds in it (its CUDA graph slots: "
                       "--dpp-chunk-caps " + par.dpp_chunk_caps + ")")
@@ -420,6 +425,11 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
         p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses "
                  + resolve_dpp_policy(cfg)[1])
     par = cfg.parallel
+    if not par.dpp_land_forwards and not (par.use_dpp and resolve_dpp_policy(cfg)[0] == "dpp-zb"
+                                          and cfg.virtual_pipeline > 1 and par.dpp_fill_transit):
+        p.append("--no-dpp-land-forwards applies to --use-dpp with dpp-zb, two or more model chunks per stage and "
+                 f"without --no-dpp-fill-transit (there alone a forward waits for its activation to land); this run "
+                 f"uses {resolve_dpp_policy(cfg)[1]} with {cfg.virtual_pipeline} chunk(s) per stage")
     graphs = resolve_cuda_graphs(cfg)[0]
     if par.dpp_held_cap == "fit" and not fit_measurable(cfg, graphs):
         p.append("--dpp-held-cap fit measures the CUDA graph slots' memory at one chunk per stage: it needs the "

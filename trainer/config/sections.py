@@ -306,6 +306,11 @@ class ParallelConfig:
     activation is still on its way (``--no-dpp-fill-transit``: decide on headers alone, the earlier
     behaviour; for measurements). trainer/schedule/dynamic.py, DynamicOptions.fill_transit and
     land_forwards."""
+    dpp_land_forwards: bool = True
+    """dpp-zb with two or more chunks per stage: a forward whose activation is still on its way to this
+    GPU waits behind a landed forward, I or W (``--no-dpp-land-forwards``: queue it on its header, the
+    earlier behaviour, which the host-time model puts 29% behind at PP=4; for measurements).
+    trainer/schedule/dynamic.py, DynamicOptions.land_forwards."""
     dpp_sp_wgrad_input: Literal["keep", "regather"] = "keep"
     """Split backward (dpp-zb, zb-h1) with --sequence-parallel: a column-parallel linear's deferred
     weight GEMM needs its input gathered over TP. ``keep`` (default) keeps the gathered input from the
