@@ -421,15 +421,15 @@ def link_plan(cfg: TrainConfig, shape: PipelineShape) -> LinkPlan:
 def schedule_problems(cfg: TrainConfig) -> list[str]:
     """Every way the schedule the flags ask for cannot run, knowable before any process group."""
     p = split_backward_refusals(cfg)
-    if not cfg.parallel.dpp_fill_transit and not (cfg.parallel.use_dpp and resolve_dpp_policy(cfg)[0] == "dpp-zb"):
-        p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses "
-                 + resolve_dpp_policy(cfg)[1])
     par = cfg.parallel
-    if not par.dpp_land_forwards and not (par.use_dpp and resolve_dpp_policy(cfg)[0] == "dpp-zb"
-                                          and cfg.virtual_pipeline > 1 and par.dpp_fill_transit):
+    policy, policy_why = resolve_dpp_policy(cfg)
+    zb = par.use_dpp and policy == "dpp-zb"
+    if not par.dpp_fill_transit and not zb:
+        p.append("--no-dpp-fill-transit applies to --use-dpp with dpp-zb (only it defers W); this run uses " + policy_why)
+    if not par.dpp_land_forwards and not (zb and cfg.virtual_pipeline > 1 and par.dpp_fill_transit):
         p.append("--no-dpp-land-forwards applies to --use-dpp with dpp-zb, two or more model chunks per stage and "
                  f"without --no-dpp-fill-transit (there alone a forward waits for its activation to land); this run "
-                 f"uses {resolve_dpp_policy(cfg)[1]} with {cfg.virtual_pipeline} chunk(s) per stage")
+                 f"uses {policy_why} with {cfg.virtual_pipeline} chunk(s) per stage")
     graphs = resolve_cuda_graphs(cfg)[0]
     if par.dpp_held_cap == "fit" and not fit_measurable(cfg, graphs):
         p.append("--dpp-held-cap fit measures the CUDA graph slots' memory at one chunk per stage: it needs the "

@@ -368,9 +368,9 @@ class DynamicPolicy:
             # is what the next stage waits for: the oldest W frees the slot that forward needs.
             return self._weight(state.ready_of(Op.W))
         if backward is not None and state.grads_in_transit:
-            landed = [a for a in backward_ready if (a.microbatch, a.chunk) not in state.grads_in_transit]
-            if landed:  # one whose gradient is on the device runs now, not after one still on the way
-                return min(landed, key=self._backward_key)
+            landed = self._landed_backward(state, backward_ready)
+            if landed is not None:  # one whose gradient is on the device runs now, not after one still on the way
+                return landed
             if (self.split_backward and self.fill_transit and state.ready_of(Op.W)
                     and self._fills_drain(state, len(state.ready_of(Op.W)))):
                 # Every ready gradient is still on the way: a deferred W fills the wait (the I
@@ -390,16 +390,18 @@ class DynamicPolicy:
         """The deferred W to run among ``ready`` (DynamicOptions.weight_order)."""
         return (max if self._youngest_weight else min)(ready, key=self._backward_key)
 
+    def _landed_backward(self, state: StageState, backward_ready: Sequence[Action]) -> Action | None:
+        """The first ready backward whose gradient is on the device, or None."""
+        landed = [a for a in backward_ready if (a.microbatch, a.chunk) not in state.grads_in_transit]
+        return min(landed, key=self._backward_key) if landed else None
+
     def _landed_instead_of_forward(self, state: StageState, backward_ready: Sequence[Action]) -> Action | None:
         """What runs instead of a forward whose activation is still on the way (DynamicOptions.
         land_forwards): a forward whose activation has landed, a landed gradient's backward, or a
         deferred W; None: nothing landed is ready, so the travelling forward is queued after all."""
-        forward = self._admissible_forward(state, landed_only=True)
-        if forward is not None:
-            return forward
-        landed = [a for a in backward_ready if (a.microbatch, a.chunk) not in state.grads_in_transit]
-        if landed:
-            return min(landed, key=self._backward_key)
+        landed = self._admissible_forward(state, landed_only=True) or self._landed_backward(state, backward_ready)
+        if landed is not None:
+            return landed
         weight_ready = state.ready_of(Op.W) if self.split_backward else ()
         if weight_ready and self._fills_drain(state, len(weight_ready)):
             return self._weight(weight_ready)
