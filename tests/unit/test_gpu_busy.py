@@ -26,3 +26,24 @@ def test_kernels_fall_into_iterations_and_nccl_is_not_busy() -> None:
 def test_clock_mismatch_is_reported_not_hidden() -> None:
     out = summarize_kernels([("gemm", 10, 20)], [(0, 5000, 6000)])
     assert "clock mismatch" in out["source"] and out["iterations"][0]["compute_ms"] == pytest.approx(0.01)
+
+
+def test_kernel_table_sums_time_and_calls_per_iteration_by_name() -> None:
+    kernels = [("gemm", 100, 300), ("copy", 300, 350), ("gemm", 1100, 1200), ("gemm", 1900, 2100),
+               ("ncclDevKernel_SendRecv", 400, 900)]
+    table = summarize_kernels(kernels, [(3, 0, 1000), (4, 1000, 2000)])["by_kernel"]
+    rows = {row["name"]: row for row in table}
+    # gemm: 200 + 100 + 100 (clipped at the window's end) us over 2 iterations, 3 calls
+    assert rows["gemm"]["ms"] == pytest.approx(0.2) and rows["gemm"]["calls"] == pytest.approx(1.5)
+    assert rows["copy"]["ms"] == pytest.approx(0.025)
+    assert rows["ncclDevKernel_SendRecv"]["ms"] == pytest.approx(0.25)  # listed, though not busy
+    assert [row["name"] for row in table] == ["ncclDevKernel_SendRecv", "gemm", "copy"]
+
+
+def test_kernel_table_keeps_the_longest_names_and_sums_the_rest() -> None:
+    from trainer.profiling.gpu_busy import OTHER, kernel_table
+
+    kernels = [(f"k{i}", 0, 10 * (i + 1)) for i in range(5)]
+    table = kernel_table(kernels, [(0, 1000)], iterations=1, rows=2)
+    assert [row["name"] for row in table] == ["k4", "k3", OTHER]
+    assert table[-1]["ms"] == pytest.approx(0.06) and table[-1]["calls"] == 3

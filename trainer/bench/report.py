@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from trainer.bench.kernel_diff import kernel_differences
 from trainer.bench.lines import (
     MEGATRON_GRAPHED_LINES,
     MEGATRON_LINES,
@@ -150,19 +151,26 @@ def best_static(results: list[LineResult], scenario: str) -> tuple[LineResult | 
     return None, False
 
 
+def headline_pick(results: list[LineResult], scenario: str) -> tuple[LineResult | None, LineResult | None, bool]:
+    """(the headline's DPP line, megatron-core's best eager line, whether the former fits within MEMORY_BOUND
+    of the latter's memory): the fastest dynamic line that fits, else the fastest dynamic line."""
+    dynamic = [r for r in results if r.ok and r.scenario == scenario and _is_dynamic(r.name)]
+    bar = best_megatron(results, scenario, eager_only=True)
+    fits = [r for r in dynamic if bar and r.reserved_gib and bar.reserved_gib
+            and r.reserved_gib <= MEMORY_BOUND * bar.reserved_gib]
+    best = min(fits or dynamic, key=lambda r: r.median_ms, default=None)
+    return best, bar, bool(fits)
+
+
 def headline(results: list[LineResult], scenario: str) -> list[str]:
     """Three ratios for the scenario's fastest DPP line (within MEMORY_BOUND of megatron's best where one
     fits): vs megatron-core's best eager line (graphs + schedule), vs the best graphed static order in the
     same runtime (what the dynamic schedule alone buys), and its step vs the balanced limit (how far from
     the GPU work spread evenly; sum of per-stage GPU busy / PP)."""
     ok = [r for r in results if r.ok and r.scenario == scenario]
-    dynamic = [r for r in ok if _is_dynamic(r.name)]
-    if not dynamic:
+    best, bar, fits = headline_pick(results, scenario)
+    if best is None:
         return []
-    bar = best_megatron(results, scenario, eager_only=True)
-    fits = [r for r in dynamic if bar and r.reserved_gib and bar.reserved_gib
-            and r.reserved_gib <= MEMORY_BOUND * bar.reserved_gib]
-    best = min(fits or dynamic, key=lambda r: r.median_ms)
     why = (f"fastest within {MEMORY_BOUND:.2f}x {bar.name}'s peak reserved" if fits
            else "fastest DPP line" + (" (memory not compared)" if not (bar and bar.reserved_gib) else
                                       f" (none within {MEMORY_BOUND:.2f}x the memory)"))
@@ -365,6 +373,10 @@ def _scenario_sections(results: list[LineResult], cfg: BenchConfig, pictures: di
         lines += _verdict(results, scenario)
         lines += _rounds(results, scenario)
         lines += _balance(results, scenario, cfg)
+        best, _, _ = headline_pick(results, scenario)
+        static, _ = best_static(results, scenario)
+        if best is not None and static is not None:
+            lines += kernel_differences(best, static)
         losses = _losses(results, scenario)
         if losses:
             lines += ["Losses of the first iterations (last stage):", ""] + losses + [""]

@@ -10,6 +10,10 @@ the host) and reports, per iteration:
   (``--inject-stalls``) counts as busy: it stands for a slow kernel.
 * ``nccl_ms``: union of the NCCL kernels, for reference.
 
+and, over the whole window, a table of kernel time by kernel name (``by_kernel``: summed durations per
+iteration, not a union, with the calls per iteration; the names that take the most time, the rest as one
+row): where two schedules' busy times differ, which kernels differ (trainer/bench/kernel_diff.py).
+
 Kineto reports kernel times on the host's wall clock (ns since the epoch, the clock
 ``time.time_ns`` and our tracer read), so kernels fall into iterations by the host time at which
 each step ended (after its loss all-reduce, which waits for the GPU), and the kernel intervals of
@@ -25,6 +29,11 @@ from typing import Any
 
 DRAW_GAP_US = 20.0
 """Kernel gaps shorter than this are closed in the intervals kept for drawing (not in the totals)."""
+
+KERNEL_ROWS = 40
+"""How many kernel names the per-name table keeps (by time); the rest are summed into :data:`OTHER`."""
+
+OTHER = "(other kernels)"
 
 
 def union_us(intervals: list[tuple[float, float]], gap_us: float = 0.0) -> list[tuple[float, float]]:
@@ -106,6 +115,8 @@ def summarize_kernels(kernels: list[tuple[str, float, float]],
         drawn = {"iteration": iteration + 1, "step_start_us": start, "step_end_us": end,
                  "compute": union_us(compute, DRAW_GAP_US), "nccl": union_us(nccl, DRAW_GAP_US)}
     if kernels and not any(it["kernels"] for it in per_iteration):
+        by_kernel = kernel_table(kernels, [(min(a for _, a, _ in kernels), max(b for _, _, b in kernels))],
+                                 len(per_iteration) or 1)
         # Kernel times not on the host's wall clock after all (a torch/kineto change): say so and
         # spread the window's kernel time evenly rather than report an idle GPU.
         compute = _total(union_us([(a, b) for n, a, b in kernels if not is_communication_kernel(n)]))
@@ -113,5 +124,29 @@ def summarize_kernels(kernels: list[tuple[str, float, float]],
         for it in per_iteration:
             it.update(compute_ms=compute / share / 1000.0, kernels=len(kernels) // share)
         return {"source": "torch.profiler CUDA kernels (clock mismatch: window average)",
-                "iterations": per_iteration, "timeline": {}}
-    return {"source": "torch.profiler CUDA kernels", "iterations": per_iteration, "timeline": drawn}
+                "iterations": per_iteration, "timeline": {}, "by_kernel": by_kernel}
+    windows = [(start, end) for _, start, end in boundaries_us]
+    return {"source": "torch.profiler CUDA kernels", "iterations": per_iteration, "timeline": drawn,
+            "by_kernel": kernel_table(kernels, windows, len(windows) or 1)}
+
+
+def kernel_table(kernels: list[tuple[str, float, float]], windows: list[tuple[float, float]],
+                 iterations: int, rows: int = KERNEL_ROWS) -> list[dict[str, Any]]:
+    """Per kernel name, the time (ms) and calls per iteration inside ``windows`` (each kernel clipped to
+    its window), the longest ``rows`` names first, then one :data:`OTHER` row for the rest. NCCL kernels
+    are listed like any other (their time is mostly waiting; the busy figures leave them out)."""
+    totals: dict[str, list[float]] = {}
+    for name, a, b in kernels:
+        for start, end in windows:
+            if b > start and a < end:
+                row = totals.setdefault(name, [0.0, 0])
+                row[0] += min(b, end) - max(a, start)
+                row[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: (-item[1][0], item[0]))
+    table = [{"name": name, "ms": us / 1000.0 / iterations, "calls": calls / iterations}
+             for name, (us, calls) in ranked[:rows]]
+    rest = ranked[rows:]
+    if rest:
+        table.append({"name": OTHER, "ms": sum(us for _, (us, _) in rest) / 1000.0 / iterations,
+                      "calls": sum(calls for _, (_, calls) in rest) / iterations})
+    return table
