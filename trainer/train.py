@@ -395,6 +395,12 @@ class TrainingSession:
         for c, graphs in ((context.graphs or {}) if context is not None else {}).items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      stage, c, graphs.replayed, graphs.eager)
+        pools = {id(g.pool_state): g.pool_state for g in ((context.graphs or {}) if context is not None else {}).values()
+                 if getattr(g, "pool_state", None) is not None}
+        for pool in pools.values():
+            if pool.direct or pool.evacuated:
+                log.info("stage %d: graphed split backward: %d W(s) read their operands where I left them, %d slot "
+                         "evacuation(s) copied them out of the backward pool first", stage, pool.direct, pool.evacuated)
         split = context.split_backward if context is not None else None
         if split is not None and split.te_linears:
             log.info("stage %d: split backward: %d Transformer Engine weight GEMM(s) deferred to W, %d run in their "

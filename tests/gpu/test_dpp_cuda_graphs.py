@@ -32,6 +32,8 @@ GPT = [*model_flags(**GPU_SMALL), "--micro-batch-size", "2", "--global-batch-siz
        "--dpp-timeout", "60", "--log-interval", "1"]
 FITTED = re.compile(r"stage (\d+): held cap fitted to memory: (\d+) slot\(s\) \(its 1F1B bound (\d+), at most (\d+)\)")
 REPLAYED = re.compile(r"stage (\d+) chunk (\d+): (\d+) training forward\(s\) replayed from CUDA graphs, (\d+) eager")
+POOL_USE = re.compile(r"graphed split backward: (\d+) W\(s\) read their operands where I left them, (\d+) slot "
+                      r"evacuation")
 
 
 def _run(out: Path, extra: list[str], model: list[str] = GPT) -> tuple[list, dict]:
@@ -94,6 +96,10 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
         split_stages = set(re.findall(r"stage (\d+): CUDA graphs[^\n]*F, I and W graphs: split backward", logs))
         # At v = 1 stage 0 runs whole backwards (DynamicOptions.split_first_stage): F and B graphs there.
         assert split_stages == ({"1"} if chunks == 1 else {"0", "1"}), logs[-3000:]
+        # W's operands are copied out of the backward pool only when another backward graph replays first.
+        pools = [(int(m[1]), int(m[2])) for m in POOL_USE.finditer(logs)]
+        print("graphed split backward: (direct W, evacuations) per split stage:", pools)
+        assert len(pools) == len(split_stages) and sum(direct for direct, _ in pools) > 0, logs[-3000:]
     assert_same_losses(eager, graphed)
     assert len(grad_dumps(tmp_path / "eager")) == 4  # 2 ranks x 2 iterations (--dump-grads 2)
     assert_same_grads(tmp_path / "eager", tmp_path / "graphed")

@@ -407,6 +407,85 @@ def test_a_graph_slots_store_keeps_copies_in_its_own_buffers_and_gives_the_same_
     store.replay()
 
 
+def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_copies_them(group) -> None:
+    """StaticOperandStore(deferred=True), as a slot's I is captured when the stage tracks its backward
+    pool: I copies nothing; the direct W reads the operands where the backward made them, the evacuation
+    (copy_out) fills the slot's buffers, and the W after it reads those. Both give the plain store's
+    gradients, and each entry runs once."""
+    from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, plan_operands
+
+    model = _megatron_pair(group)
+    split = install_split_backward([model])
+    x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
+    want, plain = _w_grads(model, split, WeightGradStore, x, grad_out)
+    before = {grad_out.data_ptr()} | {e.input.untyped_storage().data_ptr() for e in plain}
+    plan = plan_operands(plain, lambda t: t.untyped_storage().data_ptr() in before)
+    buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
+
+    def i_step() -> StaticOperandStore:
+        for lin in model:
+            lin.weight.grad = None
+        store = StaticOperandStore(buffers, plan.copies, deferred=True)
+        with split.capture_into(store):
+            _run(model, x.clone().requires_grad_(True)).backward(grad_out)
+        check_kept(store, lambda t: True, 5)
+        return store
+
+    store = i_step()
+    assert torch.isnan(buffers[0]).all()  # I copied nothing
+    assert store.entries[1].grad_output.data_ptr() != buffers[0].data_ptr()
+    assert store.buffered[1].grad_output.data_ptr() == buffers[0].data_ptr()
+    store.replay()  # the direct W
+    for lin, w in zip(model, want, strict=True):
+        torch.testing.assert_close(lin.weight.grad, w)
+
+    store = i_step()
+    assert store.copy_out() == 1 and not torch.isnan(buffers[0]).any()
+    store.entries.clear()  # the evacuated slot replays the W that reads the buffers instead
+    WeightGradStore(store.buffered).replay()
+    for lin, w in zip(model, want, strict=True):
+        torch.testing.assert_close(lin.weight.grad, w)
+
+
+def test_the_backward_pool_state_evacuates_only_when_another_backward_comes_first() -> None:
+    """BackwardPoolState: a slot's W right after its I reads the pool (no copy); any other backward graph
+    of the stage first -- another slot's I, a whole backward, another slot's W -- evacuates it."""
+    from trainer.pipeline.graph_operands import BackwardPoolState
+
+    log: list[str] = []
+
+    def slot(name: str, copies: bool = True) -> SimpleNamespace:
+        evac = SimpleNamespace(replay=lambda: log.append(f"E{name}")) if copies else None
+        return SimpleNamespace(name=name, evac=evac)
+
+    def i_step(pool: BackwardPoolState, pair) -> None:
+        pool.before_backward(pair)
+        log.append(f"I{pair.name}")
+        pool.after_i(pair)
+
+    def w_step(pool: BackwardPoolState, pair) -> None:
+        if pool.direct_w(pair):
+            log.append(f"Wdirect{pair.name}")
+            return
+        pool.before_backward(pair)
+        log.append(f"W{pair.name}")
+
+    pool, a, b, whole = BackwardPoolState(), slot("a"), slot("b"), slot("B", copies=False)
+    i_step(pool, a)
+    w_step(pool, a)
+    assert log == ["Ia", "Wdirecta"] and (pool.direct, pool.evacuated, pool.holder) == (1, 0, None)
+    log.clear()
+    i_step(pool, a)
+    i_step(pool, b)  # b's I would overwrite a's operands: a is evacuated first
+    w_step(pool, a)  # a reads its buffers; b's operands stay in the pool (a's W allocates there: evacuate b)
+    w_step(pool, b)
+    assert log == ["Ia", "Ea", "Ib", "Eb", "Wa", "Wb"] and (pool.direct, pool.evacuated) == (1, 2)
+    log.clear()
+    i_step(pool, a)
+    i_step(pool, whole)  # a whole backward (nothing to copy) evacuates too, and holds nothing itself
+    assert log == ["Ia", "Ea", "IB"] and pool.holder is None
+
+
 def test_a_graph_slots_store_refuses_gradients_its_buffers_do_not_fit(group) -> None:
     from trainer.pipeline.graph_operands import StaticOperandStore
 

@@ -28,8 +28,9 @@ Split backward (--dpp-policy dpp-zb): a slot holds three graphs per length -- th
 backward with the linears' weight GEMMs deferred) and W (those GEMMs, accumulated into
 ``main_grad``). F takes the slot and W gives it back, so a microbatch whose W waits keeps its
 activations in the slot exactly as eager dpp-zb keeps them in the store; what W reads besides the
-activations (what the backward allocated for W) is copied during I into buffers the slot owns
-(trainer/pipeline/graph_operands.py).
+activations (what the backward allocated for W) is copied into buffers the slot owns only when another
+backward graph of the stage replays before this W, by a fourth graph, the slot's evacuation; a W that
+follows its I first reads them in place, from a fifth (trainer/pipeline/graph_operands.py).
 
 Scope (checked by the config before any process starts): GPT or BERT, --use-dpp with --dpp-policy
 dpp, dpp-zb or a static order, and with TP > 1 an NCCL tensor-parallel group.
@@ -81,6 +82,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.pipeline.graph_operands import (
+    BackwardPoolState,
     OperandPlan,
     StaticOperandStore,
     check_kept,
@@ -251,6 +253,14 @@ class _GraphPair:
     mask: torch.Tensor | None = None
     """The slot's attention-mask buffer at this length when masks vary (BERT), which each replay fills;
     None: the captured mask is every microbatch's."""
+    evac: torch.cuda.CUDAGraph | None = None
+    """Split backward with operands the backward allocates: copies them from the backward pool into
+    ``w_buffers`` (then ``wgt`` reads them there); None: ``bwd`` leaves nothing W reads in the pool."""
+    wgt_direct: torch.cuda.CUDAGraph | None = None
+    """With ``evac``: the W graph that reads those operands in the pool, right after ``bwd`` (no other
+    backward graph of the stage replayed in between; ``pool`` decides)."""
+    pool: BackwardPoolState | None = None
+    """The stage's backward-pool state: which slot's operands lie in the pool."""
 
 
 class _PairReplay:
@@ -261,8 +271,10 @@ class _PairReplay:
         self.pair = pair
 
     def graphs(self) -> list:
-        """The pair's captured graphs: forward, backward, and W with a split backward."""
-        return [g for g in (self.pair.fwd, self.pair.bwd, self.pair.wgt) if g is not None]
+        """The pair's captured graphs: forward, backward, and with a split backward W (and the evacuation
+        and the direct W where the backward allocates what W reads)."""
+        pair = self.pair
+        return [g for g in (pair.fwd, pair.bwd, pair.wgt, pair.evac, pair.wgt_direct) if g is not None]
 
     def __call__(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # GPT: the mask was captured with the pair (the causal mask of the pair's length, the tensor every
@@ -276,9 +288,15 @@ class _PairReplay:
         return _Replayed.apply(x, self.pair)
 
     def replay_weights(self) -> None:
-        if self.pair.wgt is None:
+        pair = self.pair
+        if pair.wgt is None:
             raise RuntimeError("this CUDA graph slot was captured without a split backward: it has no W graph")
-        self.pair.wgt.replay()
+        if pair.pool is not None and pair.pool.direct_w(pair):
+            pair.wgt_direct.replay()
+            return
+        if pair.pool is not None:
+            pair.pool.before_backward(pair)
+        pair.wgt.replay()
 
 
 class _Replayed(torch.autograd.Function):
@@ -299,7 +317,11 @@ class _Replayed(torch.autograd.Function):
         pair = ctx.pair
         if grad.data_ptr() != pair.grad_out.data_ptr():
             pair.grad_out.copy_(grad)
+        if pair.pool is not None:
+            pair.pool.before_backward(pair)
         pair.bwd.replay()
+        if pair.pool is not None:
+            pair.pool.after_i(pair)
         return pair.grad_x.detach(), None
 
 
@@ -315,7 +337,7 @@ def _check_grads_went_to_main_grad(params: list, captured: str) -> None:
 
 def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device,
                  backward_pool=None, split: SplitBackward | None = None,
-                 operands: OperandPlan | None = None) -> dict:
+                 operands: OperandPlan | None = None, pool_state: BackwardPoolState | None = None) -> dict:
     """One slot's graph pairs, one per captured length, as ``{length: callable(x, attention_mask)}``.
 
     Memory, forward: all of a slot's forward graphs share one private pool, captured longest first.
@@ -340,9 +362,11 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
 
     Split backward (``split``, with ``operands``: the warm-up's plan of which deferred operands the
     backward allocates, at the longest length): the backward is captured with the linears' weight GEMMs
-    deferred into a :class:`StaticOperandStore` that copies those operands into this slot's own
-    buffers (I), then that store's replay is captured as a third graph (W), into the shared backward
-    pool (nothing it allocates outlives it)."""
+    deferred into a :class:`StaticOperandStore` (I), then that store's replay as a third graph (W), into
+    the shared backward pool (nothing it allocates outlives it). With ``pool_state`` (the stage's
+    :class:`BackwardPoolState`) I leaves those operands in the pool, and two more graphs are captured:
+    the evacuation (their copies into this slot's own buffers, which W reads) and the direct W (reading
+    them in the pool); the state picks per replay. Without it I copies them, and W reads the copies."""
     if (split is None) != (operands is None):
         raise ValueError("capture_slot: a split backward needs both the controller and the warm-up's operands")
     x_buf = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device)
@@ -365,22 +389,33 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         stale = [p for p in params if p.grad is not None]
         if stale or x.grad is not None:
             raise RuntimeError(f"--dpp-cuda-graphs: {len(stale)} parameter(s) hold a .grad before capture")
-        store = StaticOperandStore(grad_buffers, operands.copies) if split is not None else None
+        deferred = pool_state is not None and any(operands.copies) if split is not None else False
+        store = StaticOperandStore(grad_buffers, operands.copies, deferred) if split is not None else None
         live = live_memory(device) if split is not None else None  # before I: what it may leave where it is
         with (split.capture_into(store, f"CUDA graph capture at length {length}") if split is not None
               else contextlib.nullcontext()):
             with _capture(bwd, backward_pool, stream):
                 out.backward(grad_out)
         _check_grads_went_to_main_grad(params, f"the backward graph at length {length}")
-        wgt = None
+        wgt = evac = wgt_direct = None
         if store is not None:
             check_kept(store, live, length)
+            if deferred:
+                # While the entries still hold the operands in the pool: the copies, then the W reading them.
+                evac = torch.cuda.CUDAGraph()
+                with _capture(evac, backward_pool, stream):
+                    store.copy_out()
+                wgt_direct = torch.cuda.CUDAGraph()
+                with _capture(wgt_direct, backward_pool, stream):
+                    store.replay()  # drops the entries (the pool's operands, the forward's inputs)
+                _check_grads_went_to_main_grad(params, f"the direct W graph at length {length}")
+                store = WeightGradStore(store.buffered)  # the W after an evacuation reads the buffers
             wgt = torch.cuda.CUDAGraph()
             with _capture(wgt, backward_pool, stream):
                 store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
             _check_grads_went_to_main_grad(params, f"the W graph at length {length}")
         pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt, grad_buffers,
-                          mask if shapes.mask_varies else None)
+                          mask if shapes.mask_varies else None, evac, wgt_direct, pool_state)
         x.grad = None
         del out
         replays[length] = _PairReplay(pair)
@@ -439,7 +474,8 @@ class ChunkGraphs:
 
     def __init__(self, chunk: torch.nn.Module, first: bool, slots: int, shapes: GraphShapes,
                  masks: dict, device: torch.device, capture=None, backward_pool=None,
-                 recompute_slots: int = 0, split: SplitBackward | None = None) -> None:
+                 recompute_slots: int = 0, split: SplitBackward | None = None,
+                 pool_state: BackwardPoolState | None = None) -> None:
         """``masks``: the attention mask of each captured length. ``capture``: :func:`capture_slot`
         unless given (the CPU tests pass one that returns the block uncaptured, to check everything
         around the graphs without a GPU). ``backward_pool``: the stage's shared backward pool (see
@@ -447,12 +483,14 @@ class ChunkGraphs:
         the core attention recomputed in the backward (--dpp-recompute-slots); the others keep their
         activations, whatever the configuration says. ``split``: the rank's split-backward controller
         (--dpp-policy dpp-zb): each slot is captured as F, I and W graphs and is given back by
-        :meth:`replay_weights` instead of :meth:`give_back`."""
+        :meth:`replay_weights` instead of :meth:`give_back`. ``pool_state``: the stage's backward-pool state
+        (every chunk of the stage shares it, as it shares the pool): with it, a slot copies W's operands out
+        of the pool only when another backward replays first (:func:`capture_slot`)."""
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
         if not 0 <= recompute_slots <= slots:
             raise ValueError(f"--dpp-recompute-slots: {recompute_slots} recomputing slot(s) of {slots}")
-        self.first, self.shapes = first, shapes
+        self.first, self.shapes, self.pool_state = first, shapes, pool_state
         self.lengths = shapes.captured_lengths()
         missing = sorted(set(self.lengths) - set(masks))
         if missing:
@@ -470,7 +508,7 @@ class ChunkGraphs:
                         operands = _warm_up(_BlockCall(chunk), shapes, masks, device, split=split) or operands
                 release_cached_blocks(device)  # before the captures: see the function
                 capture = functools.partial(capture_slot, backward_pool=backward_pool, split=split,
-                                            operands=operands)
+                                            operands=operands, pool_state=pool_state)
             self.slots: list = []
             self.slot_bytes: list[int] = []  # what each slot's capture added to the reserved memory
             self._capture_slot = functools.partial(capture, shapes=shapes, masks=masks, device=device)

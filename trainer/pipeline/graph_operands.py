@@ -26,7 +26,14 @@ read from overwritten memory.
 
 The copies cost one output gradient per linear per slot (on the benchmark model gpt16-h2048 ~75 MB per
 layer), plus, with TE's layers under sequence parallelism, the gathered input of each column-parallel
-linear; each copy is tens of microseconds against a layer's backward.
+linear. Measured on 2xH200 (Transformer Engine's layers, PP=2) that was 8 ms per iteration of a 470 ms
+stage: 28 copies per microbatch. Yet most of them are needless: a dynamic zero-bubble order mostly runs
+a microbatch's W before the stage's next backward (its next I or B, or another slot's W), and until then
+nothing overwrites the backward pool -- forward graphs replay into their slots' own pools, eager ops
+allocate from the ordinary one. So the copies are not made inside I but captured as a graph of their
+own (the slot's *evacuation*), which :class:`BackwardPoolState` replays only when another backward graph
+is about to run while a W still reads the pool; each slot has two W graphs, one reading the operands in
+the pool (the W that directly follows its I) and one reading the slot's buffers (after an evacuation).
 """
 
 from __future__ import annotations
@@ -97,13 +104,19 @@ def plan_operands(entries: list[Any], live: Live) -> OperandPlan:
 
 class StaticOperandStore(WeightGradStore):
     """The store a CUDA graph slot's I graph is captured with: each deferred GEMM's operands that the
-    plan names are copied, inside the captured I, into the slot's buffers (views of their leading rows
-    when the length is shorter than the longest), and the entry reads those copies in W."""
+    plan names go to the slot's buffers (views of their leading rows when the length is shorter than the
+    longest). ``deferred=False``: copied inside the captured I, and the entry reads those copies in W.
+    ``deferred=True``: I leaves them where the backward made them; :attr:`entries` read them there (the
+    direct W), :attr:`buffered` read the buffers, and :meth:`copy_out` (the evacuation) fills those."""
 
-    def __init__(self, buffers: list[torch.Tensor], copies: tuple[tuple[int, ...], ...]) -> None:
+    def __init__(self, buffers: list[torch.Tensor], copies: tuple[tuple[int, ...], ...],
+                 deferred: bool = False) -> None:
         super().__init__()
-        self.buffers, self.copies = buffers, copies
+        self.buffers, self.copies, self.deferred = buffers, copies, deferred
         self._next = 0  # the next buffer to fill
+        self.buffered: list[Any] = []
+        """deferred: each entry as it reads the slot's buffers instead of the pool (the evacuated W)."""
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred: (buffer view, operand)
 
     def add(self, entry: Any) -> None:
         i = len(self.entries)
@@ -116,10 +129,26 @@ class StaticOperandStore(WeightGradStore):
             if k >= len(operands) or not isinstance(operands[k], torch.Tensor):
                 raise RuntimeError(f"split backward with CUDA graphs: {entry_name(entry, i)} has no tensor operand "
                                    f"{k + 1}, which the warm-up copied")
-            operands[k] = self._copy(operands[k], entry_name(entry, i), k)
-        super().add(with_operands(entry, operands))
+            view = self._view(operands[k], entry_name(entry, i), k)
+            if self.deferred:
+                self._pending.append((view, operands[k]))
+            else:
+                view.copy_(operands[k])
+            operands[k] = view
+        if self.deferred:
+            super().add(with_operands(entry, deferred_operands(entry)))  # a copy: W runs each entry once
+            self.buffered.append(with_operands(entry, operands))
+        else:
+            super().add(with_operands(entry, operands))
 
-    def _copy(self, operand: torch.Tensor, name: str, k: int) -> torch.Tensor:
+    def copy_out(self) -> int:
+        """deferred: copy every planned operand from where the backward made it into its buffer (what the
+        slot's evacuation graph captures); how many."""
+        for view, operand in self._pending:
+            view.copy_(operand)
+        return len(self._pending)
+
+    def _view(self, operand: torch.Tensor, name: str, k: int) -> torch.Tensor:
         if self._next >= len(self.buffers):
             raise RuntimeError(f"split backward with CUDA graphs: {name}'s operand {k + 1} needs buffer "
                                f"{self._next + 1}, but the slot has {len(self.buffers)}")
@@ -130,7 +159,6 @@ class StaticOperandStore(WeightGradStore):
                                f"{tuple(operand.shape)} {operand.dtype}, its buffer {tuple(view.shape)} {view.dtype} "
                                "(only the leading, sequence dimension may be shorter than the longest length's)")
         self._next += 1
-        view.copy_(operand)
         return view
 
 
@@ -170,3 +198,41 @@ def live_memory(device: torch.device) -> Live:
         return i >= 0 and address < spans[i][1]
 
     return live
+
+
+class BackwardPoolState:
+    """Which slot's W still reads its operands from a stage's shared backward pool (module docstring).
+
+    One per stage (all its chunks' slots share the pool). Before any backward graph of the stage replays
+    -- an I or B, or a W -- :meth:`before_backward` evacuates the slot holding the pool, unless the graph
+    is that slot's own direct W (:meth:`direct_w`). Ranks of a tensor-parallel group replay the same
+    graphs in the same order, so they evacuate alike (the evacuation graph holds no collective anyway)."""
+
+    def __init__(self) -> None:
+        self.holder: Any = None
+        """The slot replay (trainer/pipeline/cuda_graphs.py ``_GraphPair``) whose W operands lie in the pool."""
+        self.direct = 0
+        """W graphs that read their operands in the pool (no copy made)."""
+        self.evacuated = 0
+        """Evacuations: a slot's operands copied to its buffers because another backward came first."""
+
+    def before_backward(self, pair: Any = None) -> None:
+        """Another backward graph is about to replay (``pair``'s, if given): evacuate the holder first."""
+        holder = self.holder
+        if holder is not None and holder is not pair:
+            holder.evac.replay()
+            self.evacuated += 1
+            self.holder = None
+
+    def after_i(self, pair: Any) -> None:
+        """``pair``'s I replayed: its planned operands are in the pool until the next backward."""
+        self.holder = pair if pair.evac is not None else None
+
+    def direct_w(self, pair: Any) -> bool:
+        """Whether ``pair``'s W may read the pool (then the pool is free again); otherwise the caller
+        evacuates the holder (:meth:`before_backward`) and replays the W that reads the buffers."""
+        if self.holder is pair:
+            self.holder = None
+            self.direct += 1
+            return True
+        return False

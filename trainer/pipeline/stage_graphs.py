@@ -30,6 +30,7 @@ import torch
 
 from trainer.pipeline import cuda_graphs  # its functions through the module: tests and probes patch them
 from trainer.pipeline.cuda_graphs import ChunkGraphs, GraphShapes
+from trainer.pipeline.graph_operands import BackwardPoolState
 from trainer.pipeline.split_backward import SplitBackward
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,11 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int
     graphs = {}
     before = torch.cuda.memory_reserved(device)
     backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)
+    pool_state = BackwardPoolState()  # which slot's W operands lie in it (graph_operands.py)
     for c, chunk in enumerate(chunks):
         graphs[c] = cuda_graphs.ChunkGraphs(chunk, shape.is_first_virtual(stage, c), per_chunk[c], shapes, masks, device,
                                 backward_pool=backward_pool, recompute_slots=min(recompute_slots, per_chunk[c]),
-                                split=split)
+                                split=split, pool_state=pool_state)
     cuda_graphs.release_cached_blocks(device)  # what the captures left in the ordinary pool (each warm-up's went before)
     log.info("stage %d: CUDA graphs for chunk(s) %s, %s slot(s) (%d recomputing the core attention%s), "
              "length(s) %s; %.2f GiB reserved for them; peak reserved so far %.2f GiB, allocated %.2f GiB",
