@@ -420,6 +420,7 @@ def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_cop
     want, plain = _w_grads(model, split, WeightGradStore, x, grad_out)
     before = {grad_out.data_ptr()} | {e.input.untyped_storage().data_ptr() for e in plain}
     plan = plan_operands(plain, lambda t: t.untyped_storage().data_ptr() in before)
+    assert plan.lazy and not plan.transformer_engine
     buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
 
     def i_step() -> StaticOperandStore:

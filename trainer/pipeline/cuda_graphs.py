@@ -366,7 +366,8 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
     the shared backward pool (nothing it allocates outlives it). With ``pool_state`` (the stage's
     :class:`BackwardPoolState`) I leaves those operands in the pool, and two more graphs are captured:
     the evacuation (their copies into this slot's own buffers, which W reads) and the direct W (reading
-    them in the pool); the state picks per replay. Without it I copies them, and W reads the copies."""
+    them in the pool); the state picks per replay. Without it, or where the plan is not lazy (TE's GEMMs,
+    :attr:`OperandPlan.transformer_engine`), I copies them, and W reads the copies."""
     if (split is None) != (operands is None):
         raise ValueError("capture_slot: a split backward needs both the controller and the warm-up's operands")
     x_buf = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device)
@@ -389,7 +390,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         stale = [p for p in params if p.grad is not None]
         if stale or x.grad is not None:
             raise RuntimeError(f"--dpp-cuda-graphs: {len(stale)} parameter(s) hold a .grad before capture")
-        deferred = pool_state is not None and any(operands.copies) if split is not None else False
+        deferred = pool_state is not None and operands.lazy if split is not None else False
         store = StaticOperandStore(grad_buffers, operands.copies, deferred) if split is not None else None
         live = live_memory(device) if split is not None else None  # before I: what it may leave where it is
         with (split.capture_into(store, f"CUDA graph capture at length {length}") if split is not None
