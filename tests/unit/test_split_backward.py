@@ -372,20 +372,28 @@ def _w_grads(model, split, store_for, x, grad_out) -> tuple[list[torch.Tensor], 
     return [lin.weight.grad.clone() for lin in model], kept
 
 
-def test_a_graph_slots_store_keeps_copies_in_its_own_buffers_and_gives_the_same_grads(group) -> None:
-    """StaticOperandStore (the store a CUDA graph slot's I is captured with), planned as the warm-up plans
-    it: every output gradient the backward allocated is copied into the slot's buffer -- never the
-    tensor autograd handed over, which the shared backward pool reuses -- while the inputs the forward
-    saved and the incoming gradient (alive before the backward) are read where they are; W computes
-    what the plain store computes. A shorter (variable) length uses the leading rows of the buffers."""
-    from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, plan_operands
+def _planned_pair(group):
+    """A megatron linear pair with split backward, an input and output gradient, the plain store's weight
+    gradients, and the slot plan the warm-up would make (what was alive before the backward: kept)."""
+    from trainer.pipeline.graph_operands import plan_operands
 
     model = _megatron_pair(group)
     split = install_split_backward([model])
     x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
     want, plain = _w_grads(model, split, WeightGradStore, x, grad_out)
     before = {grad_out.data_ptr()} | {e.input.untyped_storage().data_ptr() for e in plain}
-    plan = plan_operands(plain, lambda t: t.untyped_storage().data_ptr() in before)
+    return model, split, x, grad_out, want, plan_operands(plain, lambda t: t.untyped_storage().data_ptr() in before)
+
+
+def test_a_graph_slots_store_keeps_copies_in_its_own_buffers_and_gives_the_same_grads(group) -> None:
+    """StaticOperandStore (the store a CUDA graph slot's I is captured with), planned as the warm-up plans
+    it: every output gradient the backward allocated is copied into the slot's buffer -- never the
+    tensor autograd handed over, which the shared backward pool reuses -- while the inputs the forward
+    saved and the incoming gradient (alive before the backward) are read where they are; W computes
+    what the plain store computes. A shorter (variable) length uses the leading rows of the buffers."""
+    from trainer.pipeline.graph_operands import StaticOperandStore, check_kept
+
+    model, split, x, grad_out, want, plan = _planned_pair(group)
     # the row-parallel linear's output gradient is the incoming one itself (kept); the column one's is new
     assert plan.copies == ((), (1,)) and [shape for shape, _ in plan.buffers] == [torch.Size([5, 3, 6])]
     buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
@@ -412,14 +420,9 @@ def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_cop
     pool: I copies nothing; the direct W reads the operands where the backward made them, the evacuation
     (copy_out) fills the slot's buffers, and the W after it reads those. Both give the plain store's
     gradients, and each entry runs once."""
-    from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, plan_operands
+    from trainer.pipeline.graph_operands import StaticOperandStore, check_kept
 
-    model = _megatron_pair(group)
-    split = install_split_backward([model])
-    x, grad_out = torch.randn(5, 3, 8), torch.randn(5, 3, 4)
-    want, plain = _w_grads(model, split, WeightGradStore, x, grad_out)
-    before = {grad_out.data_ptr()} | {e.input.untyped_storage().data_ptr() for e in plain}
-    plan = plan_operands(plain, lambda t: t.untyped_storage().data_ptr() in before)
+    model, split, x, grad_out, want, plan = _planned_pair(group)
     assert plan.lazy and not plan.transformer_engine
     buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
 
