@@ -144,3 +144,27 @@ def test_te_half_layer_boundary_trains_like_whole_layers(tmp_path: Path) -> None
     assert "2.mlp" in held and "2.self_attention" not in held, sorted(held)  # the MLP half of layer 2
     compared = _assert_grads_close(tmp_path / "dpp", tmp_path / "dpp-zb-graphs", 1e-5, 1e-3)
     print(f"{compared} gradient tensors of graphed dpp-zb on 2.5/1.5 equal eager dpp's")
+
+
+@pytest.mark.timeout(600)
+def test_te_lazy_operand_copies_train_like_copies_in_i(tmp_path: Path) -> None:
+    """--dpp-graph-operand-copies lazy with Transformer Engine's layers (fp32, v=1): the split stage's W
+    reads the deferred GEMMs' operands where its I left them in the backward pool unless another backward
+    graph replays first (trainer/pipeline/graph_operands.py). Against the same graphed run copying inside
+    every I (in-i): equal losses and gradients, and W's read in place. The check ``auto`` waits for before it
+    leaves TE's operands in the pool as it does megatron-core's."""
+    _needs_te()
+    gpt = TE_GPT + (["--distributed-backend", "gloo"] if torch.cuda.device_count() < 2 else [])
+    runs = {}
+    for mode in ("in-i", "lazy"):
+        results, runs[mode] = train(tmp_path / mode, 2, ["--dump-grads", "2", "--", *gpt, "--use-dpp", "--dpp-policy",
+                                                         "dpp-zb", "--dpp-graph-operand-copies", mode], last_rank=1)
+        logs = "".join(r.output for r in results)
+        pools = [(int(m[1]), int(m[2])) for m in re.finditer(r"graphed split backward: (\d+) W\(s\) read their "
+                                                             r"operands where I left them, (\d+) slot evacuation", logs)]
+        print(mode, "(direct W, evacuations) per split stage:", pools)
+        assert (pools == []) if mode == "in-i" else (len(pools) == 1 and pools[0][0] > 0), (pools, logs[-3000:])
+    for it in sorted(runs["in-i"], key=int):
+        assert runs["lazy"][it]["lm loss"] == pytest.approx(runs["in-i"][it]["lm loss"], rel=1e-6), f"iteration {it}"
+    compared = _assert_grads_close(tmp_path / "in-i", tmp_path / "lazy", 1e-6, 1e-5)
+    print(f"{compared} gradient tensors of lazy copies equal copies in I")

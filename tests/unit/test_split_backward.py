@@ -7,6 +7,7 @@ during I, and the store must be empty afterwards. Refusals name what they refuse
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from types import SimpleNamespace
 
@@ -325,6 +326,20 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
                     [*vp2, "--no-dpp-fill-transit"]):
         with pytest.raises(ConfigError, match="--no-dpp-land-forwards applies to --use-dpp with dpp-zb, two or more"):
             parse_config([*refused, "--no-dpp-land-forwards"], world_size=2)
+    # --dpp-graph-operand-copies only for a split backward under the slot graphs
+    local = [*base, "--transformer-impl", "local"]
+    assert resolve_plan(parse_config(local, world_size=2), 2).schedule.operand_copies == "auto"
+    for mode in ("lazy", "in-i"):
+        assert resolve_plan(parse_config([*local, "--dpp-graph-operand-copies", mode], world_size=2),
+                            2).schedule.operand_copies == mode
+        assert resolve_plan(parse_config([*local, "--dpp-policy", "zb-h1", "--dpp-graph-operand-copies", mode],
+                                         world_size=2), 2).schedule.operand_copies == mode
+    for refused, why in (([*local, "--dpp-eager"], "graphs off"), ([*local, "--dpp-policy", "dpp"], "graphs on")):
+        with pytest.raises(ConfigError, match=r"--dpp-graph-operand-copies=in-i applies to a split backward "
+                                              rf"\(--dpp-policy dpp-zb or zb-h1\) under the CUDA graph slots; .*{why}"):
+            parse_config([*refused, "--dpp-graph-operand-copies", "in-i"], world_size=2)
+    with pytest.raises(ConfigError, match="--dpp-graph-operand-copies='never' must be one of auto, lazy, in-i"):
+        parse_config([*local, "--dpp-graph-operand-copies", "never"], world_size=2)
 
 
 def test_te_split_backward_keeps_the_default_graphs(monkeypatch) -> None:
@@ -420,10 +435,14 @@ def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_cop
     pool: I copies nothing; the direct W reads the operands where the backward made them, the evacuation
     (copy_out) fills the slot's buffers, and the W after it reads those. Both give the plain store's
     gradients, and each entry runs once."""
-    from trainer.pipeline.graph_operands import StaticOperandStore, check_kept
+    from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, copies_wait
 
     model, split, x, grad_out, want, plan = _planned_pair(group)
-    assert plan.lazy and not plan.transformer_engine
+    assert copies_wait(plan) and copies_wait(plan, "lazy") and not copies_wait(plan, "in-i")
+    assert not plan.transformer_engine
+    assert not copies_wait(dataclasses.replace(plan, copies=((), ())), "lazy")  # nothing to copy
+    with pytest.raises(ValueError, match="operand copies 'later': one of auto, lazy, in-i"):
+        copies_wait(plan, "later")
     buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
 
     def i_step() -> StaticOperandStore:

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, plan_operands
+from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, copies_wait, plan_operands
 from trainer.pipeline.split_backward import (
     WeightGradStore,
     install_split_backward,
@@ -321,7 +321,9 @@ def test_a_graph_slot_copies_what_tes_backward_allocated_and_reads_the_rest_in_p
     # backward order: the linear (input saved, gradient incoming: kept), then the norm-fused one (both made by I)
     assert plan.copies == ((), (0, 1))
     assert [tuple(shape) for shape, _ in plan.buffers] == [(5, 2, 8), (5, 2, 6)]
-    assert plan.transformer_engine and not plan.lazy  # TE's slots copy inside I (graph_operands.OperandPlan)
+    # TE's slots copy inside I unless asked for the lazy form (graph_operands.copies_wait)
+    assert plan.transformer_engine and not copies_wait(plan) and copies_wait(plan, "lazy")
+    assert not copies_wait(plan, "in-i")
     model.zero_grad(set_to_none=True)
     buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
     for m in (0, 1):

@@ -35,6 +35,11 @@ CATALOGUE = {
             ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp"], True),
     "dpp-default": ("--use-dpp alone: the runtime, graphs and policy --use-dpp picks for the layout (CUDA graphs "
                     "and dpp-zb where they can run; its log's first line says which and why)", 1, ["--use-dpp"], True),
+    # --use-dpp alone with W's operands left in the backward pool also where the slot defers Transformer Engine
+    # GEMMs (the default copies those inside every I: the lazy form had not run with TE's layers on a GPU).
+    "dpp-default-lazy-copies": ("--use-dpp --dpp-graph-operand-copies lazy (as --use-dpp alone, W's operands copied "
+                                "only when another backward comes first, TE's too)", 1,
+                                ["--use-dpp", "--dpp-graph-operand-copies", "lazy"], True),
     "dpp-v2": ("--use-dpp --dpp-eager --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp"],
                True),
     # Every graphed line decides with at most one op queued ahead (--dpp-max-queued-ops' default with
@@ -83,6 +88,12 @@ CATALOGUE = {
     # stage 0's 1F1B bound on every stage (4/4/4/4 at PP=4), its live cap the stage's own (4/3/2/1).
     "dpp-zb-graphs": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs (F, I and W graphs per slot)", 1,
                       ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs"], True),
+    # The same, W's operands copied out of the backward pool inside every I (the earlier behaviour), where the
+    # default copies them only when another backward graph replays before the W (trainer/pipeline/graph_operands.py).
+    "dpp-zb-graphs-copy-in-i": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --dpp-graph-operand-copies in-i "
+                                "(W's operands copied inside every I)", 1,
+                                ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs",
+                                 "--dpp-graph-operand-copies", "in-i"], True),
     "dpp-zb-graphs-rs2": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --dpp-recompute-slots 2 (two of stage "
                           "0's slots recompute the core attention)", 1,
                           ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-recompute-slots", "2"],

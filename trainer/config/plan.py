@@ -119,6 +119,9 @@ class SchedulePlan:
     """--dpp-held-cap fit (auto's choice for graphed dpp-zb at one chunk per stage): the policy is built with
     the peak bound and the graph capture decides each stage's held cap from the slots' measured memory
     (trainer/pipeline/stage_graphs.py), setting the policy's cap to the slots it keeps."""
+    operand_copies: str = "auto"
+    """--dpp-graph-operand-copies: when a graphed split backward's slot copies W's operands out of the
+    stage's backward pool (trainer/pipeline/graph_operands.py)."""
     sp_wgrad_input: str = "keep"
     """--dpp-sp-wgrad-input: what a split backward keeps for the deferred weight GEMM of a
     sequence-parallel column linear (keep the gathered input, or regather it in W)."""
@@ -324,6 +327,7 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
     static = "interleaved" if cfg.virtual_pipeline > 1 else "1f1b"
     common = {"dpp_policy": dpp_policy, "cuda_graphs": graphs, "graphs_reason": graphs_why,
               "sp_wgrad_input": par.dpp_sp_wgrad_input,
+              "operand_copies": par.dpp_graph_operand_copies,
               "recompute_slots": par.dpp_recompute_slots,
               # (the layout checks hold --overlap-param-gather to the distributed optimizer)
               "runtime_param_gather": par.overlap_param_gather and not uses_megatron_schedule(cfg),
@@ -436,6 +440,11 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
                  "slot graphs (not --dpp-eager), no virtual pipeline and --dpp-cap-factor 1"
                  f" (this run: graphs {'on' if graphs else 'off'}, "
                  f"{cfg.virtual_pipeline} chunk(s) per stage, cap factor {par.dpp_cap_factor})")
+    if par.dpp_graph_operand_copies != "auto" and not (
+            par.use_dpp and graphs and policy in ("dpp-zb", "zb-h1")):
+        p.append(f"--dpp-graph-operand-copies={par.dpp_graph_operand_copies} applies to a split backward (--dpp-policy "
+                 f"dpp-zb or zb-h1) under the CUDA graph slots; this run uses {policy_why}, graphs "
+                 f"{'on' if graphs else 'off'}")
     if par.dpp_sp_wgrad_input != "keep" and not (
             par.sequence_parallel and resolve_dpp_policy(cfg)[0] in ("dpp-zb", "zb-h1")):
         p.append(f"--dpp-sp-wgrad-input={par.dpp_sp_wgrad_input} applies to --sequence-parallel with a split "

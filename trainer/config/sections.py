@@ -311,6 +311,13 @@ class ParallelConfig:
     GPU waits behind a landed forward, I or W (``--no-dpp-land-forwards``: queue it on its header, the
     earlier behaviour, which the host-time model puts 29% behind at PP=4; for measurements).
     trainer/schedule/dynamic.py, DynamicOptions.land_forwards."""
+    dpp_graph_operand_copies: Literal["auto", "lazy", "in-i"] = "auto"
+    """Split backward under CUDA graphs: what a slot's W reads that its I allocated in the stage's shared
+    backward pool. ``lazy``: left there, and copied into the slot's own buffers only when another backward
+    graph of the stage replays before that W (a W right after its I reads it in place); ``in-i``: copied
+    inside every I, the earlier behaviour (for measurements); ``auto`` (default): lazy, but in I where the
+    slot defers Transformer Engine GEMMs (the lazy form has not run with TE's layers on a GPU yet).
+    trainer/pipeline/graph_operands.py."""
     dpp_sp_wgrad_input: Literal["keep", "regather"] = "keep"
     """Split backward (dpp-zb, zb-h1) with --sequence-parallel: a column-parallel linear's deferred
     weight GEMM needs its input gathered over TP. ``keep`` (default) keeps the gathered input from the
@@ -451,6 +458,8 @@ class ParallelConfig:
             p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
         elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
             p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
+        if self.dpp_graph_operand_copies not in ("auto", "lazy", "in-i"):
+            p.append(f"--dpp-graph-operand-copies={self.dpp_graph_operand_copies!r} must be one of auto, lazy, in-i")
         if self.dpp_sp_wgrad_input not in ("keep", "regather"):
             p.append(f"--dpp-sp-wgrad-input={self.dpp_sp_wgrad_input!r} must be one of keep, regather")
         if self.dpp_policy in STATIC_DPP_POLICIES and self.dpp_max_inflight is not None:

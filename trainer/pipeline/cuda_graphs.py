@@ -86,6 +86,7 @@ from trainer.pipeline.graph_operands import (
     OperandPlan,
     StaticOperandStore,
     check_kept,
+    copies_wait,
     live_memory,
     plan_operands,
 )
@@ -337,7 +338,8 @@ def _check_grads_went_to_main_grad(params: list, captured: str) -> None:
 
 def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device,
                  backward_pool=None, split: SplitBackward | None = None,
-                 operands: OperandPlan | None = None, pool_state: BackwardPoolState | None = None) -> dict:
+                 operands: OperandPlan | None = None, pool_state: BackwardPoolState | None = None,
+                 operand_copies: str = "auto") -> dict:
     """One slot's graph pairs, one per captured length, as ``{length: callable(x, attention_mask)}``.
 
     Memory, forward: all of a slot's forward graphs share one private pool, captured longest first.
@@ -366,8 +368,9 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
     the shared backward pool (nothing it allocates outlives it). With ``pool_state`` (the stage's
     :class:`BackwardPoolState`) I leaves those operands in the pool, and two more graphs are captured:
     the evacuation (their copies into this slot's own buffers, which W reads) and the direct W (reading
-    them in the pool); the state picks per replay. Without it, or where the plan is not lazy (TE's GEMMs,
-    :attr:`OperandPlan.transformer_engine`), I copies them, and W reads the copies."""
+    them in the pool); the state picks per replay. Without it, or where ``operand_copies``
+    (--dpp-graph-operand-copies) says so for this plan (:func:`copies_wait`), I copies them, and W reads
+    the copies."""
     if (split is None) != (operands is None):
         raise ValueError("capture_slot: a split backward needs both the controller and the warm-up's operands")
     x_buf = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device)
@@ -390,7 +393,7 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         stale = [p for p in params if p.grad is not None]
         if stale or x.grad is not None:
             raise RuntimeError(f"--dpp-cuda-graphs: {len(stale)} parameter(s) hold a .grad before capture")
-        deferred = pool_state is not None and operands.lazy if split is not None else False
+        deferred = split is not None and pool_state is not None and copies_wait(operands, operand_copies)
         store = StaticOperandStore(grad_buffers, operands.copies, deferred) if split is not None else None
         live = live_memory(device) if split is not None else None  # before I: what it may leave where it is
         with (split.capture_into(store, f"CUDA graph capture at length {length}") if split is not None
@@ -476,7 +479,7 @@ class ChunkGraphs:
     def __init__(self, chunk: torch.nn.Module, first: bool, slots: int, shapes: GraphShapes,
                  masks: dict, device: torch.device, capture=None, backward_pool=None,
                  recompute_slots: int = 0, split: SplitBackward | None = None,
-                 pool_state: BackwardPoolState | None = None) -> None:
+                 pool_state: BackwardPoolState | None = None, operand_copies: str = "auto") -> None:
         """``masks``: the attention mask of each captured length. ``capture``: :func:`capture_slot`
         unless given (the CPU tests pass one that returns the block uncaptured, to check everything
         around the graphs without a GPU). ``backward_pool``: the stage's shared backward pool (see
@@ -486,7 +489,8 @@ class ChunkGraphs:
         (--dpp-policy dpp-zb): each slot is captured as F, I and W graphs and is given back by
         :meth:`replay_weights` instead of :meth:`give_back`. ``pool_state``: the stage's backward-pool state
         (every chunk of the stage shares it, as it shares the pool): with it, a slot copies W's operands out
-        of the pool only when another backward replays first (:func:`capture_slot`)."""
+        of the pool only when another backward replays first (:func:`capture_slot`), as ``operand_copies``
+        (--dpp-graph-operand-copies) allows."""
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
         if not 0 <= recompute_slots <= slots:
@@ -509,7 +513,8 @@ class ChunkGraphs:
                         operands = _warm_up(_BlockCall(chunk), shapes, masks, device, split=split) or operands
                 release_cached_blocks(device)  # before the captures: see the function
                 capture = functools.partial(capture_slot, backward_pool=backward_pool, split=split,
-                                            operands=operands, pool_state=pool_state)
+                                            operands=operands, pool_state=pool_state,
+                                            operand_copies=operand_copies)
             self.slots: list = []
             self.slot_bytes: list[int] = []  # what each slot's capture added to the reserved memory
             self._capture_slot = functools.partial(capture, shapes=shapes, masks=masks, device=device)

@@ -301,7 +301,8 @@ class PipelineRuntime:
             slots = (fit.own,)
         self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device,
                                                    recompute_slots=recompute_slots,
-                                                   split=self.context.split_backward)
+                                                   split=self.context.split_backward,
+                                                   operand_copies=self.plan.schedule.operand_copies)
         if fit is not None:
             self.context.policy.cap = fit_held_slots(self.context.graphs[0], topo.pp_rank, fit, self.device)
 

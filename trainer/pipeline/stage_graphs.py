@@ -39,11 +39,12 @@ GIB = 2**30
 
 def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int, ...], shapes: GraphShapes,
                          masks: dict, device: torch.device, recompute_slots: int = 0,
-                         split: SplitBackward | None = None) -> dict[int, ChunkGraphs]:
+                         split: SplitBackward | None = None, operand_copies: str = "auto") -> dict[int, ChunkGraphs]:
     """Graph slots for each chunk of this stage (``slots``: one count for every chunk, or one per chunk --
     a static order's own peak per chunk; ``masks``: each captured length's attention mask;
     ``recompute_slots`` of each chunk's slots recompute the core attention, at most all of them;
-    ``split``: the split-backward controller when the policy splits backwards into I and W). Before the
+    ``split``: the split-backward controller when the policy splits backwards into I and W;
+    ``operand_copies``: --dpp-graph-operand-copies, trainer/pipeline/graph_operands.py). Before the
     first step: runs each block a few times on zero inputs (warm-up, capture; no gradient accumulates)."""
     per_chunk = (slots,) * len(chunks) if isinstance(slots, int) else tuple(slots)
     if len(per_chunk) != len(chunks):
@@ -55,7 +56,7 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int
     for c, chunk in enumerate(chunks):
         graphs[c] = cuda_graphs.ChunkGraphs(chunk, shape.is_first_virtual(stage, c), per_chunk[c], shapes, masks, device,
                                 backward_pool=backward_pool, recompute_slots=min(recompute_slots, per_chunk[c]),
-                                split=split, pool_state=pool_state)
+                                split=split, pool_state=pool_state, operand_copies=operand_copies)
     cuda_graphs.release_cached_blocks(device)  # what the captures left in the ordinary pool (each warm-up's went before)
     log.info("stage %d: CUDA graphs for chunk(s) %s, %s slot(s) (%d recomputing the core attention%s), "
              "length(s) %s; %.2f GiB reserved for them; peak reserved so far %.2f GiB, allocated %.2f GiB",
