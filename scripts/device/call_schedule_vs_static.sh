@@ -15,6 +15,9 @@
 # (docs/schedules.md):
 #   ... a --lines interleaved-graphs,dpp-zb-graphs-v2,dpp-zb-graphs-v2-headers,dpp-zb-graphs-v2-q0,dpp-graphs-v2 \
 #       --pipeline-stage-layers-vp 2,1.5,2,2,2.5,2.5,2.5,1
+# W's operands copied only when another backward comes first (the default) against inside every I, in one call:
+#   ... a --lines 1f1b-graphs,zb-h1-graphs,dpp-zb-graphs,dpp-zb-graphs-copy-in-i --pipeline-stage-layers 4,4.5,4.5,3
+# GPUS=2 runs it at PP=2 on a 2-GPU machine (the experiment's default is 4).
 # CPU dry run of the same path: python -m trainer.bench.run schedule-vs-static --device cpu --scenarios a \
 #   --results /tmp/r --time-limit 900 -- --lines megatron-1f1b-best,1f1b-eager,dpp-zb
 set -u
@@ -25,6 +28,6 @@ if [ "$scen" = d ]; then source scripts/device/corpus.sh; corpus=(--corpus "$COR
 extra=()
 [ $# -gt 0 ] && extra=(-- "$@")
 # 470 s for the tool: the wheels, the build and the copy-back fit in the rest of the 600 s call.
-python3 -m trainer.bench.run schedule-vs-static --scenarios "$scen" ${corpus[@]+"${corpus[@]}"} --results "$OUT" \
+python3 -m trainer.bench.run schedule-vs-static ${GPUS:+--gpus "$GPUS"} --scenarios "$scen" ${corpus[@]+"${corpus[@]}"} --results "$OUT" \
     --out /tmp/bench-svs --time-limit 470 ${extra[@]+"${extra[@]}"} 2>&1 | grep -E "^\[bench(\.run)?\]"
 ls -la "$OUT"
