@@ -326,6 +326,20 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
                     [*vp2, "--no-dpp-fill-transit"]):
         with pytest.raises(ConfigError, match="--no-dpp-land-forwards applies to --use-dpp with dpp-zb, two or more"):
             parse_config([*refused, "--no-dpp-land-forwards"], world_size=2)
+    # dpp-zb's weight order: youngest first at v > 1 under graphs with lazy operand copies (a W right after its own
+    # I copies nothing), else the policy's default; --dpp-weight-order sets it, for dpp-zb only
+    kwargs = resolve_plan(parse_config(vp2, world_size=2), 2).schedule.policy_kwargs
+    assert kwargs["weight_order"] == "youngest"
+    eager_vp2 = [*(f for f in vp2 if f != "--dpp-cuda-graphs"), "--dpp-eager", "--dpp-policy", "dpp-zb"]
+    for flags in ([*vp2, "--dpp-graph-operand-copies", "in-i"], eager_vp2):
+        plan = resolve_plan(parse_config(flags, world_size=2), 2).schedule
+        assert plan.policy == "dpp-zb" and "weight_order" not in plan.policy_kwargs, flags
+    assert "weight_order" not in resolve_plan(parse_config([*base, "--transformer-impl", "local"], world_size=2),
+                                              2).schedule.policy_kwargs  # v = 1: the policy's youngest
+    assert resolve_plan(parse_config([*vp2, "--dpp-weight-order", "oldest"], world_size=2),
+                        2).schedule.policy_kwargs["weight_order"] == "oldest"
+    with pytest.raises(ConfigError, match="--dpp-weight-order=oldest applies to --use-dpp with dpp-zb"):
+        parse_config([*vp2, "--dpp-policy", "dpp", "--dpp-weight-order", "oldest"], world_size=2)
     # --dpp-graph-operand-copies only for a split backward under the slot graphs
     local = [*base, "--transformer-impl", "local"]
     assert resolve_plan(parse_config(local, world_size=2), 2).schedule.operand_copies == "auto"

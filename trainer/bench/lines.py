@@ -122,6 +122,12 @@ CATALOGUE = {
                                  "forward is queued on its input's header, not after its data landed)", 2,
                                  ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--no-dpp-land-forwards"],
                                  True),
+    # The same, the oldest deferred W first (the default before W's operands were copied lazily; see
+    # --dpp-weight-order): more W's find another backward before them, and copy their operands first.
+    "dpp-zb-graphs-v2-oldest-w": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --dpp-weight-order oldest, v=2 (the "
+                                  "oldest deferred W first)", 2,
+                                  ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-weight-order",
+                                   "oldest"], True),
     # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the fair bars for the
     # dynamic policies -- same runtime, transport, graphs and run-ahead bound, only the order differs. Graphed,
     # each chunk gets as many slots as the order holds at most (ZB-H1: p on every stage; the log and the

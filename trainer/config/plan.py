@@ -64,6 +64,8 @@ class PolicyOptions:
     """--dpp-chunk-caps resolved: "interleaved" (each chunk held to the interleaved order's count) or "none"."""
     land_forwards: bool | None = None
     """False with --no-dpp-land-forwards (dpp-zb at v > 1); None: the policy's default."""
+    weight_order: str | None = None
+    """--dpp-weight-order resolved (:func:`resolve_weight_order`); None: the policy's default."""
 
     def as_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"max_inflight": self.max_inflight, "cap_factor": self.cap_factor}
@@ -75,6 +77,8 @@ class PolicyOptions:
             out["cap_basis"] = self.cap_basis
         if self.land_forwards is not None:
             out["land_forwards"] = self.land_forwards
+        if self.weight_order is not None:
+            out["weight_order"] = self.weight_order
         return out
 
 
@@ -350,9 +354,13 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
         fit = held_cap_fits(cfg, dpp_policy, graphs)
         basis = "peak" if fit else None if par.dpp_held_cap == "auto" else par.dpp_held_cap
         chunk_caps = resolve_chunk_caps(cfg, graphs)
+        weight_order = resolve_weight_order(cfg, dpp_policy, graphs)
         options = PolicyOptions(par.dpp_max_inflight, par.dpp_cap_factor,
                                 par.dpp_fill_transit if dpp_policy == "dpp-zb" else None, basis, chunk_caps,
-                                None if par.dpp_land_forwards else False)
+                                None if par.dpp_land_forwards else False, weight_order)
+        if weight_order == "youngest" and cfg.virtual_pipeline > 1 and par.dpp_weight_order == "auto":
+            named += ("; the youngest deferred W first (with graphs a W right after its own I copies nothing: "
+                      "--dpp-weight-order)")
         if chunk_caps != "none":
             named += ("; each chunk holds at most what the interleaved order holds in it (its CUDA graph slots: "
                       "--dpp-chunk-caps " + par.dpp_chunk_caps + ")")
@@ -370,6 +378,20 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
                "tensors through gloo")
     return SchedulePlan(RUNTIME, static, reason=f"without --use-dpp {why_not}, so the runtime's static {static} "
                         "policy stands in", log_text="1f1b policy", **common)
+
+
+def resolve_weight_order(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> str | None:
+    """--dpp-weight-order for dpp-zb: as given, or for ``auto`` youngest at v > 1 under the slot graphs with
+    lazily copied operands (sections.ParallelConfig.dpp_weight_order says why); None: the policy's own
+    default (youngest at v = 1, oldest at v > 1)."""
+    par = cfg.parallel
+    if dpp_policy != "dpp-zb":
+        return None
+    if par.dpp_weight_order != "auto":
+        return par.dpp_weight_order
+    if cfg.virtual_pipeline > 1 and graphs and par.dpp_graph_operand_copies != "in-i":
+        return "youngest"
+    return None
 
 
 def resolve_chunk_caps(cfg: TrainConfig, graphs: bool) -> str:
@@ -440,6 +462,9 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
                  "slot graphs (not --dpp-eager), no virtual pipeline and --dpp-cap-factor 1"
                  f" (this run: graphs {'on' if graphs else 'off'}, "
                  f"{cfg.virtual_pipeline} chunk(s) per stage, cap factor {par.dpp_cap_factor})")
+    if par.dpp_weight_order != "auto" and not zb:
+        p.append(f"--dpp-weight-order={par.dpp_weight_order} applies to --use-dpp with dpp-zb (only it defers W); "
+                 f"this run uses {policy_why}")
     if par.dpp_graph_operand_copies != "auto" and not (
             par.use_dpp and graphs and policy in ("dpp-zb", "zb-h1")):
         p.append(f"--dpp-graph-operand-copies={par.dpp_graph_operand_copies} applies to a split backward (--dpp-policy "

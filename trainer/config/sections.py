@@ -311,6 +311,13 @@ class ParallelConfig:
     GPU waits behind a landed forward, I or W (``--no-dpp-land-forwards``: queue it on its header, the
     earlier behaviour, which the host-time model puts 29% behind at PP=4; for measurements).
     trainer/schedule/dynamic.py, DynamicOptions.land_forwards."""
+    dpp_weight_order: Literal["auto", "oldest", "youngest"] = "auto"
+    """dpp-zb: which deferred W fills idle time first. ``auto``: youngest at one chunk per stage; at two or more,
+    youngest under the CUDA graph slots with W's operands copied lazily (``--dpp-graph-operand-copies``: a W
+    right after its own I needs no copy; the host-time model puts the two orders within 0.9% of each other
+    there, while at PP=4 oldest first leaves 113 of the 256 W's of an iteration to an evacuation and youngest
+    first 47), oldest otherwise (measured, not derived: docs/schedules.md). trainer/schedule/dynamic.py,
+    DynamicOptions.weight_order."""
     dpp_graph_operand_copies: Literal["auto", "lazy", "in-i"] = "auto"
     """Split backward under CUDA graphs: what a slot's W reads that its I allocated in the stage's shared
     backward pool. ``lazy``: left there, and copied into the slot's own buffers only when another backward
@@ -458,6 +465,8 @@ class ParallelConfig:
             p.append(f"--dpp-policy={self.dpp_policy!r} must be one of {', '.join(DPP_POLICIES)}")
         elif self.dpp_policy == "dpp-zb" and not self.use_dpp:
             p.append("--dpp-policy=dpp-zb needs --use-dpp (without it the policy would be ignored)")
+        if self.dpp_weight_order not in ("auto", "oldest", "youngest"):
+            p.append(f"--dpp-weight-order={self.dpp_weight_order!r} must be one of auto, oldest, youngest")
         if self.dpp_graph_operand_copies not in ("auto", "lazy", "in-i"):
             p.append(f"--dpp-graph-operand-copies={self.dpp_graph_operand_copies!r} must be one of auto, lazy, in-i")
         if self.dpp_sp_wgrad_input not in ("keep", "regather"):
