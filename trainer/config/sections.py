@@ -313,8 +313,8 @@ class ParallelConfig:
     trainer/schedule/dynamic.py, DynamicOptions.land_forwards."""
     dpp_weight_order: Literal["auto", "oldest", "youngest"] = "auto"
     """dpp-zb: which deferred W fills idle time first. ``auto``: youngest at one chunk per stage; at two or more,
-    youngest under the CUDA graph slots with W's operands copied lazily (``--dpp-graph-operand-copies``: a W
-    right after its own I needs no copy; the host-time model puts the two orders within 0.9% of each other
+    youngest under the CUDA graph slots unless ``--dpp-graph-operand-copies in-i`` (where W's operands are
+    copied lazily, a W right after its own I needs no copy; the host-time model puts the two orders within 0.9% of each other
     there, while at PP=4 oldest first leaves 113 of the 256 W's of an iteration to an evacuation and youngest
     first 47), oldest otherwise (measured, not derived: docs/schedules.md). trainer/schedule/dynamic.py,
     DynamicOptions.weight_order."""
