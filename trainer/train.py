@@ -392,11 +392,12 @@ class TrainingSession:
         if self.state.iteration:
             log.info("stage %d: %s", stage, self.gc_pauses.summary(self.cfg.run.manual_gc))
         context = run.runtime.context if run.runtime is not None else None
-        for c, graphs in ((context.graphs or {}) if context is not None else {}).items():
+        chunk_graphs = (context.graphs or {}) if context is not None else {}
+        for c, graphs in chunk_graphs.items():
             log.info("stage %d chunk %d: %d training forward(s) replayed from CUDA graphs, %d eager",
                      stage, c, graphs.replayed, graphs.eager)
-        pools = {id(g.pool_state): g.pool_state for g in ((context.graphs or {}) if context is not None else {}).values()
-                 if getattr(g, "pool_state", None) is not None}
+        # the stage's chunks share one backward pool, and its state
+        pools = {id(g.pool_state): g.pool_state for g in chunk_graphs.values() if getattr(g, "pool_state", None)}
         for pool in pools.values():
             if pool.direct or pool.evacuated:
                 log.info("stage %d: graphed split backward: %d W(s) read their operands where I left them, %d slot "

@@ -452,6 +452,8 @@ def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_cop
     from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, copies_wait
 
     model, split, x, grad_out, want, plan = _planned_pair(group)
+    buffers = plan.allocate(torch.device("cpu"))  # what capture_slot sizes the slot's buffers with
+    assert [(b.shape, b.dtype) for b in buffers] == list(plan.buffers)
     assert copies_wait(plan) and copies_wait(plan, "lazy") and not copies_wait(plan, "in-i")
     assert not plan.transformer_engine
     assert not copies_wait(dataclasses.replace(plan, copies=((), ())), "lazy")  # nothing to copy

@@ -470,10 +470,9 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"--dpp-graph-operand-copies={par.dpp_graph_operand_copies} applies to a split backward (--dpp-policy "
                  f"dpp-zb or zb-h1) under the CUDA graph slots; this run uses {policy_why}, graphs "
                  f"{'on' if graphs else 'off'}")
-    if par.dpp_sp_wgrad_input != "keep" and not (
-            par.sequence_parallel and resolve_dpp_policy(cfg)[0] in ("dpp-zb", "zb-h1")):
+    if par.dpp_sp_wgrad_input != "keep" and not (par.sequence_parallel and policy in ("dpp-zb", "zb-h1")):
         p.append(f"--dpp-sp-wgrad-input={par.dpp_sp_wgrad_input} applies to --sequence-parallel with a split "
-                 "backward (--dpp-policy dpp-zb or zb-h1); this run uses " + resolve_dpp_policy(cfg)[1]
+                 "backward (--dpp-policy dpp-zb or zb-h1); this run uses " + policy_why
                  + ("" if par.sequence_parallel else " without --sequence-parallel"))
     return p
 

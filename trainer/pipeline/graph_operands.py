@@ -93,6 +93,9 @@ class OperandPlan:
     I (the lazy evacuation, :class:`BackwardPoolState`, has been checked on GPUs with megatron-core's
     local linears only; :func:`copies_wait`)."""
 
+    def allocate(self, device: torch.device) -> list[torch.Tensor]:
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
+
 
 OPERAND_COPIES = ("auto", "lazy", "in-i")
 """--dpp-graph-operand-copies: when a slot copies W's operands (:func:`copies_wait`)."""
@@ -107,9 +110,6 @@ def copies_wait(plan: OperandPlan, mode: str = "auto") -> bool:
     if not any(plan.copies) or mode == "in-i":
         return False
     return mode == "lazy" or not plan.transformer_engine
-
-    def allocate(self, device: torch.device) -> list[torch.Tensor]:
-        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
 
 
 def plan_operands(entries: list[Any], live: Live) -> OperandPlan:
