@@ -321,8 +321,8 @@ def test_a_graph_slot_copies_what_tes_backward_allocated_and_reads_the_rest_in_p
     # backward order: the linear (input saved, gradient incoming: kept), then the norm-fused one (both made by I)
     assert plan.copies == ((), (0, 1))
     assert [tuple(shape) for shape, _ in plan.buffers] == [(5, 2, 8), (5, 2, 6)]
-    # TE's slots copy inside I unless asked for the lazy form (graph_operands.copies_wait)
-    assert plan.transformer_engine and not copies_wait(plan) and copies_wait(plan, "lazy")
+    # TE's slots leave W's operands in the pool as megatron-core's do, unless asked to copy in I
+    assert copies_wait(plan) and copies_wait(plan, "lazy")
     assert not copies_wait(plan, "in-i")
     model.zero_grad(set_to_none=True)
     buffers = [torch.full(shape, float("nan")) for shape, _ in plan.buffers]
@@ -334,7 +334,7 @@ def test_a_graph_slot_copies_what_tes_backward_allocated_and_reads_the_rest_in_p
         store.replay()
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, sum(want[k][name] for k in range(m + 1)), msg=f"{name} after W {m}")
-    # The lazy form (not yet used for TE's GEMMs on GPUs) computes the same from the pool and after copy_out.
+    # The lazy form (the default) computes the same from the pool and after copy_out.
     for evacuate in (False, True):
         model.zero_grad(set_to_none=True)
         store = StaticOperandStore(buffers, plan.copies, deferred=True)

@@ -35,11 +35,10 @@ CATALOGUE = {
             ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp"], True),
     "dpp-default": ("--use-dpp alone: the runtime, graphs and policy --use-dpp picks for the layout (CUDA graphs "
                     "and dpp-zb where they can run; its log's first line says which and why)", 1, ["--use-dpp"], True),
-    # --use-dpp alone with W's operands left in the backward pool also where the slot defers Transformer Engine
-    # GEMMs (the default copies those inside every I: the lazy form had not run with TE's layers on a GPU).
-    "dpp-default-lazy-copies": ("--use-dpp --dpp-graph-operand-copies lazy (as --use-dpp alone, W's operands copied "
-                                "only when another backward comes first, TE's too)", 1,
-                                ["--use-dpp", "--dpp-graph-operand-copies", "lazy"], True),
+    # --use-dpp alone with a graphed split backward's operands copied inside every I (the default leaves them in
+    # the backward pool until another backward graph comes first): what the lazy copies buy, TE's layers too.
+    "dpp-default-copy-in-i": ("--use-dpp --dpp-graph-operand-copies in-i (as --use-dpp alone, W's operands copied "
+                              "inside every I)", 1, ["--use-dpp", "--dpp-graph-operand-copies", "in-i"], True),
     "dpp-v2": ("--use-dpp --dpp-eager --dpp-policy dpp, v=2", 2, ["--use-dpp", "--dpp-eager", "--dpp-policy", "dpp"],
                True),
     # Every graphed line decides with at most one op queued ahead (--dpp-max-queued-ops' default with

@@ -320,11 +320,10 @@ class ParallelConfig:
     DynamicOptions.weight_order."""
     dpp_graph_operand_copies: Literal["auto", "lazy", "in-i"] = "auto"
     """Split backward under CUDA graphs: what a slot's W reads that its I allocated in the stage's shared
-    backward pool. ``lazy``: left there, and copied into the slot's own buffers only when another backward
-    graph of the stage replays before that W (a W right after its I reads it in place); ``in-i``: copied
-    inside every I, the earlier behaviour (for measurements); ``auto`` (default): lazy, but in I where the
-    slot defers Transformer Engine GEMMs (the lazy form has not run with TE's layers on a GPU yet).
-    trainer/pipeline/graph_operands.py."""
+    backward pool. ``auto`` (default) and ``lazy``: left there, and copied into the slot's own buffers only
+    when another backward graph of the stage replays before that W (a W right after its I reads it in
+    place), for megatron-core's local linears and Transformer Engine's alike; ``in-i``: copied inside every
+    I, the earlier behaviour (for measurements). trainer/pipeline/graph_operands.py."""
     dpp_sp_wgrad_input: Literal["keep", "regather"] = "keep"
     """Split backward (dpp-zb, zb-h1) with --sequence-parallel: a column-parallel linear's deferred
     weight GEMM needs its input gathered over TP. ``keep`` (default) keeps the gathered input from the
