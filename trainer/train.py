@@ -399,9 +399,10 @@ class TrainingSession:
         # the stage's chunks share one backward pool, and its state
         pools = {id(g.pool_state): g.pool_state for g in chunk_graphs.values() if getattr(g, "pool_state", None)}
         for pool in pools.values():
-            if pool.direct or pool.evacuated:
+            if pool.direct or pool.evacuated or pool.early:
                 log.info("stage %d: graphed split backward: %d W(s) read their operands where I left them, %d slot "
-                         "evacuation(s) copied them out of the backward pool first", stage, pool.direct, pool.evacuated)
+                         "evacuation(s) copied them out of the backward pool first, %d W(s) ran early (every "
+                         "evacuation set taken)", stage, pool.direct, pool.evacuated, pool.early)
         split = context.split_backward if context is not None else None
         if split is not None and split.te_linears:
             log.info("stage %d: split backward: %d Transformer Engine weight GEMM(s) deferred to W, %d run in their "

@@ -33,7 +33,7 @@ GPT = [*model_flags(**GPU_SMALL), "--micro-batch-size", "2", "--global-batch-siz
 FITTED = re.compile(r"stage (\d+): held cap fitted to memory: (\d+) slot\(s\) \(its 1F1B bound (\d+), at most (\d+)\)")
 REPLAYED = re.compile(r"stage (\d+) chunk (\d+): (\d+) training forward\(s\) replayed from CUDA graphs, (\d+) eager")
 POOL_USE = re.compile(r"graphed split backward: (\d+) W\(s\) read their operands where I left them, (\d+) slot "
-                      r"evacuation")
+                      r"evacuation\(s\) copied them out of the backward pool first, (\d+) W\(s\) ran early")
 
 
 def _run(out: Path, extra: list[str], model: list[str] = GPT) -> tuple[list, dict]:
@@ -57,9 +57,10 @@ EAGER = ["--dpp-eager"]  # the eager bar: --use-dpp alone replays from CUDA grap
     (1, False, ["--recompute-activations"], DPP),
     (1, False, ["--dpp-max-queued-ops", "1"], DPP),
     (1, False, ["--dpp-recompute-slots", "1,1"], DPP),
-    (1, False, [], ZB), (2, False, [], ZB), (1, True, [], ZB), (1, False, ["--dpp-recompute-slots", "1,1"], ZB)],
+    (1, False, [], ZB), (2, False, [], ZB), (1, True, [], ZB), (1, False, ["--dpp-recompute-slots", "1,1"], ZB),
+    (2, False, ["--dpp-graph-evacuation-sets", "1"], ZB)],
     ids=["v1", "v2", "v1-varlen", "v1-recompute", "v1-queued1", "v1-recompute-slot",
-         "zb-v1", "zb-v2", "zb-v1-varlen", "zb-v1-recompute-slot"])
+         "zb-v1", "zb-v2", "zb-v1-varlen", "zb-v1-recompute-slot", "zb-v2-one-set"])
 def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool, extra: list[str],
                                       both: list[str]) -> None:
     """v1-varlen: microbatches of 32/64/96/128 tokens, each slot holding a graph pair per length.
@@ -71,7 +72,9 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
     (--dpp-recompute-slots 1,1: stage 0 has 2 slots, stage 1 one) -- again no number may move.
     zb-*: both runs use --dpp-policy dpp-zb (split backward): the graphed run's slots hold F, I and W
     graphs, each deferred W replaying its slot's graph (stage 1 also holds 2 slots: dpp-zb's held
-    cap is stage 0's 1F1B bound); at v = 1 stage 0 runs whole backwards (F and B graphs)."""
+    cap is stage 0's 1F1B bound); at v = 1 stage 0 runs whole backwards (F and B graphs).
+    zb-v2-one-set: the stage's slots share one evacuation set (--dpp-graph-evacuation-sets 1), so a slot
+    whose operands find it taken runs its W early, before the backward that needed the pool."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     layout = [] if chunks == 1 else ["--num-layers-per-virtual-pipeline-stage", "1"]
@@ -97,9 +100,12 @@ def test_graphed_dpp_equals_eager_dpp(tmp_path: Path, chunks: int, varlen: bool,
         # At v = 1 stage 0 runs whole backwards (DynamicOptions.split_first_stage): F and B graphs there.
         assert split_stages == ({"1"} if chunks == 1 else {"0", "1"}), logs[-3000:]
         # W's operands are copied out of the backward pool only when another backward graph replays first.
-        pools = [(int(m[1]), int(m[2])) for m in POOL_USE.finditer(logs)]
-        print("graphed split backward: (direct W, evacuations) per split stage:", pools)
-        assert len(pools) == len(split_stages) and sum(direct for direct, _ in pools) > 0, logs[-3000:]
+        pools = [(int(m[1]), int(m[2]), int(m[3])) for m in POOL_USE.finditer(logs)]
+        print("graphed split backward: (direct W, evacuations, early W) per split stage:", pools)
+        assert len(pools) == len(split_stages) and sum(direct for direct, _, _ in pools) > 0, logs[-3000:]
+        if "--dpp-graph-evacuation-sets" in extra:
+            assert sum(early for _, _, early in pools) > 0, pools  # the one set was taken at times
+            assert "W's operands evacuated into 1 set(s)" in logs, logs[-3000:]
     assert_same_losses(eager, graphed)
     assert len(grad_dumps(tmp_path / "eager")) == 4  # 2 ranks x 2 iterations (--dump-grads 2)
     assert_same_grads(tmp_path / "eager", tmp_path / "graphed")

@@ -208,9 +208,11 @@ def test_each_chunks_warm_up_cache_is_released_before_its_slots_capture(monkeypa
     shape = SimpleNamespace(is_first_virtual=lambda stage, c: False)
     graphs = stage_graphs.capture_chunk_graphs(chunks, shape, 1, (2, 3), shapes, masks, torch.device("cpu"),
                                               recompute_slots=1)
-    # recompute_slots: two warm-ups per chunk (both attention code paths), one release after both
-    assert events == [("warm-up", 0), ("warm-up", 0), ("release",), ("capture", 0), ("capture", 0),
-                      ("warm-up", 1), ("warm-up", 1), ("release",), *[("capture", 1)] * 3, ("release",)]
+    # recompute_slots: two warm-ups per chunk (both attention code paths); every chunk warms up before any
+    # captures (the stage's shared evacuation sets are sized from all their plans); a release before each
+    # chunk's captures
+    assert events == [("warm-up", 0), ("warm-up", 0), ("warm-up", 1), ("warm-up", 1), ("release",),
+                      ("capture", 0), ("capture", 0), ("release",), *[("capture", 1)] * 3, ("release",)]
     assert [len(g.slots) for g in graphs.values()] == [2, 3]
     assert all(p.grad is None for chunk in chunks for p in chunk.parameters())  # the warm-up left no gradient
 

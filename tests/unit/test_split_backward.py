@@ -354,6 +354,19 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
             parse_config([*refused, "--dpp-graph-operand-copies", "in-i"], world_size=2)
     with pytest.raises(ConfigError, match="--dpp-graph-operand-copies='never' must be one of auto, lazy, in-i"):
         parse_config([*local, "--dpp-graph-operand-copies", "never"], world_size=2)
+    # --dpp-graph-evacuation-sets: auto = the pipeline size where operands are left in the pool, slots = none shared
+    def sets(*flags: str) -> int | None:
+        return resolve_plan(parse_config([*local, *flags], world_size=2), 2).schedule.evacuation_sets
+
+    assert sets() == 2 and sets("--dpp-graph-evacuation-sets", "3") == 3
+    assert sets("--dpp-graph-evacuation-sets", "slots") is None and sets("--dpp-graph-operand-copies", "in-i") is None
+    assert sets("--dpp-policy", "zb-h1") == 2 and sets("--dpp-policy", "dpp") is None
+    for value in ("0", "many"):
+        with pytest.raises(ConfigError, match=f"--dpp-graph-evacuation-sets='{value}' must be auto, slots or a number"):
+            parse_config([*local, "--dpp-graph-evacuation-sets", value], world_size=2)
+    with pytest.raises(ConfigError, match=r"--dpp-graph-evacuation-sets=1 applies to a split backward under the CUDA "
+                                          r"graph slots .*operand copies in-i"):
+        parse_config([*local, "--dpp-graph-operand-copies", "in-i", "--dpp-graph-evacuation-sets", "1"], world_size=2)
 
 
 def test_te_split_backward_keeps_the_default_graphs(monkeypatch) -> None:
@@ -455,7 +468,6 @@ def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_cop
     buffers = plan.allocate(torch.device("cpu"))  # what capture_slot sizes the slot's buffers with
     assert [(b.shape, b.dtype) for b in buffers] == list(plan.buffers)
     assert copies_wait(plan) and copies_wait(plan, "lazy") and not copies_wait(plan, "in-i")
-    assert not plan.transformer_engine
     assert not copies_wait(dataclasses.replace(plan, copies=((), ())), "lazy")  # nothing to copy
     with pytest.raises(ValueError, match="operand copies 'later': one of auto, lazy, in-i"):
         copies_wait(plan, "later")
@@ -488,41 +500,113 @@ def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_cop
 
 def test_the_backward_pool_state_evacuates_only_when_another_backward_comes_first() -> None:
     """BackwardPoolState: a slot's W right after its I reads the pool (no copy); any other backward graph
-    of the stage first -- another slot's I, a whole backward, another slot's W -- evacuates it."""
-    from trainer.pipeline.graph_operands import BackwardPoolState
+    of the stage first -- another slot's I, a whole backward, another slot's W -- evacuates it into a free
+    shared set, which its W reads and frees again."""
+    from trainer.pipeline.graph_operands import BackwardPoolState, EvacuationSets
 
     log: list[str] = []
+    pool = BackwardPoolState()
+    pool.share(EvacuationSets(2, [], torch.device("cpu")))
+
+    def graph(text: str) -> SimpleNamespace:
+        return SimpleNamespace(replay=lambda: log.append(text))
 
     def slot(name: str, copies: bool = True) -> SimpleNamespace:
-        evac = SimpleNamespace(replay=lambda: log.append(f"E{name}")) if copies else None
-        return SimpleNamespace(name=name, evac=evac)
+        ids = pool.shared if copies else []
+        return SimpleNamespace(name=name, evacs={k: graph(f"E{name}{k}") for k in ids},
+                               wgts={k: graph(f"W{name}{k}") for k in ids}, wgt_direct=graph(f"Wdirect{name}"),
+                               in_set=None, w_done=False)
 
-    def i_step(pool: BackwardPoolState, pair) -> None:
+    def i_step(pair) -> None:
         pool.before_backward(pair)
         log.append(f"I{pair.name}")
         pool.after_i(pair)
 
-    def w_step(pool: BackwardPoolState, pair) -> None:
-        if pool.direct_w(pair):
-            log.append(f"Wdirect{pair.name}")
-            return
-        pool.before_backward(pair)
-        log.append(f"W{pair.name}")
-
-    pool, a, b, whole = BackwardPoolState(), slot("a"), slot("b"), slot("B", copies=False)
-    i_step(pool, a)
-    w_step(pool, a)
+    a, b, whole = slot("a"), slot("b"), slot("B", copies=False)
+    i_step(a)
+    assert pool.replay_w(a) == "direct"
     assert log == ["Ia", "Wdirecta"] and (pool.direct, pool.evacuated, pool.holder) == (1, 0, None)
     log.clear()
-    i_step(pool, a)
-    i_step(pool, b)  # b's I would overwrite a's operands: a is evacuated first
-    w_step(pool, a)  # a reads its buffers; b's operands stay in the pool (a's W allocates there: evacuate b)
-    w_step(pool, b)
-    assert log == ["Ia", "Ea", "Ib", "Eb", "Wa", "Wb"] and (pool.direct, pool.evacuated) == (1, 2)
+    i_step(a)
+    i_step(b)  # b's I would overwrite a's operands: a goes to set 0 first
+    assert pool.replay_w(a) == "set"  # a reads set 0; b's operands leave the pool first (a's W allocates there)
+    assert pool.replay_w(b) == "set"
+    assert log == ["Ia", "Ea0", "Ib", "Eb1", "Wa0", "Wb1"]
+    assert (pool.direct, pool.evacuated, pool.occupant) == (1, 2, {})
     log.clear()
-    i_step(pool, a)
-    i_step(pool, whole)  # a whole backward (nothing to copy) evacuates too, and holds nothing itself
-    assert log == ["Ia", "Ea", "IB"] and pool.holder is None
+    i_step(a)
+    i_step(whole)  # a whole backward (nothing to copy) evacuates too, and holds nothing itself
+    assert log == ["Ia", "Ea0", "IB"] and pool.holder is None and pool.occupant == {0: a}
+    assert pool.replay_w(a) == "set" and pool.occupant == {}
+    log.clear()
+
+
+def test_with_every_evacuation_set_taken_the_holder_runs_its_w_at_once() -> None:
+    """Two shared sets and four slots whose W's all wait: the third slot's operands find no free set, so
+    its direct W replays before the backward that would overwrite them, and its W in the schedule's order
+    replays nothing; likewise the fourth's before a W reading a set. Each W runs exactly once; a W whose
+    operands are nowhere fails."""
+    from trainer.pipeline.graph_operands import BackwardPoolState, EvacuationSets
+
+    log: list[str] = []
+    pool = BackwardPoolState()
+    pool.share(EvacuationSets(2, [], torch.device("cpu")))
+
+    def slot(name: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, evacs={k: SimpleNamespace(replay=lambda k=k: log.append(f"E{name}{k}"))
+                                                 for k in pool.shared},
+                               wgts={k: SimpleNamespace(replay=lambda k=k: log.append(f"W{name}{k}"))
+                                     for k in pool.shared},
+                               wgt_direct=SimpleNamespace(replay=lambda: log.append(f"Wdirect{name}")),
+                               in_set=None, w_done=False)
+
+    a, b, c, d = (slot(n) for n in "abcd")
+    for pair in (a, b, c, d):
+        pool.before_backward(pair)
+        log.append(f"I{pair.name}")
+        pool.after_i(pair)
+    # a -> set 0, b -> set 1, then c finds none free: its W runs before d's I
+    assert log == ["Ia", "Ea0", "Ib", "Eb1", "Ic", "Wdirectc", "Id"] and pool.early == 1
+    # b's W reads set 1, which is not free until it has: d (in the pool) runs its W first
+    assert [pool.replay_w(p) for p in (c, b, d, a)] == ["early", "set", "early", "set"]
+    assert log[7:] == ["Wdirectd", "Wb1", "Wa0"] and pool.occupant == {}
+    assert (pool.direct, pool.evacuated, pool.early) == (0, 2, 2)
+    assert sorted(e for e in log if e.startswith("W")) == ["Wa0", "Wb1", "Wdirectc", "Wdirectd"]
+    with pytest.raises(RuntimeError, match="a W whose operands are neither in the backward pool nor in an evacuation"):
+        pool.replay_w(a)
+
+
+def test_evacuation_sets_lay_every_chunks_plan_out_in_the_largest(group) -> None:
+    """EvacuationSets: one flat buffer per set, as large as the largest plan; a plan's buffers are aligned
+    views of it (a smaller chunk's plan uses its start). A store evacuates into any set and its W reads
+    that set: the plain store's gradients."""
+    from trainer.pipeline.graph_operands import EvacuationSets, OperandPlan, StaticOperandStore, check_kept
+
+    model, split, x, grad_out, want, plan = _planned_pair(group)
+    big = OperandPlan(((0, 1),), ((torch.Size([3]), torch.float16), (torch.Size([1000]), torch.float32)))
+    assert big.nbytes() == 512 + 4096 and plan.nbytes() == 512  # each buffer from a 512-byte boundary
+    sets = EvacuationSets(2, [plan, big], torch.device("cpu"))
+    assert len(sets) == 2 and sets.nbytes == big.nbytes()
+    views = sets.views(1, plan)
+    assert [(v.shape, v.dtype) for v in views] == list(plan.buffers)
+    assert views[0].untyped_storage().data_ptr() == sets.arenas[1].data_ptr()
+    half, floats = sets.views(0, big)
+    assert half.dtype == torch.float16 and floats.data_ptr() == sets.arenas[0].data_ptr() + 512
+    with pytest.raises(ValueError, match="a plan needs 4608"):
+        EvacuationSets(1, [plan], torch.device("cpu")).views(0, big)
+    for lin in model:
+        lin.weight.grad = None
+    store = StaticOperandStore([], plan.copies, deferred=True)
+    with split.capture_into(store):
+        _run(model, x.clone().requires_grad_(True)).backward(grad_out)
+    check_kept(store, lambda t: True, 5)
+    assert store.copy_out_to(views) == 1
+    with pytest.raises(RuntimeError, match="1 operand\\(s\\) to evacuate into a set of 0 buffer"):
+        store.copy_out_to([])
+    store.entries.clear()  # as after an evacuation: the W reads the set
+    WeightGradStore(store.reading(views)).replay()
+    for lin, w in zip(model, want, strict=True):
+        torch.testing.assert_close(lin.weight.grad, w)
 
 
 def test_a_graph_slots_store_refuses_gradients_its_buffers_do_not_fit(group) -> None:

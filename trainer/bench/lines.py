@@ -127,6 +127,12 @@ CATALOGUE = {
                                   "oldest deferred W first)", 2,
                                   ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-weight-order",
                                    "oldest"], True),
+    # The same, each slot with its own set of buffers for W's operands (the earlier layout), where the default's
+    # slots share as many sets as pipeline stages (--dpp-graph-evacuation-sets): the memory the sharing saves.
+    "dpp-zb-graphs-v2-sets-slots": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --dpp-graph-evacuation-sets "
+                                    "slots, v=2 (a set of W's operand buffers per slot)", 2,
+                                    ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs",
+                                     "--dpp-graph-evacuation-sets", "slots"], True),
     # The static orders replayed by the DPP runtime (--use-dpp --dpp-policy <order>): the fair bars for the
     # dynamic policies -- same runtime, transport, graphs and run-ahead bound, only the order differs. Graphed,
     # each chunk gets as many slots as the order holds at most (ZB-H1: p on every stage; the log and the

@@ -126,6 +126,10 @@ class SchedulePlan:
     operand_copies: str = "auto"
     """--dpp-graph-operand-copies: when a graphed split backward's slot copies W's operands out of the
     stage's backward pool (trainer/pipeline/graph_operands.py)."""
+    evacuation_sets: int | None = None
+    """--dpp-graph-evacuation-sets resolved: how many sets of W's operands a stage's slots share when a
+    graphed split backward leaves them in the backward pool (auto: the pipeline size); None: a set per
+    slot, or nothing is left in the pool (trainer/pipeline/graph_operands.py)."""
     sp_wgrad_input: str = "keep"
     """--dpp-sp-wgrad-input: what a split backward keeps for the deferred weight GEMM of a
     sequence-parallel column linear (keep the gathered input, or regather it in W)."""
@@ -332,6 +336,7 @@ def schedule_plan(cfg: TrainConfig) -> SchedulePlan:
     common = {"dpp_policy": dpp_policy, "cuda_graphs": graphs, "graphs_reason": graphs_why,
               "sp_wgrad_input": par.dpp_sp_wgrad_input,
               "operand_copies": par.dpp_graph_operand_copies,
+              "evacuation_sets": resolve_evacuation_sets(cfg, dpp_policy, graphs),
               "recompute_slots": par.dpp_recompute_slots,
               # (the layout checks hold --overlap-param-gather to the distributed optimizer)
               "runtime_param_gather": par.overlap_param_gather and not uses_megatron_schedule(cfg),
@@ -392,6 +397,22 @@ def resolve_weight_order(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> str
     if cfg.virtual_pipeline > 1 and graphs and par.dpp_graph_operand_copies != "in-i":
         return "youngest"
     return None
+
+
+def lazy_operand_copies(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool:
+    """Whether a split backward runs under the CUDA graph slots leaving W's operands in the backward pool
+    (--dpp-graph-operand-copies other than in-i)."""
+    return (cfg.parallel.use_dpp and graphs and dpp_policy in ("dpp-zb", "zb-h1")
+            and cfg.parallel.dpp_graph_operand_copies != "in-i")
+
+
+def resolve_evacuation_sets(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> int | None:
+    """--dpp-graph-evacuation-sets with auto resolved (sections.ParallelConfig.dpp_graph_evacuation_sets
+    says why the pipeline size); None: a set per slot, or no lazy copies to make."""
+    choice = cfg.parallel.dpp_graph_evacuation_sets
+    if not lazy_operand_copies(cfg, dpp_policy, graphs) or choice == "slots":
+        return None
+    return cfg.parallel.pipeline_model_parallel_size if choice == "auto" else int(choice)
 
 
 def resolve_chunk_caps(cfg: TrainConfig, graphs: bool) -> str:
@@ -470,6 +491,11 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"--dpp-graph-operand-copies={par.dpp_graph_operand_copies} applies to a split backward (--dpp-policy "
                  f"dpp-zb or zb-h1) under the CUDA graph slots; this run uses {policy_why}, graphs "
                  f"{'on' if graphs else 'off'}")
+    if par.dpp_graph_evacuation_sets != "auto" and not lazy_operand_copies(cfg, policy, graphs):
+        p.append(f"--dpp-graph-evacuation-sets={par.dpp_graph_evacuation_sets} applies to a split backward under the "
+                 "CUDA graph slots that leaves W's operands in the backward pool (not --dpp-graph-operand-copies "
+                 f"in-i); this run uses {policy_why}, graphs {'on' if graphs else 'off'}, operand copies "
+                 f"{par.dpp_graph_operand_copies}")
     if par.dpp_sp_wgrad_input != "keep" and not (par.sequence_parallel and policy in ("dpp-zb", "zb-h1")):
         p.append(f"--dpp-sp-wgrad-input={par.dpp_sp_wgrad_input} applies to --sequence-parallel with a split "
                  "backward (--dpp-policy dpp-zb or zb-h1); this run uses " + policy_why

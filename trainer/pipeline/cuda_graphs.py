@@ -77,12 +77,13 @@ import functools
 import logging
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from trainer.pipeline.graph_operands import (
     BackwardPoolState,
+    EvacuationSets,
     OperandPlan,
     StaticOperandStore,
     check_kept,
@@ -254,14 +255,22 @@ class _GraphPair:
     mask: torch.Tensor | None = None
     """The slot's attention-mask buffer at this length when masks vary (BERT), which each replay fills;
     None: the captured mask is every microbatch's."""
-    evac: torch.cuda.CUDAGraph | None = None
-    """Split backward with operands the backward allocates: copies them from the backward pool into
-    ``w_buffers`` (then ``wgt`` reads them there); None: ``bwd`` leaves nothing W reads in the pool."""
+    evacs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    """Split backward with operands the backward leaves in the pool: per evacuation set this slot may use
+    (its id in ``pool``), the graph copying them there; empty: ``bwd`` leaves nothing W reads in the pool
+    (or copies it into ``w_buffers`` itself, which ``wgt`` reads)."""
+    wgts: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    """With ``evacs``: per set, the W graph reading the operands there (``wgt`` is then unused: None)."""
     wgt_direct: torch.cuda.CUDAGraph | None = None
-    """With ``evac``: the W graph that reads those operands in the pool, right after ``bwd`` (no other
+    """With ``evacs``: the W graph that reads those operands in the pool, right after ``bwd`` (no other
     backward graph of the stage replayed in between; ``pool`` decides)."""
     pool: BackwardPoolState | None = None
-    """The stage's backward-pool state: which slot's operands lie in the pool."""
+    """The stage's backward-pool state: which slot's operands lie in the pool, which set holds whose."""
+    in_set: int | None = None
+    """With ``evacs``: the set holding this slot's operands since its evacuation, until its W."""
+    w_done: bool = False
+    """With ``evacs``: the W ran early (every set was taken when another backward came): the schedule's W
+    for it has nothing left to do."""
 
 
 class _PairReplay:
@@ -275,7 +284,8 @@ class _PairReplay:
         """The pair's captured graphs: forward, backward, and with a split backward W (and the evacuation
         and the direct W where the backward allocates what W reads)."""
         pair = self.pair
-        return [g for g in (pair.fwd, pair.bwd, pair.wgt, pair.evac, pair.wgt_direct) if g is not None]
+        return [g for g in (pair.fwd, pair.bwd, pair.wgt, pair.wgt_direct, *pair.evacs.values(), *pair.wgts.values())
+                if g is not None]
 
     def __call__(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # GPT: the mask was captured with the pair (the causal mask of the pair's length, the tensor every
@@ -290,11 +300,11 @@ class _PairReplay:
 
     def replay_weights(self) -> None:
         pair = self.pair
+        if pair.evacs:
+            pair.pool.replay_w(pair)
+            return
         if pair.wgt is None:
             raise RuntimeError("this CUDA graph slot was captured without a split backward: it has no W graph")
-        if pair.pool is not None and pair.pool.direct_w(pair):
-            pair.wgt_direct.replay()
-            return
         if pair.pool is not None:
             pair.pool.before_backward(pair)
         pair.wgt.replay()
@@ -339,7 +349,7 @@ def _check_grads_went_to_main_grad(params: list, captured: str) -> None:
 def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: torch.device,
                  backward_pool=None, split: SplitBackward | None = None,
                  operands: OperandPlan | None = None, pool_state: BackwardPoolState | None = None,
-                 operand_copies: str = "auto") -> dict:
+                 operand_copies: str = "auto", evacuation_sets: EvacuationSets | None = None) -> dict:
     """One slot's graph pairs, one per captured length, as ``{length: callable(x, attention_mask)}``.
 
     Memory, forward: all of a slot's forward graphs share one private pool, captured longest first.
@@ -366,16 +376,27 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
     backward allocates, at the longest length): the backward is captured with the linears' weight GEMMs
     deferred into a :class:`StaticOperandStore` (I), then that store's replay as a third graph (W), into
     the shared backward pool (nothing it allocates outlives it). With ``pool_state`` (the stage's
-    :class:`BackwardPoolState`) I leaves those operands in the pool, and two more graphs are captured:
-    the evacuation (their copies into this slot's own buffers, which W reads) and the direct W (reading
-    them in the pool); the state picks per replay. Without it, or where ``operand_copies``
-    (--dpp-graph-operand-copies) says so for this plan (:func:`copies_wait`), I copies them, and W reads
-    the copies."""
+    :class:`BackwardPoolState`) I leaves those operands in the pool, and more graphs are captured: the
+    direct W (reading them in the pool) and, per evacuation set the slot may use, the evacuation (their
+    copies into the set) and the W reading the set; the state picks per replay. The sets are
+    ``evacuation_sets``, shared by the stage's slots, or without them one set of this slot's own
+    (--dpp-graph-evacuation-sets slots). Without ``pool_state``, or where ``operand_copies``
+    (--dpp-graph-operand-copies) says so for this plan (:func:`copies_wait`), I copies them into the
+    slot's own buffers, and W reads the copies."""
     if (split is None) != (operands is None):
         raise ValueError("capture_slot: a split backward needs both the controller and the warm-up's operands")
     x_buf = torch.zeros(shapes.activation, dtype=shapes.activation_dtype, device=device)
-    # The slot's own operand buffers for W (one set, the longest length's: trainer/pipeline/graph_operands.py).
-    grad_buffers = operands.allocate(device) if operands is not None else None
+    deferred = split is not None and pool_state is not None and copies_wait(operands, operand_copies)
+    # Where W's operands are copied to (the longest length's buffers, trainer/pipeline/graph_operands.py): the
+    # stage's shared evacuation sets, or one set of the slot's own.
+    sets: dict[int, list[torch.Tensor]] = {}
+    grad_buffers = None
+    if deferred and evacuation_sets is not None:
+        sets = {k: evacuation_sets.views(i, operands) for i, k in enumerate(pool_state.shared)}
+    elif operands is not None:
+        grad_buffers = operands.allocate(device)
+        if deferred:
+            sets = {pool_state.own(): grad_buffers}
     grad_buf = torch.zeros_like(x_buf)
     params = [p for p in call.parameters() if p.requires_grad]
     pool = torch.cuda.graph_pool_handle()
@@ -393,33 +414,43 @@ def capture_slot(call: _BlockCall, shapes: GraphShapes, masks: dict, device: tor
         stale = [p for p in params if p.grad is not None]
         if stale or x.grad is not None:
             raise RuntimeError(f"--dpp-cuda-graphs: {len(stale)} parameter(s) hold a .grad before capture")
-        deferred = split is not None and pool_state is not None and copies_wait(operands, operand_copies)
-        store = StaticOperandStore(grad_buffers, operands.copies, deferred) if split is not None else None
+        store = (StaticOperandStore([] if deferred else grad_buffers, operands.copies, deferred)
+                 if split is not None else None)
         live = live_memory(device) if split is not None else None  # before I: what it may leave where it is
         with (split.capture_into(store, f"CUDA graph capture at length {length}") if split is not None
               else contextlib.nullcontext()):
             with _capture(bwd, backward_pool, stream):
                 out.backward(grad_out)
         _check_grads_went_to_main_grad(params, f"the backward graph at length {length}")
-        wgt = evac = wgt_direct = None
+        wgt = wgt_direct = None
+        evacs: dict[int, torch.cuda.CUDAGraph] = {}
+        wgts: dict[int, torch.cuda.CUDAGraph] = {}
         if store is not None:
             check_kept(store, live, length)
             if deferred:
-                # While the entries still hold the operands in the pool: the copies, then the W reading them.
-                evac = torch.cuda.CUDAGraph()
-                with _capture(evac, backward_pool, stream):
-                    store.copy_out()
+                # While the store still holds the operands in the pool: the copies into each set, the W
+                # reading them in the pool, then the W reading each set.
+                for k, buffers in sets.items():
+                    evacs[k] = torch.cuda.CUDAGraph()
+                    with _capture(evacs[k], backward_pool, stream):
+                        store.copy_out_to(buffers)
                 wgt_direct = torch.cuda.CUDAGraph()
                 with _capture(wgt_direct, backward_pool, stream):
-                    store.replay()  # drops the entries (the pool's operands, the forward's inputs)
+                    store.replay()  # drops the entries reading the pool
                 _check_grads_went_to_main_grad(params, f"the direct W graph at length {length}")
-                store = WeightGradStore(store.buffered)  # the W after an evacuation reads the buffers
-            wgt = torch.cuda.CUDAGraph()
-            with _capture(wgt, backward_pool, stream):
-                store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
-            _check_grads_went_to_main_grad(params, f"the W graph at length {length}")
+                for k, buffers in sets.items():
+                    wgts[k] = torch.cuda.CUDAGraph()
+                    with _capture(wgts[k], backward_pool, stream):
+                        WeightGradStore(store.reading(buffers)).replay()
+                    _check_grads_went_to_main_grad(params, f"the W graph reading evacuation set {k} at length {length}")
+                store.release()  # the pool's operands and the forward's inputs it still names
+            else:
+                wgt = torch.cuda.CUDAGraph()
+                with _capture(wgt, backward_pool, stream):
+                    store.replay()  # drops the entries: the linears' inputs return to the slot's forward pool
+                _check_grads_went_to_main_grad(params, f"the W graph at length {length}")
         pair = _GraphPair(fwd, bwd, x, out.detach(), grad_out, x.grad, wgt, grad_buffers,
-                          mask if shapes.mask_varies else None, evac, wgt_direct, pool_state)
+                          mask if shapes.mask_varies else None, evacs, wgts, wgt_direct, pool_state)
         x.grad = None
         del out
         replays[length] = _PairReplay(pair)
@@ -473,13 +504,32 @@ def release_cached_blocks(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+def recompute_modes(slots: int, recompute_slots: int) -> list[bool | None]:
+    """Per slot: recomputes its core attention (True) or keeps it (False); None = as configured."""
+    return [i >= slots - recompute_slots for i in range(slots)] if recompute_slots else [None] * slots
+
+
+def warm_up_chunk(chunk: torch.nn.Module, recomputes: list[bool | None], shapes: GraphShapes, masks: dict,
+                  device: torch.device, split: SplitBackward | None = None) -> OperandPlan | None:
+    """:func:`_warm_up` of a chunk in each attention mode its slots are captured in (both code paths warm,
+    if both are captured); the split backward's operand plan, or None."""
+    operands, decoder = None, _decoder_of(chunk)
+    with rng_state_bypassed():
+        for mode in sorted(set(recomputes), key=str):
+            with (contextlib.nullcontext() if mode is None else _core_attention_recompute(decoder, mode)):
+                operands = _warm_up(_BlockCall(chunk), shapes, masks, device, split=split) or operands
+    return operands
+
+
 class ChunkGraphs:
     """The graph slots of one model chunk."""
 
     def __init__(self, chunk: torch.nn.Module, first: bool, slots: int, shapes: GraphShapes,
                  masks: dict, device: torch.device, capture=None, backward_pool=None,
                  recompute_slots: int = 0, split: SplitBackward | None = None,
-                 pool_state: BackwardPoolState | None = None, operand_copies: str = "auto") -> None:
+                 pool_state: BackwardPoolState | None = None, operand_copies: str = "auto",
+                 warmed: tuple[OperandPlan | None] | None = None,
+                 evacuation_sets: EvacuationSets | None = None) -> None:
         """``masks``: the attention mask of each captured length. ``capture``: :func:`capture_slot`
         unless given (the CPU tests pass one that returns the block uncaptured, to check everything
         around the graphs without a GPU). ``backward_pool``: the stage's shared backward pool (see
@@ -490,7 +540,9 @@ class ChunkGraphs:
         :meth:`replay_weights` instead of :meth:`give_back`. ``pool_state``: the stage's backward-pool state
         (every chunk of the stage shares it, as it shares the pool): with it, a slot copies W's operands out
         of the pool only when another backward replays first (:func:`capture_slot`), as ``operand_copies``
-        (--dpp-graph-operand-copies) allows."""
+        (--dpp-graph-operand-copies) allows, into ``evacuation_sets`` (the stage's shared sets; None: a set
+        per slot). ``warmed``: (the plan,) of :func:`warm_up_chunk` already run for this chunk (the stage
+        sizes its shared sets from every chunk's plan before any capture); None: warmed up here."""
         if slots < 1:
             raise ValueError(f"need at least one graph slot, got {slots}")
         if not 0 <= recompute_slots <= slots:
@@ -502,19 +554,15 @@ class ChunkGraphs:
             raise ValueError(f"no attention mask for captured length(s) {missing}")
         self.decoder = _decoder_of(chunk)
         # Per slot: recomputes its core attention (True) or keeps it (False); None = as configured.
-        self.recomputes: list[bool | None] = [None] * slots
-        if recompute_slots:
-            self.recomputes = [i >= slots - recompute_slots for i in range(slots)]
+        self.recomputes: list[bool | None] = recompute_modes(slots, recompute_slots)
         with rng_state_bypassed():
             if capture is None:
-                operands = None
-                for mode in sorted(set(self.recomputes), key=str):  # both code paths warm, if both are captured
-                    with self._recompute(mode):
-                        operands = _warm_up(_BlockCall(chunk), shapes, masks, device, split=split) or operands
+                operands = (warmed if warmed is not None else
+                            (warm_up_chunk(chunk, self.recomputes, shapes, masks, device, split),))[0]
                 release_cached_blocks(device)  # before the captures: see the function
                 capture = functools.partial(capture_slot, backward_pool=backward_pool, split=split,
                                             operands=operands, pool_state=pool_state,
-                                            operand_copies=operand_copies)
+                                            operand_copies=operand_copies, evacuation_sets=evacuation_sets)
             self.slots: list = []
             self.slot_bytes: list[int] = []  # what each slot's capture added to the reserved memory
             self._capture_slot = functools.partial(capture, shapes=shapes, masks=masks, device=device)

@@ -39,12 +39,25 @@ its operands in place, and that stage's GPU busy time fell to the graphed 1F1B o
 Engine's layers likewise (its 32 W's of a test run, and 9 ms per iteration off the benchmark's step).
 ``--dpp-graph-operand-copies in-i`` restores the copies inside every I, for measurements
 (:func:`copies_wait`).
+
+Where an evacuation copies to: a few buffer sets the stage's slots share (:class:`EvacuationSets`), not a
+set per slot. A set per slot is what the copies inside I need, and it was the whole memory a graphed split
+backward adds: 1.82 GiB of stage 0's 17.42 GiB at two chunks per stage on gpt16-h2048 (PP=4, 8+4 slots,
+2 and 2.5 layers a chunk), 1.117x the graphed interleaved order's peak. Lazily, a set holds a slot's
+operands only from its evacuation to its W, and few are held at once: in the host-time model (the
+benchmark's costs, uniform, stalls, lengths and jitter) at most p - 1 at one chunk per stage, and at two
+at most p on stages 0 .. p-2 and p + 2 on the last stage at PP=4. So each slot captures an evacuation and
+a W per set, and :class:`BackwardPoolState` evacuates into a free one; when every set is taken, the slot
+holding the pool runs its W at once instead (the direct W, read in place, before the backward that would
+overwrite it), and the W the schedule runs for it later has nothing left to do. That is the only change
+of order, and it is only ever earlier: gradients are equal (``--dpp-graph-evacuation-sets``).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +105,51 @@ class OperandPlan:
     def allocate(self, device: torch.device) -> list[torch.Tensor]:
         return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
 
+    def nbytes(self) -> int:
+        """Bytes of the buffers laid out one after another in a set (:class:`EvacuationSets`)."""
+        return sum(_aligned(_size(shape, dtype)) for shape, dtype in self.buffers)
+
+
+_ALIGN = 512
+"""Bytes each buffer of an evacuation set starts on (a multiple of every dtype's size and of what the
+kernels reading it vectorise on)."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _size(shape: torch.Size, dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * (torch.finfo(dtype).bits if dtype.is_floating_point
+                                             else torch.iinfo(dtype).bits) // 8
+
+
+class EvacuationSets:
+    """The buffer sets a stage's slots evacuate W's operands into (module docstring): ``count`` flat
+    allocations, each as large as the largest plan of the stage's chunks; a slot reads its plan's buffers
+    as views laid out from the start of a set (:meth:`views`)."""
+
+    def __init__(self, count: int, plans: list[OperandPlan], device: torch.device) -> None:
+        if count < 1:
+            raise ValueError(f"evacuation sets: {count}; at least one")
+        self.nbytes = max((plan.nbytes() for plan in plans), default=0)
+        self.arenas = [torch.empty(self.nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.arenas)
+
+    def views(self, index: int, plan: OperandPlan) -> list[torch.Tensor]:
+        """Set ``index`` as ``plan``'s buffers (each the shape and dtype :meth:`OperandPlan.allocate` gives)."""
+        if plan.nbytes() > self.nbytes:
+            raise ValueError(f"evacuation sets of {self.nbytes} bytes: a plan needs {plan.nbytes()} (sized for the "
+                             "stage's chunks before the first capture)")
+        arena, start, views = self.arenas[index], 0, []
+        for shape, dtype in plan.buffers:
+            size = _size(shape, dtype)
+            views.append(arena[start:start + size].view(dtype).view(shape))
+            start += _aligned(size)
+        return views
+
 
 OPERAND_COPIES = ("auto", "lazy", "in-i")
 """--dpp-graph-operand-copies: when a slot copies W's operands (:func:`copies_wait`)."""
@@ -126,16 +184,16 @@ class StaticOperandStore(WeightGradStore):
     plan names go to the slot's buffers (views of their leading rows when the length is shorter than the
     longest). ``deferred=False``: copied inside the captured I, and the entry reads those copies in W.
     ``deferred=True``: I leaves them where the backward made them; :attr:`entries` read them there (the
-    direct W), :attr:`buffered` read the buffers, and :meth:`copy_out` (the evacuation) fills those."""
+    direct W), :attr:`buffered` read the buffers, and :meth:`copy_out` (the evacuation) fills those;
+    :meth:`copy_out_to` and :meth:`reading` do the same for another set of buffers of the same plan (an
+    :class:`EvacuationSets` set)."""
 
     def __init__(self, buffers: list[torch.Tensor], copies: tuple[tuple[int, ...], ...],
                  deferred: bool = False) -> None:
         super().__init__()
         self.buffers, self.copies, self.deferred = buffers, copies, deferred
-        self._next = 0  # the next buffer to fill
-        self.buffered: list[Any] = []
-        """deferred: each entry as it reads the slot's buffers instead of the pool (the evacuated W)."""
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred: (buffer view, operand)
+        self._next = 0  # copies inside I: the next buffer to fill
+        self._planned: list[tuple[Any, list[Any], list[int]]] = []  # deferred: (entry, operands, copied k's)
 
     def add(self, entry: Any) -> None:
         i = len(self.entries)
@@ -148,24 +206,73 @@ class StaticOperandStore(WeightGradStore):
             if k >= len(operands) or not isinstance(operands[k], torch.Tensor):
                 raise RuntimeError(f"split backward with CUDA graphs: {entry_name(entry, i)} has no tensor operand "
                                    f"{k + 1}, which the warm-up copied")
-            view = self._view(operands[k], entry_name(entry, i), k)
-            if self.deferred:
-                self._pending.append((view, operands[k]))
-            else:
-                view.copy_(operands[k])
-            operands[k] = view
         if self.deferred:
-            super().add(with_operands(entry, deferred_operands(entry)))  # a copy: W runs each entry once
-            self.buffered.append(with_operands(entry, operands))
-        else:
-            super().add(with_operands(entry, operands))
+            self._planned.append((entry, list(operands), list(self.copies[i])))
+            super().add(with_operands(entry, list(operands)))  # a copy: W runs each entry once
+            return
+        for k in self.copies[i]:
+            view = self._view(operands[k], entry_name(entry, i), k)
+            view.copy_(operands[k])
+            operands[k] = view
+        super().add(with_operands(entry, operands))
+
+    @property
+    def buffered(self) -> list[Any]:
+        """deferred: the entries reading :attr:`buffers` (:meth:`reading`)."""
+        return self.reading(self.buffers)
 
     def copy_out(self) -> int:
-        """deferred: copy every planned operand from where the backward made it into its buffer (what the
-        slot's evacuation graph captures); how many."""
-        for view, operand in self._pending:
+        """deferred: copy every planned operand from where the backward made it into :attr:`buffers`
+        (:meth:`copy_out_to`)."""
+        return self.copy_out_to(self.buffers)
+
+    def copy_out_to(self, buffers: list[torch.Tensor]) -> int:
+        """deferred: copy every planned operand from where the backward made it into its buffer of
+        ``buffers`` (a set of this plan's buffers: what an evacuation graph captures); how many."""
+        pairs = self._views_in(buffers)
+        for view, operand in pairs:
             view.copy_(operand)
-        return len(self._pending)
+        return len(pairs)
+
+    def reading(self, buffers: list[torch.Tensor]) -> list[Any]:
+        """deferred: every entry as it reads its copied operands from ``buffers`` (a fresh list: a W runs
+        each entry once)."""
+        views = iter(view for view, _ in self._views_in(buffers))
+        reading = []
+        for entry, operands, picked in self._planned:
+            operands = list(operands)
+            for k in picked:
+                operands[k] = next(views)
+            reading.append(with_operands(entry, operands))
+        return reading
+
+    def filled(self) -> int:
+        """Operands copied (inside I) or planned to be (deferred) so far."""
+        return sum(len(picked) for _, _, picked in self._planned) if self.deferred else self._next
+
+    def release(self) -> None:
+        """Forget every entry and operand (after the slot's graphs are captured)."""
+        self.entries.clear()
+        self._planned.clear()
+
+    def _pending_ops(self) -> list[tuple[int, torch.Tensor]]:
+        return [(k, operands[k]) for _, operands, picked in self._planned for k in picked]
+
+    def _views_in(self, buffers: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.deferred:
+            raise RuntimeError("a store that copies inside I has no other buffers to copy out to")
+        pending = self._pending_ops()
+        if len(buffers) != len(pending):
+            raise RuntimeError(f"split backward with CUDA graphs: {len(pending)} operand(s) to evacuate into a set of "
+                               f"{len(buffers)} buffer(s)")
+        views = []
+        for buffer, (_, operand) in zip(buffers, pending, strict=True):
+            view = buffer[:operand.shape[0]] if operand.dim() else buffer
+            if view.shape != operand.shape or view.dtype != operand.dtype:
+                raise RuntimeError(f"split backward with CUDA graphs: an operand {tuple(operand.shape)} {operand.dtype} "
+                                   f"does not fit its evacuation buffer {tuple(buffer.shape)} {buffer.dtype}")
+            views.append((view, operand))
+        return views
 
     def _view(self, operand: torch.Tensor, name: str, k: int) -> torch.Tensor:
         if self._next >= len(self.buffers):
@@ -191,10 +298,13 @@ def check_kept(store: StaticOperandStore, live: Live, length: int) -> None:
                                    f"operand {k + 1} {tuple(operand.shape)} was allocated by the captured backward "
                                    "but the warm-up found it alive before its backward, so the slot does not copy "
                                    "it; the next backward replay would overwrite it before W")
-    if len(store.entries) != len(store.copies) or store._next != len(store.buffers):
+    filled, planned = store.filled(), sum(map(len, store.copies))
+    if not store.deferred:
+        planned = len(store.buffers)
+    if len(store.entries) != len(store.copies) or filled != planned:
         raise RuntimeError(f"split backward with CUDA graphs: the backward at length {length} deferred "
-                           f"{len(store.entries)} weight GEMM(s) filling {store._next} buffer(s); the warm-up "
-                           f"planned {len(store.copies)} and {len(store.buffers)}")
+                           f"{len(store.entries)} weight GEMM(s) filling {filled} buffer(s); the warm-up "
+                           f"planned {len(store.copies)} and {planned}")
 
 
 def live_memory(device: torch.device) -> Live:
@@ -220,38 +330,79 @@ def live_memory(device: torch.device) -> Live:
 
 
 class BackwardPoolState:
-    """Which slot's W still reads its operands from a stage's shared backward pool (module docstring).
+    """Which slot's W still reads its operands from a stage's shared backward pool, and which evacuation
+    set holds whose (module docstring).
 
-    One per stage (all its chunks' slots share the pool). Before any backward graph of the stage replays
-    -- an I or B, or a W -- :meth:`before_backward` evacuates the slot holding the pool, unless the graph
-    is that slot's own direct W (:meth:`direct_w`). Ranks of a tensor-parallel group replay the same
-    graphs in the same order, so they evacuate alike (the evacuation graph holds no collective anyway)."""
+    One per stage (all its chunks' slots share the pool and the sets). Before any backward graph of the
+    stage replays -- an I or B, or a W -- :meth:`before_backward` evacuates the slot holding the pool into
+    a free set, or, with every set taken, replays that slot's direct W at once; :meth:`replay_w` runs a
+    slot's W: the direct one right after its I, the one reading its set after an evacuation, nothing if it
+    ran early. A slot replay (trainer/pipeline/cuda_graphs.py ``_GraphPair``) that leaves operands in the
+    pool carries ``evacs`` and ``wgts`` (set id -> graph), ``wgt_direct``, ``in_set`` and ``w_done``. Ranks
+    of a tensor-parallel group replay the same graphs in the same order, so they decide alike."""
 
     def __init__(self) -> None:
         self.holder: Any = None
-        """The slot replay (trainer/pipeline/cuda_graphs.py ``_GraphPair``) whose W operands lie in the pool."""
+        """The slot replay whose W operands lie in the pool."""
+        self.occupant: dict[int, Any] = {}
+        """Evacuation set id -> the slot replay whose operands it holds until that slot's W."""
         self.direct = 0
-        """W graphs that read their operands in the pool (no copy made)."""
+        """W graphs that read their operands in the pool (no copy made), right after their I."""
         self.evacuated = 0
-        """Evacuations: a slot's operands copied to its buffers because another backward came first."""
+        """Evacuations: a slot's operands copied to a set because another backward came first."""
+        self.early = 0
+        """W graphs replayed at once, before another backward, because every set the slot may use was taken."""
+        self.shared: list[int] = []
+        """The ids of the stage's shared evacuation sets, in :class:`EvacuationSets` order (:meth:`share`)."""
+        self._ids = itertools.count()
+
+    def share(self, sets: EvacuationSets) -> None:
+        """The stage's slots evacuate into ``sets`` (each slot captured afterwards may use every one)."""
+        self.shared = [next(self._ids) for _ in range(len(sets))]
+
+    def own(self) -> int:
+        """A set id for one slot's own buffers (``--dpp-graph-evacuation-sets slots``)."""
+        return next(self._ids)
 
     def before_backward(self, pair: Any = None) -> None:
-        """Another backward graph is about to replay (``pair``'s, if given): evacuate the holder first."""
+        """Another backward graph is about to replay (``pair``'s, if given): move the holder's operands
+        out of the pool first (evacuated, or consumed by its W now)."""
         holder = self.holder
-        if holder is not None and holder is not pair:
-            holder.evac.replay()
-            self.evacuated += 1
-            self.holder = None
+        if holder is None or holder is pair:
+            return
+        self.holder = None
+        free = next((k for k in holder.evacs if k not in self.occupant), None)
+        if free is None:
+            holder.wgt_direct.replay()
+            holder.w_done = True
+            self.early += 1
+            return
+        holder.evacs[free].replay()
+        self.occupant[free], holder.in_set = holder, free
+        self.evacuated += 1
 
     def after_i(self, pair: Any) -> None:
         """``pair``'s I replayed: its planned operands are in the pool until the next backward."""
-        self.holder = pair if pair.evac is not None else None
+        self.holder = pair if getattr(pair, "evacs", None) else None
 
-    def direct_w(self, pair: Any) -> bool:
-        """Whether ``pair``'s W may read the pool (then the pool is free again); otherwise the caller
-        evacuates the holder (:meth:`before_backward`) and replays the W that reads the buffers."""
+    def replay_w(self, pair: Any) -> str:
+        """``pair``'s W (a slot whose I left operands in the pool): ``direct`` (read in the pool), ``set``
+        (read from the set its evacuation filled, which is free again after) or ``early`` (it ran in
+        :meth:`before_backward`; nothing left to do)."""
+        if pair.w_done:
+            pair.w_done = False
+            return "early"
         if self.holder is pair:
             self.holder = None
             self.direct += 1
-            return True
-        return False
+            pair.wgt_direct.replay()
+            return "direct"
+        index = pair.in_set
+        if index is None or self.occupant.get(index) is not pair:
+            raise RuntimeError("split backward with CUDA graphs: a W whose operands are neither in the backward pool "
+                               "nor in an evacuation set (its I did not replay since its last W)")
+        self.before_backward(pair)  # the W allocates in the pool: the holder's operands go first
+        pair.wgts[index].replay()
+        del self.occupant[index]
+        pair.in_set = None
+        return "set"

@@ -302,7 +302,8 @@ class PipelineRuntime:
         self.context.graphs = capture_chunk_graphs(self.model, shape, topo.pp_rank, slots, shapes, masks, self.device,
                                                    recompute_slots=recompute_slots,
                                                    split=self.context.split_backward,
-                                                   operand_copies=self.plan.schedule.operand_copies)
+                                                   operand_copies=self.plan.schedule.operand_copies,
+                                                   evacuation_sets=self.plan.schedule.evacuation_sets)
         if fit is not None:
             self.context.policy.cap = fit_held_slots(self.context.graphs[0], topo.pp_rank, fit, self.device)
 

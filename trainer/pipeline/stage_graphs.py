@@ -30,7 +30,7 @@ import torch
 
 from trainer.pipeline import cuda_graphs  # its functions through the module: tests and probes patch them
 from trainer.pipeline.cuda_graphs import ChunkGraphs, GraphShapes
-from trainer.pipeline.graph_operands import BackwardPoolState
+from trainer.pipeline.graph_operands import BackwardPoolState, EvacuationSets, copies_wait
 from trainer.pipeline.split_backward import SplitBackward
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,17 @@ GIB = 2**30
 
 def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int, ...], shapes: GraphShapes,
                          masks: dict, device: torch.device, recompute_slots: int = 0,
-                         split: SplitBackward | None = None, operand_copies: str = "auto") -> dict[int, ChunkGraphs]:
+                         split: SplitBackward | None = None, operand_copies: str = "auto",
+                         evacuation_sets: int | None = None) -> dict[int, ChunkGraphs]:
     """Graph slots for each chunk of this stage (``slots``: one count for every chunk, or one per chunk --
     a static order's own peak per chunk; ``masks``: each captured length's attention mask;
     ``recompute_slots`` of each chunk's slots recompute the core attention, at most all of them;
     ``split``: the split-backward controller when the policy splits backwards into I and W;
-    ``operand_copies``: --dpp-graph-operand-copies, trainer/pipeline/graph_operands.py). Before the
-    first step: runs each block a few times on zero inputs (warm-up, capture; no gradient accumulates)."""
+    ``operand_copies``: --dpp-graph-operand-copies, trainer/pipeline/graph_operands.py;
+    ``evacuation_sets``: how many sets of W's operands the stage's slots share, sized for the largest of
+    its chunks' plans, so every chunk warms up before any captures; None: a set per slot,
+    --dpp-graph-evacuation-sets). Before the first step: runs each block a few times on zero inputs
+    (warm-up, capture; no gradient accumulates)."""
     per_chunk = (slots,) * len(chunks) if isinstance(slots, int) else tuple(slots)
     if len(per_chunk) != len(chunks):
         raise ValueError(f"stage {stage}: {len(per_chunk)} slot counts for {len(chunks)} chunk(s)")
@@ -53,15 +57,25 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int
     before = torch.cuda.memory_reserved(device)
     backward_pool = torch.cuda.graph_pool_handle()  # one backward workspace for the stage (capture_slot)
     pool_state = BackwardPoolState()  # which slot's W operands lie in it (graph_operands.py)
+    recomputes = [min(recompute_slots, n) for n in per_chunk]
+    plans = [cuda_graphs.warm_up_chunk(chunk, cuda_graphs.recompute_modes(per_chunk[c], recomputes[c]), shapes, masks,
+                                       device, split) for c, chunk in enumerate(chunks)]
+    lazy = [plan for plan in plans if plan is not None and copies_wait(plan, operand_copies)]
+    sets = EvacuationSets(evacuation_sets, lazy, device) if split is not None and evacuation_sets and lazy else None
+    if sets is not None:
+        pool_state.share(sets)
     for c, chunk in enumerate(chunks):
         graphs[c] = cuda_graphs.ChunkGraphs(chunk, shape.is_first_virtual(stage, c), per_chunk[c], shapes, masks, device,
-                                backward_pool=backward_pool, recompute_slots=min(recompute_slots, per_chunk[c]),
-                                split=split, pool_state=pool_state, operand_copies=operand_copies)
+                                backward_pool=backward_pool, recompute_slots=recomputes[c],
+                                split=split, pool_state=pool_state, operand_copies=operand_copies,
+                                warmed=(plans[c],), evacuation_sets=sets)
     cuda_graphs.release_cached_blocks(device)  # what the captures left in the ordinary pool (each warm-up's went before)
     log.info("stage %d: CUDA graphs for chunk(s) %s, %s slot(s) (%d recomputing the core attention%s), "
              "length(s) %s; %.2f GiB reserved for them; peak reserved so far %.2f GiB, allocated %.2f GiB",
              stage, sorted(graphs), "/".join(map(str, per_chunk)), min(recompute_slots, max(per_chunk)),
-             "; F, I and W graphs: split backward" if split else "",
+             ("; F, I and W graphs: split backward" if split else "")
+             + (f"; W's operands evacuated into {len(sets)} set(s) of {sets.nbytes / GIB:.2f} GiB the slots share"
+                if sets is not None else ""),
              ",".join(map(str, shapes.captured_lengths())), (torch.cuda.memory_reserved(device) - before) / GIB,
              torch.cuda.max_memory_reserved(device) / GIB, torch.cuda.max_memory_allocated(device) / GIB)
     return graphs
