@@ -23,7 +23,7 @@ GROUPS: dict[str, list[str]] = {
           f"{_G}/test_memory_history_gpu.py"],
     "C": [f"{_G}/test_dpp_nccl_split.py"],
     # part 2: the split-backward graphs, side by side, then the 2-rank loss test and the NCCL clock sync
-    "Z1": [f"{_GRAPHS}[zb-v1]", f"{_GRAPHS}[zb-v2]",
+    "Z1": [f"{_GRAPHS}[zb-v1]", f"{_GRAPHS}[zb-v2]", f"{_GRAPHS}[zb-v2-one-set]",
            f"{_G}/test_dpp_cuda_graphs.py::test_use_dpp_alone_replays_graphed_dpp_zb"],
     "Z2": [f"{_GRAPHS}[zb-v1-varlen]", f"{_GRAPHS}[zb-v1-recompute-slot]",
            f"{_G}/test_dpp_cuda_graphs.py::test_graphed_half_layer_boundary_equals_eager",
