@@ -326,13 +326,13 @@ class ParallelConfig:
     I, the earlier behaviour (for measurements). trainer/pipeline/graph_operands.py."""
     dpp_graph_evacuation_sets: str = "auto"
     """Split backward under CUDA graphs with W's operands left in the backward pool: how many buffer sets a
-    stage's slots share for the operands they copy out of it when another backward comes first. ``auto``
-    (default): as many as pipeline stages, enough in the host-time model for every evacuation at one chunk
-    per stage (at most p - 1 held at once) and for all but a few on the last stage at two (3-6 of its 64
-    W's per iteration at PP=4 then run early, before the backward that needed the pool, instead of
-    copying); a number N >= 1: N sets; ``slots``: a set per slot, the earlier layout (its memory grows with
-    the slots: 1.82 GiB of 17.42 on stage 0 at PP=4, v=2). Gradients are equal whatever the count.
-    trainer/pipeline/graph_operands.py."""
+    stage's slots share for the operands they copy out of it when another backward comes first (a slot
+    finding none free runs its W at once, before the backward that needed the pool). ``auto`` (default): as
+    many as pipeline stages, within -1.0 .. +0.2% of a set per slot in the host-time model with the pool
+    priced (3-6 of the last stage's 64 W's per iteration run early at PP=4, v=2; none at one chunk per
+    stage; docs/schedules.md); a number N >= 1: N sets; ``slots``: a set per slot, the earlier layout (its
+    memory grows with the slots: 1.82 GiB of 17.42 on stage 0 at PP=4, v=2). Gradients are equal whatever
+    the count. trainer/pipeline/graph_operands.py."""
     dpp_sp_wgrad_input: Literal["keep", "regather"] = "keep"
     """Split backward (dpp-zb, zb-h1) with --sequence-parallel: a column-parallel linear's deferred
     weight GEMM needs its input gathered over TP. ``keep`` (default) keeps the gathered input from the

@@ -44,13 +44,16 @@ Where an evacuation copies to: a few buffer sets the stage's slots share (:class
 set per slot. A set per slot is what the copies inside I need, and it was the whole memory a graphed split
 backward adds: 1.82 GiB of stage 0's 17.42 GiB at two chunks per stage on gpt16-h2048 (PP=4, 8+4 slots,
 2 and 2.5 layers a chunk), 1.117x the graphed interleaved order's peak. Lazily, a set holds a slot's
-operands only from its evacuation to its W, and few are held at once: in the host-time model (the
-benchmark's costs, uniform, stalls, lengths and jitter) at most p - 1 at one chunk per stage, and at two
-at most p on stages 0 .. p-2 and p + 2 on the last stage at PP=4. So each slot captures an evacuation and
-a W per set, and :class:`BackwardPoolState` evacuates into a free one; when every set is taken, the slot
-holding the pool runs its W at once instead (the direct W, read in place, before the backward that would
-overwrite it), and the W the schedule runs for it later has nothing left to do. That is the only change
-of order, and it is only ever earlier: gradients are equal (``--dpp-graph-evacuation-sets``).
+operands only from its evacuation to its W, and few are held at once. So each slot captures an
+evacuation and a W per set, and :class:`BackwardPoolState` evacuates into a free one; when every set is
+taken, the slot holding the pool runs its W at once instead (the direct W, read in place, before the
+backward that would overwrite it), and the W the schedule runs for it later has nothing left to do. That
+is the only change of order, and it is only ever earlier: gradients are equal. How many sets
+(``--dpp-graph-evacuation-sets``, default the pipeline size) comes from the host-time model with this
+pool priced (trainer/schedule/backward_pool.py, docs/schedules.md): on the benchmark's costs p sets ran
+within -1.0 .. +0.2% of a set per slot (PP=2 and 4, one and two chunks, uniform, stalls, lengths,
+jitter), while two at PP=4, v=2 cost up to +1.6%. Measured at PP=2, v=2 on 2xH200: 1.054x the graphed
+interleaved order's peak reserved where a set per slot gave 1.124x, at the same speed.
 """
 
 from __future__ import annotations

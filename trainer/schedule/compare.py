@@ -61,6 +61,9 @@ class Summary:
     """Largest per-stage activation peak over all seeds, in whole-stage microbatch units."""
     caps: str
     """Per-stage caps as "held/live" in chunk units ("-" for static schedules)."""
+    pool: str = ""
+    """With the backward pool priced (host-time model): per stage, the medians over seeds of W's read in
+    place / evacuations / W's run early, e.g. "64/0/0,58/6/0"; empty otherwise."""
 
 
 Simulator = Callable[..., SimResult]
@@ -110,4 +113,14 @@ def _summarise(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs
         bubble=statistics.median(r.bubble_fraction for r in runs),
         peak_activations=max(r.peak_activations for r in runs),
         caps=describe_caps(policies),
+        pool=describe_pool(runs),
     )
+
+
+def describe_pool(runs: list[SimResult]) -> str:
+    """:attr:`Summary.pool` of these runs ("" when the pool was not priced)."""
+    if any(r.pool_counts is None for r in runs):
+        return ""
+    stages = zip(*(r.pool_counts for r in runs), strict=True)
+    return ",".join("/".join(f"{statistics.median(seed[k] for seed in per_seed):g}" for k in range(3))
+                    for per_seed in stages)

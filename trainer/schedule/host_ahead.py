@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+from trainer.schedule.backward_pool import PoolSpec
 from trainer.schedule.core import Action, Op, PipelineShape, Policy, StageState
 from trainer.schedule.costs import CostTable
 from trainer.schedule.simulator import DeadlockError, OpRecord, SimResult, _describe_deadlock
@@ -38,16 +39,18 @@ _ACTIVATION, _GRADIENT, _WAKE = 0, 1, 2
 def simulate_host_ahead(
     shape: PipelineShape, policies: Sequence[Policy], costs: CostTable, *, launch: float = 0.02,
     header_latency: float = 0.05, max_queued_ops: int | None = None, data_aware: bool = False,
-    record: bool = False,
+    record: bool = False, pool: PoolSpec | None = None,
 ) -> SimResult:
     """One step of ``policies`` with host-time decisions (see the module docstring); time units as
     ``costs``. ``launch``: host time to queue one op; ``header_latency``: header's host-to-host
-    delay; the edge transfer of ``costs`` is the data's GPU-to-GPU delay."""
+    delay; the edge transfer of ``costs`` is the data's GPU-to-GPU delay. ``pool``: price a graphed
+    split backward's evacuations and early W's (trainer/schedule/backward_pool.py); None: free."""
     p = shape.num_stages
     _check(p, policies, launch, header_latency, max_queued_ops)
     states = [StageState(shape, s, split_backward=pol.split_backward, microbatch_costs=costs.microbatch_cost)
               for s, pol in enumerate(policies)]
     durations, edge = costs.durations, costs.edge_transfer
+    pools = [pool.make() for _ in range(p)] if pool is not None else None
     host = [0.0] * p
     gpu_free = [0.0] * p
     ends: list[list[float]] = [[] for _ in range(p)]
@@ -97,7 +100,12 @@ def simulate_host_ahead(
         state.mark_done(action)
         host[s] = t + launch
         start = max(gpu_free[s], host[s], _input_ready(s, action, data_at))
-        end = start + durations[action.op][s][action.chunk][action.microbatch]
+        duration = durations[action.op][s][action.chunk][action.microbatch]
+        if pools is not None:  # an evacuation or an early W runs on the stream first
+            before, duration = pools[s].run(action, lambda m_, c_, s=s: durations[Op.W][s][c_][m_], duration)
+            busy[s] += before
+            start += before
+        end = start + duration
         gpu_free[s] = end
         queued.append(end)
         busy[s] += end - start
@@ -109,7 +117,8 @@ def simulate_host_ahead(
     if stuck:
         raise DeadlockError(_describe_deadlock(policies, stuck))
     return SimResult(schedule=policies[0].name, shape=shape, step_time=max(gpu_free), busy=busy,
-                     peak_inflight=[st.peak_inflight for st in states], timeline=timeline, edge_transfer=list(edge))
+                     peak_inflight=[st.peak_inflight for st in states], timeline=timeline, edge_transfer=list(edge),
+                     pool_counts=[pl.counts() for pl in pools] if pools is not None else None)
 
 
 def _check(p: int, policies: Sequence[Policy], launch: float, header_latency: float,

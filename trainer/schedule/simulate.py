@@ -27,6 +27,7 @@ from pathlib import Path
 from trainer.cli import OneLineParser
 from trainer.measure.flops import attention_share
 from trainer.problems import problems_text
+from trainer.schedule.backward_pool import MEASURED_COPY, PoolSpec
 from trainer.schedule.compare import ScheduleSpec, Simulator, Summary, compare, run_once
 from trainer.schedule.costs import CostModel
 from trainer.schedule.dynamic import (
@@ -172,6 +173,13 @@ def _parser() -> OneLineParser:
     add("--data-aware", action="store_true",
         help="with --host-ahead: the host also knows which arrived inputs have landed on its GPU"
         " (the runtime does, for dpp-zb: StageLinks.landed)")
+    add("--evacuation-sets", default=None,
+        help="with --host-ahead: price a graphed split backward's backward pool (trainer/schedule/backward_pool.py):"
+        " N buffer sets a stage's slots share for W's operands (the runtime's --dpp-graph-evacuation-sets; a slot"
+        " finding none free runs its W at once), or 'slots' (a set per slot); default: the pool costs nothing")
+    add("--evacuation-copy", type=float, default=MEASURED_COPY,
+        help=f"with --evacuation-sets: an evacuation's GPU time as a share of the slot's W time (default {MEASURED_COPY},"
+        " measured on 2xH200)")
     add("--seed", type=int, default=0, help="first random seed (default 0)")
     add("--seeds", type=int, default=1, help="number of seeds; figures are medians over them (default 1)")
     add("--cap-sweep", default=None,
@@ -399,6 +407,10 @@ def _format_table(baseline: Summary, rows: list[Summary]) -> str:
         )
     lines.append(f"(1F1B baseline: median step {baseline.step_time:.2f}; 'vs 1F1B' = median over seeds of"
                  " 1F1B step / schedule step - 1; peak act in whole-stage microbatch activations)")
+    pools = [row for row in rows if row.pool and any(n != "0" for n in row.pool.replace(",", "/").split("/"))]
+    for row in pools:
+        lines.append(f"backward pool, {row.spec.name} v={row.spec.num_chunks}: per stage W's read in place / "
+                     f"evacuations / W's run early (medians over seeds): {row.pool}")
     return "\n".join(lines)
 
 
@@ -457,13 +469,28 @@ def _simulator(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Sim
     if not args.host_ahead:
         if args.data_aware:
             parser.error("--data-aware applies to --host-ahead (at GPU time every arrived input has landed)")
+        if args.evacuation_sets is not None:
+            parser.error("--evacuation-sets applies to --host-ahead (the backward pool is the graphed runtime's)")
         return simulate
     bad = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in ("launch_cost", "header_latency", "max_queued_ops")
            if getattr(args, n) < 0]
     if bad:
         parser.error(problems_text(bad, "must be >= 0"))
     return functools.partial(simulate_host_ahead, launch=args.launch_cost, header_latency=args.header_latency,
-                             max_queued_ops=args.max_queued_ops or None, data_aware=args.data_aware)
+                             max_queued_ops=args.max_queued_ops or None, data_aware=args.data_aware,
+                             pool=_pool_spec(args, parser))
+
+
+def _pool_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> PoolSpec | None:
+    """--evacuation-sets / --evacuation-copy (host-time model only)."""
+    sets = args.evacuation_sets
+    if sets is None:
+        return None
+    if sets != "slots" and not (sets.isdigit() and int(sets) >= 1):
+        parser.error(f"--evacuation-sets={sets!r} must be 'slots' or a number >= 1")
+    if args.evacuation_copy < 0:
+        parser.error(f"--evacuation-copy={args.evacuation_copy} must be >= 0")
+    return PoolSpec(None if sets == "slots" else int(sets), args.evacuation_copy)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,8 @@ class SimResult:
     """Every executed action, when the run was asked to record them."""
     edge_transfer: list[float] | None = None
     """Transfer time of each edge s -> s+1 (mod p) the run used."""
+    pool_counts: list[tuple[int, int, int]] | None = None
+    """Host-time model with the backward pool priced: per stage (W's read in place, evacuations, early W's)."""
 
     @property
     def bubble_fraction(self) -> float:
