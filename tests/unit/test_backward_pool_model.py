@@ -27,7 +27,7 @@ def test_a_w_right_after_its_i_is_free_and_another_backward_first_evacuates_it()
     assert _run(pool, "F0 I0 W0") == [(0.0, 1.0)] * 3 and pool.counts() == (1, 0, 0)
     # I1 comes before W0: W0's operands are copied to a set first (a quarter of its W time)
     assert _run(pool, "F0 I0 I1 W0 W1") == [(0, 1), (0, 1), (0.25, 1), (0.25, 1), (0, 1)]
-    assert pool.counts() == (1, 2, 0) and pool.held == set()
+    assert pool.counts() == (1, 2, 0) and pool.state.occupant == {}
 
 
 def test_with_every_set_taken_the_holder_runs_its_w_before_the_next_backward_and_its_own_w_is_free() -> None:
@@ -37,7 +37,8 @@ def test_with_every_set_taken_the_holder_runs_its_w_before_the_next_backward_and
     pool = BackwardPoolModel(sets=2, copy=0.5)
     got = _run(pool, "I0 I1 I2 I3 W2 W1 W3 W0")
     assert got == [(0, 1), (0.5, 1), (0.5, 1), (1.0, 1), (0, 0), (1.0, 1), (0, 0), (0, 1)]
-    assert pool.counts() == (0, 2, 2) and not pool.held and not pool.done_early and pool.holder is None
+    assert pool.counts() == (0, 2, 2) and not pool.state.occupant and not pool.state.done_early
+    assert pool.state.holder is None
     unbounded = BackwardPoolModel(sets=None, copy=0.5)  # a set per slot: never early
     _run(unbounded, "I0 I1 I2 I3 W2 W1 W3 W0")
     assert unbounded.counts() == (0, 4, 0)

@@ -514,8 +514,7 @@ def test_the_backward_pool_state_evacuates_only_when_another_backward_comes_firs
     def slot(name: str, copies: bool = True) -> SimpleNamespace:
         ids = pool.shared if copies else []
         return SimpleNamespace(name=name, evacs={k: graph(f"E{name}{k}") for k in ids},
-                               wgts={k: graph(f"W{name}{k}") for k in ids}, wgt_direct=graph(f"Wdirect{name}"),
-                               in_set=None, w_done=False)
+                               wgts={k: graph(f"W{name}{k}") for k in ids}, wgt_direct=graph(f"Wdirect{name}"))
 
     def i_step(pair) -> None:
         pool.before_backward(pair)
@@ -525,19 +524,19 @@ def test_the_backward_pool_state_evacuates_only_when_another_backward_comes_firs
     a, b, whole = slot("a"), slot("b"), slot("B", copies=False)
     i_step(a)
     assert pool.replay_w(a) == "direct"
-    assert log == ["Ia", "Wdirecta"] and (pool.direct, pool.evacuated, pool.holder) == (1, 0, None)
+    assert log == ["Ia", "Wdirecta"] and (pool.direct, pool.evacuated, pool.state.holder) == (1, 0, None)
     log.clear()
     i_step(a)
     i_step(b)  # b's I would overwrite a's operands: a goes to set 0 first
     assert pool.replay_w(a) == "set"  # a reads set 0; b's operands leave the pool first (a's W allocates there)
     assert pool.replay_w(b) == "set"
     assert log == ["Ia", "Ea0", "Ib", "Eb1", "Wa0", "Wb1"]
-    assert (pool.direct, pool.evacuated, pool.occupant) == (1, 2, {})
+    assert (pool.direct, pool.evacuated, pool.state.occupant) == (1, 2, {})
     log.clear()
     i_step(a)
     i_step(whole)  # a whole backward (nothing to copy) evacuates too, and holds nothing itself
-    assert log == ["Ia", "Ea0", "IB"] and pool.holder is None and pool.occupant == {0: a}
-    assert pool.replay_w(a) == "set" and pool.occupant == {}
+    assert log == ["Ia", "Ea0", "IB"] and pool.state.holder is None and pool.state.occupant == {0: id(a)}
+    assert pool.replay_w(a) == "set" and pool.state.occupant == {}
     log.clear()
 
 
@@ -557,8 +556,7 @@ def test_with_every_evacuation_set_taken_the_holder_runs_its_w_at_once() -> None
                                                  for k in pool.shared},
                                wgts={k: SimpleNamespace(replay=lambda k=k: log.append(f"W{name}{k}"))
                                      for k in pool.shared},
-                               wgt_direct=SimpleNamespace(replay=lambda: log.append(f"Wdirect{name}")),
-                               in_set=None, w_done=False)
+                               wgt_direct=SimpleNamespace(replay=lambda: log.append(f"Wdirect{name}")))
 
     a, b, c, d = (slot(n) for n in "abcd")
     for pair in (a, b, c, d):
@@ -569,7 +567,7 @@ def test_with_every_evacuation_set_taken_the_holder_runs_its_w_at_once() -> None
     assert log == ["Ia", "Ea0", "Ib", "Eb1", "Ic", "Wdirectc", "Id"] and pool.early == 1
     # b's W reads set 1, which is not free until it has: d (in the pool) runs its W first
     assert [pool.replay_w(p) for p in (c, b, d, a)] == ["early", "set", "early", "set"]
-    assert log[7:] == ["Wdirectd", "Wb1", "Wa0"] and pool.occupant == {}
+    assert log[7:] == ["Wdirectd", "Wb1", "Wa0"] and pool.state.occupant == {}
     assert (pool.direct, pool.evacuated, pool.early) == (0, 2, 2)
     assert sorted(e for e in log if e.startswith("W")) == ["Wa0", "Wb1", "Wdirectc", "Wdirectd"]
     with pytest.raises(RuntimeError, match="a W whose operands are neither in the backward pool nor in an evacuation"):

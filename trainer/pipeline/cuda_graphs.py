@@ -266,11 +266,6 @@ class _GraphPair:
     backward graph of the stage replayed in between; ``pool`` decides)."""
     pool: BackwardPoolState | None = None
     """The stage's backward-pool state: which slot's operands lie in the pool, which set holds whose."""
-    in_set: int | None = None
-    """With ``evacs``: the set holding this slot's operands since its evacuation, until its W."""
-    w_done: bool = False
-    """With ``evacs``: the W ran early (every set was taken when another backward came): the schedule's W
-    for it has nothing left to do."""
 
 
 class _PairReplay:

@@ -69,6 +69,7 @@ import torch
 
 from trainer.pipeline.split_backward import WeightGradStore, _Deferred
 from trainer.pipeline.split_backward_te import TeDeferred
+from trainer.schedule.backward_pool import DIRECT, EARLY, Move, PoolState
 
 Live = Callable[[torch.Tensor], bool]
 """Whether a tensor's memory was allocated before the backward began (:func:`live_memory`)."""
@@ -334,27 +335,20 @@ def live_memory(device: torch.device) -> Live:
 
 class BackwardPoolState:
     """Which slot's W still reads its operands from a stage's shared backward pool, and which evacuation
-    set holds whose (module docstring).
+    set holds whose (module docstring): :class:`~trainer.schedule.backward_pool.PoolState` decides, this
+    replays what it decides.
 
     One per stage (all its chunks' slots share the pool and the sets). Before any backward graph of the
     stage replays -- an I or B, or a W -- :meth:`before_backward` evacuates the slot holding the pool into
     a free set, or, with every set taken, replays that slot's direct W at once; :meth:`replay_w` runs a
     slot's W: the direct one right after its I, the one reading its set after an evacuation, nothing if it
     ran early. A slot replay (trainer/pipeline/cuda_graphs.py ``_GraphPair``) that leaves operands in the
-    pool carries ``evacs`` and ``wgts`` (set id -> graph), ``wgt_direct``, ``in_set`` and ``w_done``. Ranks
-    of a tensor-parallel group replay the same graphs in the same order, so they decide alike."""
+    pool carries ``evacs`` and ``wgts`` (set id -> graph) and ``wgt_direct``. Ranks of a tensor-parallel
+    group replay the same graphs in the same order, so they decide alike."""
 
     def __init__(self) -> None:
-        self.holder: Any = None
-        """The slot replay whose W operands lie in the pool."""
-        self.occupant: dict[int, Any] = {}
-        """Evacuation set id -> the slot replay whose operands it holds until that slot's W."""
-        self.direct = 0
-        """W graphs that read their operands in the pool (no copy made), right after their I."""
-        self.evacuated = 0
-        """Evacuations: a slot's operands copied to a set because another backward came first."""
-        self.early = 0
-        """W graphs replayed at once, before another backward, because every set the slot may use was taken."""
+        self.state = PoolState(lambda key: self._pairs[key].evacs)
+        self._pairs: dict[int, Any] = {}  # id(pair) -> pair, for the slots that left operands in the pool
         self.shared: list[int] = []
         """The ids of the stage's shared evacuation sets, in :class:`EvacuationSets` order (:meth:`share`)."""
         self._ids = itertools.count()
@@ -367,45 +361,53 @@ class BackwardPoolState:
         """A set id for one slot's own buffers (``--dpp-graph-evacuation-sets slots``)."""
         return next(self._ids)
 
+    @property
+    def direct(self) -> int:
+        """W graphs that read their operands in the pool (no copy made), right after their I."""
+        return self.state.direct
+
+    @property
+    def evacuated(self) -> int:
+        """Evacuations: a slot's operands copied to a set because another backward came first."""
+        return self.state.evacuated
+
+    @property
+    def early(self) -> int:
+        """W graphs replayed at once, before another backward, because every set the slot may use was taken."""
+        return self.state.early
+
     def before_backward(self, pair: Any = None) -> None:
         """Another backward graph is about to replay (``pair``'s, if given): move the holder's operands
         out of the pool first (evacuated, or consumed by its W now)."""
-        holder = self.holder
-        if holder is None or holder is pair:
-            return
-        self.holder = None
-        free = next((k for k in holder.evacs if k not in self.occupant), None)
-        if free is None:
-            holder.wgt_direct.replay()
-            holder.w_done = True
-            self.early += 1
-            return
-        holder.evacs[free].replay()
-        self.occupant[free], holder.in_set = holder, free
-        self.evacuated += 1
+        self._replay(self.state.backward(id(pair) if pair is not None else None))
 
     def after_i(self, pair: Any) -> None:
         """``pair``'s I replayed: its planned operands are in the pool until the next backward."""
-        self.holder = pair if getattr(pair, "evacs", None) else None
+        leaves = bool(getattr(pair, "evacs", None))
+        if leaves:
+            self._pairs[id(pair)] = pair
+        self.state.after_i(id(pair), leaves)
 
     def replay_w(self, pair: Any) -> str:
         """``pair``'s W (a slot whose I left operands in the pool): ``direct`` (read in the pool), ``set``
         (read from the set its evacuation filled, which is free again after) or ``early`` (it ran in
         :meth:`before_backward`; nothing left to do)."""
-        if pair.w_done:
-            pair.w_done = False
+        move, reads = self.state.weight(id(pair))
+        self._replay(move)
+        self._pairs.pop(id(pair), None)  # the state names it no more until its next I
+        if reads == EARLY:
             return "early"
-        if self.holder is pair:
-            self.holder = None
-            self.direct += 1
+        if reads == DIRECT:
             pair.wgt_direct.replay()
             return "direct"
-        index = pair.in_set
-        if index is None or self.occupant.get(index) is not pair:
-            raise RuntimeError("split backward with CUDA graphs: a W whose operands are neither in the backward pool "
-                               "nor in an evacuation set (its I did not replay since its last W)")
-        self.before_backward(pair)  # the W allocates in the pool: the holder's operands go first
-        pair.wgts[index].replay()
-        del self.occupant[index]
-        pair.in_set = None
+        pair.wgts[reads].replay()
         return "set"
+
+    def _replay(self, move: Move | None) -> None:
+        if move is None:
+            return
+        pair = self._pairs[move.key]
+        if move.into is None:
+            pair.wgt_direct.replay()
+        else:
+            pair.evacs[move.into].replay()
