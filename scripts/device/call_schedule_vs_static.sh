@@ -17,6 +17,8 @@
 #       --pipeline-stage-layers-vp 2,1.5,2,2,2.5,2.5,2.5,1
 # v=2 with the youngest deferred W first (the default under graphs) against the oldest first (-oldest-w):
 #   ... a --lines interleaved-graphs,dpp-zb-graphs-v2,dpp-zb-graphs-v2-oldest-w --pipeline-stage-layers-vp 2,1.5,2,2,2.5,2.5,2.5,1
+# v=2 memory: the slots sharing p sets of W's operand buffers (the default) against a set per slot (-sets-slots):
+#   ... a --lines interleaved-graphs,dpp-zb-graphs-v2,dpp-zb-graphs-v2-sets-slots --pipeline-stage-layers-vp 2,1.5,2,2,2.5,2.5,2.5,1
 # W's operands copied only when another backward comes first (the default) against inside every I, in one call:
 #   ... a --lines 1f1b-graphs,zb-h1-graphs,dpp-zb-graphs,dpp-zb-graphs-copy-in-i --pipeline-stage-layers 4,4.5,4.5,3
 # GPUS=2 runs it at PP=2 on a 2-GPU machine (the experiment's default is 4).
