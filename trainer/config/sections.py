@@ -328,7 +328,7 @@ class ParallelConfig:
     """Split backward under CUDA graphs with W's operands left in the backward pool: how many buffer sets a
     stage's slots share for the operands they copy out of it when another backward comes first (a slot
     finding none free runs its W at once, before the backward that needed the pool). ``auto`` (default): as
-    many as pipeline stages, within -1.0 .. +0.2% of a set per slot in the host-time model with the pool
+    many as pipeline stages (at most the slots the stage may hold), within -1.0 .. +0.2% of a set per slot in the host-time model with the pool
     priced (3-6 of the last stage's 64 W's per iteration run early at PP=4, v=2; none at one chunk per
     stage; docs/schedules.md); a number N >= 1: N sets; ``slots``: a set per slot, the earlier layout (its
     memory grows with the slots: 1.82 GiB of 17.42 on stage 0 at PP=4, v=2). Gradients are equal whatever

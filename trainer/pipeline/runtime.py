@@ -294,6 +294,9 @@ class PipelineRuntime:
         else:
             masks = {n: causal_mask(n, self.device) for n in lengths}
         recompute_slots = self.plan.schedule.recompute_slots_of(topo.pp_rank)
+        # Never more evacuation sets than slots the stage may hold (each slot's operands need one at most).
+        sets = self.plan.schedule.evacuation_sets
+        sets = min(sets, sum(slots)) if sets is not None else None
         fit = None
         if self.plan.schedule.held_fit:  # one chunk (the plan's rule): its own bound first, then what fits
             fit = HeldFit(own=min(cap, slots[0]), peak=slots[0], pending_bytes=pending_state_bytes,
@@ -303,7 +306,7 @@ class PipelineRuntime:
                                                    recompute_slots=recompute_slots,
                                                    split=self.context.split_backward,
                                                    operand_copies=self.plan.schedule.operand_copies,
-                                                   evacuation_sets=self.plan.schedule.evacuation_sets)
+                                                   evacuation_sets=sets)
         if fit is not None:
             self.context.policy.cap = fit_held_slots(self.context.graphs[0], topo.pp_rank, fit, self.device)
 
