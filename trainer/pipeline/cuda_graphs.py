@@ -28,9 +28,10 @@ Split backward (--dpp-policy dpp-zb): a slot holds three graphs per length -- th
 backward with the linears' weight GEMMs deferred) and W (those GEMMs, accumulated into
 ``main_grad``). F takes the slot and W gives it back, so a microbatch whose W waits keeps its
 activations in the slot exactly as eager dpp-zb keeps them in the store; what W reads besides the
-activations (what the backward allocated for W) is copied into buffers the slot owns only when another
-backward graph of the stage replays before this W, by a fourth graph, the slot's evacuation; a W that
-follows its I first reads them in place, from a fifth (trainer/pipeline/graph_operands.py).
+activations (what the backward allocated for W) is copied into one of the buffer sets the stage's slots
+share only when another backward graph of the stage replays before this W, by the slot's evacuation
+graph for that set (a W graph per set reads it); a W that follows its I first reads them in place, from
+a graph of its own (trainer/pipeline/graph_operands.py).
 
 Scope (checked by the config before any process starts): GPT or BERT, --use-dpp with --dpp-policy
 dpp, dpp-zb or a static order, and with TP > 1 an NCCL tensor-parallel group.

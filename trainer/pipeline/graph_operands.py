@@ -12,7 +12,8 @@ reads it. A deferred GEMM's operands are therefore of two kinds:
 - allocated by the backward: every output gradient, and an input the backward itself made -- the
   TP-gathered input of Transformer Engine's column-parallel linears under sequence parallelism (TE
   gathers it in the backward, where megatron-core's local linears keep the forward's gather). These
-  are copied, inside the captured I, into buffers the slot owns.
+  must be copied before another backward replays: inside the captured I into buffers the slot owns
+  (``--dpp-graph-operand-copies in-i``), or, by default, only when needed (below).
 
 Which is which is not assumed per layer type: the eager warm-up finds it by asking the CUDA caching
 allocator which blocks were allocated before the backward started (:func:`live_memory`), and
