@@ -320,10 +320,10 @@ class ParallelConfig:
     DynamicOptions.weight_order."""
     dpp_graph_operand_copies: Literal["auto", "lazy", "in-i"] = "auto"
     """Split backward under CUDA graphs: what a slot's W reads that its I allocated in the stage's shared
-    backward pool. ``auto`` (default) and ``lazy``: left there, and copied into the slot's own buffers only
-    when another backward graph of the stage replays before that W (a W right after its I reads it in
-    place), for megatron-core's local linears and Transformer Engine's alike; ``in-i``: copied inside every
-    I, the earlier behaviour (for measurements). trainer/pipeline/graph_operands.py."""
+    backward pool. ``auto`` (default) and ``lazy``: left there, and copied into a buffer set (see
+    --dpp-graph-evacuation-sets) only when another backward graph of the stage replays before that W (a W
+    right after its I reads it in place), for megatron-core's local linears and Transformer Engine's alike;
+    ``in-i``: copied inside every I into the slot's own buffers, the earlier behaviour (for measurements). trainer/pipeline/graph_operands.py."""
     dpp_graph_evacuation_sets: str = "auto"
     """Split backward under CUDA graphs with W's operands left in the backward pool: how many buffer sets a
     stage's slots share for the operands they copy out of it when another backward comes first (a slot
