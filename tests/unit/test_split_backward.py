@@ -460,7 +460,7 @@ def test_a_graph_slots_store_keeps_copies_in_its_own_buffers_and_gives_the_same_
 def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_copies_them(group) -> None:
     """StaticOperandStore(deferred=True), as a slot's I is captured when the stage tracks its backward
     pool: I copies nothing; the direct W reads the operands where the backward made them, the evacuation
-    (copy_out) fills the slot's buffers, and the W after it reads those. Both give the plain store's
+    (copy_out_to) fills the slot's buffers, and the W after it reads those. Both give the plain store's
     gradients, and each entry runs once."""
     from trainer.pipeline.graph_operands import StaticOperandStore, check_kept, copies_wait
 
@@ -476,7 +476,7 @@ def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_cop
     def i_step() -> StaticOperandStore:
         for lin in model:
             lin.weight.grad = None
-        store = StaticOperandStore(buffers, plan.copies, deferred=True)
+        store = StaticOperandStore([], plan.copies, deferred=True)
         with split.capture_into(store):
             _run(model, x.clone().requires_grad_(True)).backward(grad_out)
         check_kept(store, lambda t: True, 5)
@@ -485,15 +485,15 @@ def test_a_deferred_slot_store_leaves_operands_in_place_until_the_evacuation_cop
     store = i_step()
     assert torch.isnan(buffers[0]).all()  # I copied nothing
     assert store.entries[1].grad_output.data_ptr() != buffers[0].data_ptr()
-    assert store.buffered[1].grad_output.data_ptr() == buffers[0].data_ptr()
+    assert store.reading(buffers)[1].grad_output.data_ptr() == buffers[0].data_ptr()
     store.replay()  # the direct W
     for lin, w in zip(model, want, strict=True):
         torch.testing.assert_close(lin.weight.grad, w)
 
     store = i_step()
-    assert store.copy_out() == 1 and not torch.isnan(buffers[0]).any()
+    assert store.copy_out_to(buffers) == 1 and not torch.isnan(buffers[0]).any()
     store.entries.clear()  # the evacuated slot replays the W that reads the buffers instead
-    WeightGradStore(store.buffered).replay()
+    WeightGradStore(store.reading(buffers)).replay()
     for lin, w in zip(model, want, strict=True):
         torch.testing.assert_close(lin.weight.grad, w)
 

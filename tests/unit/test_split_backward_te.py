@@ -334,14 +334,14 @@ def test_a_graph_slot_copies_what_tes_backward_allocated_and_reads_the_rest_in_p
         store.replay()
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, sum(want[k][name] for k in range(m + 1)), msg=f"{name} after W {m}")
-    # The lazy form (the default) computes the same from the pool and after copy_out.
+    # The lazy form (the default) computes the same from the pool and after an evacuation (copy_out_to).
     for evacuate in (False, True):
         model.zero_grad(set_to_none=True)
-        store = StaticOperandStore(buffers, plan.copies, deferred=True)
+        store = StaticOperandStore([], plan.copies, deferred=True)
         check_kept(store, i_step(store, xs[0], dys[0]), 5)
         if evacuate:
-            assert store.copy_out() == 2
-            store = WeightGradStore(store.buffered)
+            assert store.copy_out_to(buffers) == 2
+            store = WeightGradStore(store.reading(buffers))
         store.replay()
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, want[0][name], msg=f"{name}, lazy, evacuated: {evacuate}")

@@ -399,11 +399,15 @@ def resolve_weight_order(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> str
     return None
 
 
+def graphed_split_backward(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool:
+    """Whether a split backward (dpp-zb, zb-h1) runs under the CUDA graph slots."""
+    return cfg.parallel.use_dpp and graphs and dpp_policy in ("dpp-zb", "zb-h1")
+
+
 def lazy_operand_copies(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool:
     """Whether a split backward runs under the CUDA graph slots leaving W's operands in the backward pool
     (--dpp-graph-operand-copies other than in-i)."""
-    return (cfg.parallel.use_dpp and graphs and dpp_policy in ("dpp-zb", "zb-h1")
-            and cfg.parallel.dpp_graph_operand_copies != "in-i")
+    return graphed_split_backward(cfg, dpp_policy, graphs) and cfg.parallel.dpp_graph_operand_copies != "in-i"
 
 
 def resolve_evacuation_sets(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> int | None:
@@ -486,8 +490,7 @@ def schedule_problems(cfg: TrainConfig) -> list[str]:
     if par.dpp_weight_order != "auto" and not zb:
         p.append(f"--dpp-weight-order={par.dpp_weight_order} applies to --use-dpp with dpp-zb (only it defers W); "
                  f"this run uses {policy_why}")
-    if par.dpp_graph_operand_copies != "auto" and not (
-            par.use_dpp and graphs and policy in ("dpp-zb", "zb-h1")):
+    if par.dpp_graph_operand_copies != "auto" and not graphed_split_backward(cfg, policy, graphs):
         p.append(f"--dpp-graph-operand-copies={par.dpp_graph_operand_copies} applies to a split backward (--dpp-policy "
                  f"dpp-zb or zb-h1) under the CUDA graph slots; this run uses {policy_why}, graphs "
                  f"{'on' if graphs else 'off'}")

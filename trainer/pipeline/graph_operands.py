@@ -125,8 +125,7 @@ def _aligned(nbytes: int) -> int:
 
 
 def _size(shape: torch.Size, dtype: torch.dtype) -> int:
-    return int(torch.Size(shape).numel()) * (torch.finfo(dtype).bits if dtype.is_floating_point
-                                             else torch.iinfo(dtype).bits) // 8
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 class EvacuationSets:
@@ -188,10 +187,10 @@ class StaticOperandStore(WeightGradStore):
     """The store a CUDA graph slot's I graph is captured with: each deferred GEMM's operands that the
     plan names go to the slot's buffers (views of their leading rows when the length is shorter than the
     longest). ``deferred=False``: copied inside the captured I, and the entry reads those copies in W.
-    ``deferred=True``: I leaves them where the backward made them; :attr:`entries` read them there (the
-    direct W), :attr:`buffered` read the buffers, and :meth:`copy_out` (the evacuation) fills those;
-    :meth:`copy_out_to` and :meth:`reading` do the same for another set of buffers of the same plan (an
-    :class:`EvacuationSets` set)."""
+    ``deferred=True`` (``buffers`` unused): I leaves them where the backward made them; :attr:`entries`
+    read them there (the direct W), :meth:`copy_out_to` (an evacuation) copies them into a set of this
+    plan's buffers (an :class:`EvacuationSets` set, or a slot's own), and :meth:`reading` gives the
+    entries reading that set."""
 
     def __init__(self, buffers: list[torch.Tensor], copies: tuple[tuple[int, ...], ...],
                  deferred: bool = False) -> None:
@@ -220,16 +219,6 @@ class StaticOperandStore(WeightGradStore):
             view.copy_(operands[k])
             operands[k] = view
         super().add(with_operands(entry, operands))
-
-    @property
-    def buffered(self) -> list[Any]:
-        """deferred: the entries reading :attr:`buffers` (:meth:`reading`)."""
-        return self.reading(self.buffers)
-
-    def copy_out(self) -> int:
-        """deferred: copy every planned operand from where the backward made it into :attr:`buffers`
-        (:meth:`copy_out_to`)."""
-        return self.copy_out_to(self.buffers)
 
     def copy_out_to(self, buffers: list[torch.Tensor]) -> int:
         """deferred: copy every planned operand from where the backward made it into its buffer of
@@ -352,10 +341,14 @@ class BackwardPoolState:
         self._pairs: dict[int, Any] = {}  # id(pair) -> pair, for the slots that left operands in the pool
         self.shared: list[int] = []
         """The ids of the stage's shared evacuation sets, in :class:`EvacuationSets` order (:meth:`share`)."""
+        self.sets: EvacuationSets | None = None
+        """Held here, where every slot replay that reads or writes them refers: the graphs address their
+        memory, which the caching allocator would hand to other tensors once unreferenced."""
         self._ids = itertools.count()
 
     def share(self, sets: EvacuationSets) -> None:
         """The stage's slots evacuate into ``sets`` (each slot captured afterwards may use every one)."""
+        self.sets = sets
         self.shared = [next(self._ids) for _ in range(len(sets))]
 
     def own(self) -> int:

@@ -61,7 +61,7 @@ def capture_chunk_graphs(chunks: list, shape, stage: int, slots: int | tuple[int
     plans = [cuda_graphs.warm_up_chunk(chunk, cuda_graphs.recompute_modes(per_chunk[c], recomputes[c]), shapes, masks,
                                        device, split) for c, chunk in enumerate(chunks)]
     lazy = [plan for plan in plans if plan is not None and copies_wait(plan, operand_copies)]
-    sets = EvacuationSets(evacuation_sets, lazy, device) if split is not None and evacuation_sets and lazy else None
+    sets = EvacuationSets(evacuation_sets, lazy, device) if evacuation_sets and lazy else None  # lazy: split only
     if sets is not None:
         pool_state.share(sets)
     for c, chunk in enumerate(chunks):

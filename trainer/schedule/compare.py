@@ -63,7 +63,7 @@ class Summary:
     """Per-stage caps as "held/live" in chunk units ("-" for static schedules)."""
     pool: str = ""
     """With the backward pool priced (host-time model): per stage, the medians over seeds of W's read in
-    place / evacuations / W's run early, e.g. "64/0/0,58/6/0"; empty otherwise."""
+    place / evacuations / W's run early, e.g. "64/0/0,58/6/0"; empty otherwise, or with no split backward."""
 
 
 Simulator = Callable[..., SimResult]
@@ -118,8 +118,8 @@ def _summarise(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs
 
 
 def describe_pool(runs: list[SimResult]) -> str:
-    """:attr:`Summary.pool` of these runs ("" when the pool was not priced)."""
-    if any(r.pool_counts is None for r in runs):
+    """:attr:`Summary.pool` of these runs ("" when the pool was not priced, or no W ran)."""
+    if any(r.pool_counts is None or not any(map(any, r.pool_counts)) for r in runs):
         return ""
     stages = zip(*(r.pool_counts for r in runs), strict=True)
     return ",".join("/".join(f"{statistics.median(seed[k] for seed in per_seed):g}" for k in range(3))

@@ -407,8 +407,7 @@ def _format_table(baseline: Summary, rows: list[Summary]) -> str:
         )
     lines.append(f"(1F1B baseline: median step {baseline.step_time:.2f}; 'vs 1F1B' = median over seeds of"
                  " 1F1B step / schedule step - 1; peak act in whole-stage microbatch activations)")
-    pools = [row for row in rows if row.pool and any(n != "0" for n in row.pool.replace(",", "/").split("/"))]
-    for row in pools:
+    for row in (row for row in rows if row.pool):
         lines.append(f"backward pool, {row.spec.name} v={row.spec.num_chunks}: per stage W's read in place / "
                      f"evacuations / W's run early (medians over seeds): {row.pool}")
     return "\n".join(lines)
