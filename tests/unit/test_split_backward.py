@@ -354,11 +354,16 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
             parse_config([*refused, "--dpp-graph-operand-copies", "in-i"], world_size=2)
     with pytest.raises(ConfigError, match="--dpp-graph-operand-copies='never' must be one of auto, lazy, in-i"):
         parse_config([*local, "--dpp-graph-operand-copies", "never"], world_size=2)
-    # --dpp-graph-evacuation-sets: auto = the pipeline size where operands are left in the pool, slots = none shared
-    def sets(*flags: str) -> int | None:
-        return resolve_plan(parse_config([*local, *flags], world_size=2), 2).schedule.evacuation_sets
+    # --dpp-graph-evacuation-sets: auto = the pipeline size at two or more chunks, two at one chunk (at most the
+    # pipeline size), where operands are left in the pool; slots = none shared
+    def sets(*flags: str, pp: int = 2) -> int | None:
+        shape = ["--pipeline-model-parallel-size", str(pp), "--num-layers", str(2 * pp)]
+        return resolve_plan(parse_config([*local, *shape, *flags], world_size=pp), pp).schedule.evacuation_sets
 
     assert sets() == 2 and sets("--dpp-graph-evacuation-sets", "3") == 3
+    assert sets(pp=4) == 2 and sets("--dpp-graph-evacuation-sets", "3", pp=4) == 3
+    vp = ("--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8")
+    assert sets(*vp, pp=4) == 4 and sets(*vp) == 2
     assert sets("--dpp-graph-evacuation-sets", "slots") is None and sets("--dpp-graph-operand-copies", "in-i") is None
     assert sets("--dpp-policy", "zb-h1") == 2 and sets("--dpp-policy", "dpp") is None
     for value in ("0", "many"):

@@ -410,13 +410,22 @@ def lazy_operand_copies(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool
     return graphed_split_backward(cfg, dpp_policy, graphs) and cfg.parallel.dpp_graph_operand_copies != "in-i"
 
 
+ONE_CHUNK_EVACUATION_SETS = 2
+"""--dpp-graph-evacuation-sets auto at one chunk per stage (sections.ParallelConfig says why)."""
+
+
 def resolve_evacuation_sets(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> int | None:
     """--dpp-graph-evacuation-sets with auto resolved (sections.ParallelConfig.dpp_graph_evacuation_sets
-    says why the pipeline size); None: a set per slot, or no lazy copies to make."""
+    says why these counts); None: a set per slot, or no lazy copies to make."""
     choice = cfg.parallel.dpp_graph_evacuation_sets
     if not lazy_operand_copies(cfg, dpp_policy, graphs) or choice == "slots":
         return None
-    return cfg.parallel.pipeline_model_parallel_size if choice == "auto" else int(choice)
+    if choice != "auto":
+        return int(choice)
+    pp = cfg.parallel.pipeline_model_parallel_size
+    # One chunk per stage: a W mostly follows its own I, and the memory a set would take is a slot the
+    # held-cap fit can give a later stage.
+    return pp if cfg.virtual_pipeline > 1 else min(pp, ONE_CHUNK_EVACUATION_SETS)
 
 
 def resolve_chunk_caps(cfg: TrainConfig, graphs: bool) -> str:

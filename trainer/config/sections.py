@@ -327,10 +327,13 @@ class ParallelConfig:
     dpp_graph_evacuation_sets: str = "auto"
     """Split backward under CUDA graphs with W's operands left in the backward pool: how many buffer sets a
     stage's slots share for the operands they copy out of it when another backward comes first (a slot
-    finding none free runs its W at once, before the backward that needed the pool). ``auto`` (default): as
-    many as pipeline stages (at most the slots the stage may hold), within -1.0 .. +0.2% of a set per slot in the host-time model with the pool
-    priced (3-6 of the last stage's 64 W's per iteration run early at PP=4, v=2; none at one chunk per
-    stage; docs/schedules.md); a number N >= 1: N sets; ``slots``: a set per slot, the earlier layout (its
+    finding none free runs its W at once, before the backward that needed the pool). ``auto`` (default): at
+    two or more chunks per stage as many as pipeline stages, within -1.0 .. +0.2% of a set per slot in the
+    host-time model with the pool priced (3-6 of the last stage's 64 W's per iteration run early at PP=4,
+    v=2); at one chunk two (at most the pipeline size), within 0.1% of a set per slot there, and the
+    memory the other sets would take goes to the held-cap fit's extra slots on the later stages (BERT at
+    PP=4: stage 3 kept 1 slot with 4 sets); never more than the slots the stage may hold
+    (docs/schedules.md); a number N >= 1: N sets; ``slots``: a set per slot, the earlier layout (its
     memory grows with the slots: 1.82 GiB of 17.42 on stage 0 at PP=4, v=2). Gradients are equal whatever
     the count. trainer/pipeline/graph_operands.py."""
     dpp_sp_wgrad_input: Literal["keep", "regather"] = "keep"
