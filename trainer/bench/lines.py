@@ -128,7 +128,7 @@ CATALOGUE = {
                                   ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs", "--dpp-weight-order",
                                    "oldest"], True),
     # The same, each slot with its own set of buffers for W's operands (the earlier layout), where the default's
-    # slots share as many sets as pipeline stages (--dpp-graph-evacuation-sets): the memory the sharing saves.
+    # slots share as many sets as pipeline stages at v=2 (--dpp-graph-evacuation-sets): the memory the sharing saves.
     "dpp-zb-graphs-v2-sets-slots": ("--use-dpp --dpp-policy dpp-zb --dpp-cuda-graphs --dpp-graph-evacuation-sets "
                                     "slots, v=2 (a set of W's operand buffers per slot)", 2,
                                     ["--use-dpp", "--dpp-policy", "dpp-zb", "--dpp-cuda-graphs",

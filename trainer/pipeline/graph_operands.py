@@ -50,11 +50,13 @@ evacuation and a W per set, and :class:`BackwardPoolState` evacuates into a free
 taken, the slot holding the pool runs its W at once instead (the direct W, read in place, before the
 backward that would overwrite it), and the W the schedule runs for it later has nothing left to do. That
 is the only change of order, and it is only ever earlier: gradients are equal. How many sets
-(``--dpp-graph-evacuation-sets``, default the pipeline size) comes from the host-time model with this
-pool priced (trainer/schedule/backward_pool.py, docs/schedules.md): on the benchmark's costs p sets ran
-within -1.0 .. +0.2% of a set per slot (PP=2 and 4, one and two chunks, uniform, stalls, lengths,
-jitter), while two at PP=4, v=2 cost up to +1.6%. Measured at PP=2, v=2 on 2xH200: 1.054x the graphed
-interleaved order's peak reserved where a set per slot gave 1.124x, at the same speed.
+(``--dpp-graph-evacuation-sets``, default the pipeline size at two or more chunks per stage, two at one)
+comes from the host-time model with this pool priced (trainer/schedule/backward_pool.py,
+docs/schedules.md): on the benchmark's costs p sets ran within -1.0 .. +0.2% of a set per slot (PP=2 and 4,
+one and two chunks, uniform, stalls, lengths, jitter), while two at PP=4, v=2 cost up to +1.6%; at one
+chunk every count from two up ran within 0.1%. Measured at v=2: 1.054x the graphed interleaved order's peak
+reserved at PP=2 (2xH200) and 1.051x at PP=4 (per process, one H200), where a set per slot gave 1.124x and
+1.127x, at the same speed (PP=2).
 """
 
 from __future__ import annotations
