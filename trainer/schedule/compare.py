@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.schedule.bound import OrderFreeBound, order_free_bound
 from trainer.schedule.core import PipelineShape, Policy
 from trainer.schedule.costs import CostModel
 from trainer.schedule.registry import make_policy
@@ -61,6 +62,11 @@ class Summary:
     """Largest per-stage activation peak over all seeds, in whole-stage microbatch units."""
     caps: str
     """Per-stage caps as "held/live" in chunk units ("-" for static schedules)."""
+    vs_bound: float = 0.0
+    """Median over seeds of this schedule's step / the order-free bound of the same draw (>= 1;
+    trainer/schedule/bound.py): what its order costs over the shortest step any order could run."""
+    bound: OrderFreeBound | None = None
+    """The order-free bound of the first seed's draw (at this schedule's chunks per stage)."""
     pool: str = ""
     """With the backward pool priced (host-time model): per stage, the medians over seeds of W's read in
     place / evacuations / W's run early, e.g. "64/0/0,58/6/0"; empty otherwise, or with no split backward."""
@@ -74,6 +80,13 @@ def run_once(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: 
              seed: int, record: bool = False, simulator: Simulator = simulate) -> SimResult:
     shape, policies = spec.policies(num_stages, num_microbatches)
     return simulator(shape, policies, costs.draw(shape, np.random.default_rng(seed)), record=record)
+
+
+def bound_of(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
+             seed: int) -> OrderFreeBound:
+    """The order-free bound of the draw :func:`run_once` simulates for ``spec`` and ``seed``."""
+    shape = PipelineShape(num_stages, num_microbatches, spec.num_chunks)
+    return order_free_bound(costs.draw(shape, np.random.default_rng(seed)))
 
 
 def describe_caps(policies: list[Policy]) -> str:
@@ -105,6 +118,7 @@ def compare(specs: list[ScheduleSpec], num_stages: int, num_microbatches: int, c
 def _summarise(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
                seeds: list[int], base_steps: list[float], simulator: Simulator) -> Summary:
     runs = [run_once(spec, num_stages, num_microbatches, costs, s, simulator=simulator) for s in seeds]
+    bounds = [bound_of(spec, num_stages, num_microbatches, costs, s) for s in seeds]
     _, policies = spec.policies(num_stages, num_microbatches)
     return Summary(
         spec=spec,
@@ -113,6 +127,8 @@ def _summarise(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs
         bubble=statistics.median(r.bubble_fraction for r in runs),
         peak_activations=max(r.peak_activations for r in runs),
         caps=describe_caps(policies),
+        vs_bound=statistics.median(r.step_time / b.step for r, b in zip(runs, bounds, strict=True)),
+        bound=bounds[0],
         pool=describe_pool(runs),
     )
 

@@ -5,8 +5,8 @@ Example::
     python -m trainer.schedule.simulate --pp 4 --vp 2 --microbatches 32 --jitter 0.3 \\
         --schedules gpipe,1f1b,interleaved,zb-h1,dpp,dpp-zb --seeds 20 --trace out.json
 
-prints one row per schedule: median step time, speedup vs 1F1B, bubble %, peak activations and the
-caps used. ``--cap-sweep 1,1.25,1.5,2`` prints throughput against the activation cap instead.
+prints one row per schedule: median step time, speedup vs 1F1B, step over the order-free bound of the
+same costs (trainer/schedule/bound.py), bubble %, peak activations and the caps used. ``--cap-sweep 1,1.25,1.5,2`` prints throughput against the activation cap instead.
 ``--layers 16 --head-cost 2 --resplit`` derives the stage costs from a layer split and prints the
 split that balances them (with Megatron-LM's flags for it), then the table for both splits.
 ``--layer-ops F:I:W --head-ops F:I:W --embedding-ops F:I:W`` give a layer's, the head's and the
@@ -398,15 +398,20 @@ def _specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Sc
 
 
 def _format_table(baseline: Summary, rows: list[Summary]) -> str:
-    header = f"{'schedule':<12} {'v':>2} {'step':>9} {'vs 1F1B':>8} {'bubble':>7} {'peak act':>8}  caps (held[/live] per stage)"
+    header = (f"{'schedule':<12} {'v':>2} {'step':>9} {'vs 1F1B':>8} {'vs bound':>8} {'bubble':>7} {'peak act':>8}  "
+              "caps (held[/live] per stage)")
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
             f"{row.spec.name:<12} {row.spec.num_chunks:>2} {row.step_time:>9.2f} "
-            f"{row.speedup - 1:>+7.1%} {row.bubble:>7.1%} {row.peak_activations:>8.2f}  {row.caps}"
+            f"{row.speedup - 1:>+7.1%} {row.vs_bound:>7.3f}x {row.bubble:>7.1%} {row.peak_activations:>8.2f}  {row.caps}"
         )
     lines.append(f"(1F1B baseline: median step {baseline.step_time:.2f}; 'vs 1F1B' = median over seeds of"
-                 " 1F1B step / schedule step - 1; peak act in whole-stage microbatch activations)")
+                 " 1F1B step / schedule step - 1; 'vs bound' = median over seeds of the step / the order-free bound"
+                 " of the same costs; peak act in whole-stage microbatch activations)")
+    bounds = {row.spec.num_chunks: row.bound for row in [baseline, *rows] if row.bound is not None}
+    for chunks, bound in sorted(bounds.items()):
+        lines.append(f"order-free bound, v={chunks} (no order runs these costs faster; first seed): {bound.describe()}")
     for row in (row for row in rows if row.pool):
         lines.append(f"backward pool, {row.spec.name} v={row.spec.num_chunks}: per stage W's read in place / "
                      f"evacuations / W's run early (medians over seeds): {row.pool}")
