@@ -362,6 +362,7 @@ def test_auto_policy_is_dpp_zb_with_graphs_where_split_backward_is_possible(monk
 
     assert sets() == 2 and sets("--dpp-graph-evacuation-sets", "3") == 3
     assert sets(pp=4) == 2 and sets("--dpp-graph-evacuation-sets", "3", pp=4) == 3
+    assert sets("--dpp-policy", "zb-h1", pp=4) == 4  # ZB-H1 holds every W behind later I's: p sets
     vp = ("--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8")
     assert sets(*vp, pp=4) == 4 and sets(*vp) == 2
     assert sets("--dpp-graph-evacuation-sets", "slots") is None and sets("--dpp-graph-operand-copies", "in-i") is None

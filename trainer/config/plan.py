@@ -411,7 +411,7 @@ def lazy_operand_copies(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> bool
 
 
 ONE_CHUNK_EVACUATION_SETS = 2
-"""--dpp-graph-evacuation-sets auto at one chunk per stage (sections.ParallelConfig says why)."""
+"""--dpp-graph-evacuation-sets auto for dpp-zb at one chunk per stage (sections.ParallelConfig says why)."""
 
 
 def resolve_evacuation_sets(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> int | None:
@@ -423,9 +423,12 @@ def resolve_evacuation_sets(cfg: TrainConfig, dpp_policy: str, graphs: bool) -> 
     if choice != "auto":
         return int(choice)
     pp = cfg.parallel.pipeline_model_parallel_size
-    # One chunk per stage: a W mostly follows its own I, and the memory a set would take is a slot the
-    # held-cap fit can give a later stage.
-    return pp if cfg.virtual_pipeline > 1 else min(pp, ONE_CHUNK_EVACUATION_SETS)
+    # dpp-zb at one chunk per stage: a W mostly follows its own I, and the memory a set would take is a slot
+    # the held-cap fit can give a later stage. ZB-H1's order holds each W behind later I's by design, so every
+    # one is evacuated and the last stage needs p sets to keep the order (with fewer, W's run early).
+    if cfg.virtual_pipeline > 1 or dpp_policy != "dpp-zb":
+        return pp
+    return min(pp, ONE_CHUNK_EVACUATION_SETS)
 
 
 def resolve_chunk_caps(cfg: TrainConfig, graphs: bool) -> str:

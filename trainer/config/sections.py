@@ -330,9 +330,10 @@ class ParallelConfig:
     finding none free runs its W at once, before the backward that needed the pool). ``auto`` (default): at
     two or more chunks per stage as many as pipeline stages, within -1.0 .. +0.2% of a set per slot in the
     host-time model with the pool priced (3-6 of the last stage's 64 W's per iteration run early at PP=4,
-    v=2); at one chunk two (at most the pipeline size), within 0.1% of a set per slot there, and the
-    memory the other sets would take goes to the held-cap fit's extra slots on the later stages (BERT at
-    PP=4: stage 3 kept 1 slot with 4 sets); never more than the slots the stage may hold
+    v=2); for dpp-zb at one chunk two (at most the pipeline size), within 0.1% of a set per slot there,
+    and the memory the other sets would take goes to the held-cap fit's extra slots on the later stages
+    (BERT at PP=4: stage 3 kept 1 slot with 4 sets); ZB-H1 p at any chunk count (its order holds every W
+    behind later I's, and the model put it 5% slower with 2 sets at PP=4); never more than the slots the stage may hold
     (docs/schedules.md); a number N >= 1: N sets; ``slots``: a set per slot, the earlier layout (its
     memory grows with the slots: 1.82 GiB of 17.42 on stage 0 at PP=4, v=2). Gradients are equal whatever
     the count. trainer/pipeline/graph_operands.py."""
