@@ -17,7 +17,7 @@ import numpy as np
 
 from trainer.schedule.bound import OrderFreeBound, order_free_bound
 from trainer.schedule.core import PipelineShape, Policy
-from trainer.schedule.costs import CostModel
+from trainer.schedule.costs import CostModel, CostTable
 from trainer.schedule.registry import make_policy
 from trainer.schedule.simulator import SimResult, simulate
 
@@ -76,17 +76,25 @@ Simulator = Callable[..., SimResult]
 """``simulate`` (decisions at GPU time) or a partial of ``host_ahead.simulate_host_ahead``."""
 
 
+def draw(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel, seed: int) -> CostTable:
+    """Seed ``seed``'s op costs for ``spec``'s shape: what :func:`run_once` simulates and :func:`bound_of` bounds."""
+    return costs.draw(PipelineShape(num_stages, num_microbatches, spec.num_chunks), np.random.default_rng(seed))
+
+
 def run_once(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
-             seed: int, record: bool = False, simulator: Simulator = simulate) -> SimResult:
+             seed: int, record: bool = False, simulator: Simulator = simulate,
+             table: CostTable | None = None) -> SimResult:
+    """One simulated step of ``spec`` on seed ``seed``'s draw (``table``: that draw, already made)."""
     shape, policies = spec.policies(num_stages, num_microbatches)
-    return simulator(shape, policies, costs.draw(shape, np.random.default_rng(seed)), record=record)
+    if table is None:
+        table = draw(spec, num_stages, num_microbatches, costs, seed)
+    return simulator(shape, policies, table, record=record)
 
 
 def bound_of(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
              seed: int) -> OrderFreeBound:
     """The order-free bound of the draw :func:`run_once` simulates for ``spec`` and ``seed``."""
-    shape = PipelineShape(num_stages, num_microbatches, spec.num_chunks)
-    return order_free_bound(costs.draw(shape, np.random.default_rng(seed)))
+    return order_free_bound(draw(spec, num_stages, num_microbatches, costs, seed))
 
 
 def describe_caps(policies: list[Policy]) -> str:
@@ -117,8 +125,10 @@ def compare(specs: list[ScheduleSpec], num_stages: int, num_microbatches: int, c
 
 def _summarise(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
                seeds: list[int], base_steps: list[float], simulator: Simulator) -> Summary:
-    runs = [run_once(spec, num_stages, num_microbatches, costs, s, simulator=simulator) for s in seeds]
-    bounds = [bound_of(spec, num_stages, num_microbatches, costs, s) for s in seeds]
+    tables = [draw(spec, num_stages, num_microbatches, costs, s) for s in seeds]
+    runs = [run_once(spec, num_stages, num_microbatches, costs, s, simulator=simulator, table=t)
+            for s, t in zip(seeds, tables, strict=True)]
+    bounds = [order_free_bound(t) for t in tables]
     _, policies = spec.policies(num_stages, num_microbatches)
     return Summary(
         spec=spec,

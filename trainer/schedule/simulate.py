@@ -6,7 +6,8 @@ Example::
         --schedules gpipe,1f1b,interleaved,zb-h1,dpp,dpp-zb --seeds 20 --trace out.json
 
 prints one row per schedule: median step time, speedup vs 1F1B, step over the order-free bound of the
-same costs (trainer/schedule/bound.py), bubble %, peak activations and the caps used. ``--cap-sweep 1,1.25,1.5,2`` prints throughput against the activation cap instead.
+same costs (trainer/schedule/bound.py), bubble %, peak activations and the caps used.
+``--cap-sweep 1,1.25,1.5,2`` prints throughput against the activation cap instead.
 ``--layers 16 --head-cost 2 --resplit`` derives the stage costs from a layer split and prints the
 split that balances them (with Megatron-LM's flags for it), then the table for both splits.
 ``--layer-ops F:I:W --head-ops F:I:W --embedding-ops F:I:W`` give a layer's, the head's and the
