@@ -31,7 +31,9 @@ no unfinished ``iter_*.tmp``:
   (PreemptMode=REQUEUE, scripts/cluster/slurm.conf.in; QOS normal's GraceTime, scripts/cluster.sh):
   TERM to the steps only, as ``scancel --signal=TERM`` sends. Before: the on-signal save died in
   megatron-core's checkpoint writer, whose helper process the TERM had killed too; FAILED. Now the
-  ranks save on the signal and the batch shell requeues the job.
+  ranks save on the signal and the batch shell requeues the job. Alone on the cluster the job trains faster than
+  Slurm preempts, so its ranks are held (SIGSTOP) from the urgent job's submission until Slurm has
+  preempted it: the TERM lands mid-training whatever the host's speed.
 * ``requeue``: ``scontrol requeue``. Slurm ends the job itself: TERM to every process of it, the
   batch shell and srun included, and SIGKILL KillWait seconds later. srun answers its TERM with a
   SIGKILL of the step that slurmctld refuses for a job it is already ending, so the ranks have
@@ -49,6 +51,7 @@ no unfinished ``iter_*.tmp``:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -158,11 +161,48 @@ def interrupt_after_a_periodic_save(kind: str, job_id: str, log: Path, out: Path
         slurm.run({"requeue": ["scontrol", "requeue"], "full-term": ["scancel", "--full", "--signal=TERM"]}[kind]
                   + [job_id])
         return
-    # Both nodes, whole: only the training job's preemption makes room for it.
-    urgent = slurm.run(["sbatch", "--parsable", "--qos=urgent", "--nodes=2", "--exclusive",
-                        f"--output={out}/urgent_%j.out", "--wrap", "sleep 1"]).strip().split(";")[0]
+    # Alone on the cluster the job's iterations take ~0.15 s, and its last one came before Slurm's
+    # preemption did (~2 s after the urgent job's submission): the job ended as if never preempted.
+    # Its ranks are held (SIGSTOP, as a slow iteration would hold them) until Slurm has preempted
+    # it, so the TERM lands mid-training: held, a rank keeps the signal pending, and takes it as
+    # soon as it runs again.
+    held = rank_processes(job_id)
+    assert len(held) >= 2, f"job {job_id}: found the processes {held} of its 2 ranks"
+    try:
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        assert last_iteration(log) < TRAIN_ITERS, f"job {job_id} had finished before it was held:\n{log.read_text()}"
+        # Both nodes, whole: only the training job's preemption makes room for it.
+        urgent = slurm.run(["sbatch", "--parsable", "--qos=urgent", "--nodes=2", "--exclusive",
+                            f"--output={out}/urgent_%j.out", "--wrap", "sleep 1"]).strip().split(";")[0]
+        wait_until(lambda: preempted_at(job_id) is not None, TIMEOUT_S, f"the preemption (by job {urgent})", job_id)
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     wait_until(lambda: job_state(urgent) in slurm.TERMINAL_STATES, TIMEOUT_S, f"the urgent job {urgent}")
     assert job_state(urgent) == "COMPLETED", job_state(urgent)
+
+
+def rank_processes(job_id: str) -> list[int]:
+    """The training processes of job ``job_id`` (its ranks, and any child they forked), the local
+    cluster's nodes being this host."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"trainer.train" not in (proc / "cmdline").read_bytes().split(b"\0"):
+                continue
+            if f"SLURM_JOB_ID={job_id}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def preempted_at(job_id: str) -> str | None:
+    """When Slurm preempted the job (scontrol's PreemptTime), or None while it has not."""
+    shown = re.search(r"\bPreemptTime=(\S+)", slurm.run(["scontrol", "show", "job", job_id]))
+    return shown.group(1) if shown and shown.group(1) not in ("None", "Unknown") else None
 
 
 def batch_shell_traps(job_id: str, signum: int) -> bool:

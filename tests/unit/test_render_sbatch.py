@@ -24,6 +24,8 @@ env > "$FAKE_SRUN_LOG.env"  # what the ranks would inherit
 record() { if [[ -n "${MDPP_EXIT_RECORD:-}" ]]; then echo "$1" > "$MDPP_EXIT_RECORD"; fi; }
 case "${FAKE_RANKS:-done}" in
     done) record "done 20" ;;
+    done-then-term) record "done 20"; exit 143 ;;  # a rank's tear-down cut by TERM (a late preemption)
+    done-then-crash) record "done 20"; exit 1 ;;  # a rank's tear-down failed
     crash) exit 1 ;;
     stopped) record "stopped 9"; exit 75 ;;
     killed-peer) record "checkpointed 9"; exit 143 ;;  # --kill-on-bad-exit's SIGTERM to the peer
@@ -213,6 +215,10 @@ TRAIN_ENV = {"NODE_IPS": "10.0.0.1,10.0.0.2", "SLURM_JOB_NUM_NODES": "2", "SLURM
     ("stopped", 75, False),          # stopped on a signal without --save: nothing to resume
     ("killed-peer", 0, True),        # checkpointed; srun says 143 because a peer was cut: requeue
     ("exit0-no-record", 1, False),   # ranks exited 0 but never said they finished
+    # Every iteration and the final save ran; a TERM to the ranks only (a preemption in the job's
+    # last second, seen in a CI run: the job ended FAILED after "done 12") cut one rank's tear-down.
+    ("done-then-term", 0, False),
+    ("done-then-crash", 1, False),   # an error of its own in the tear-down stays a failure
 ])
 def test_training_job_status_follows_the_exit_record(tmp_path, ranks, status, requeued):
     result, _argv = run_sbatch(jobs.TRAIN, tmp_path, FAKE_RANKS=ranks, **TRAIN_ENV)
