@@ -58,6 +58,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -184,19 +185,21 @@ def interrupt_after_a_periodic_save(kind: str, job_id: str, log: Path, out: Path
     assert job_state(urgent) == "COMPLETED", job_state(urgent)
 
 
-def rank_processes(job_id: str) -> list[int]:
-    """The training processes of job ``job_id`` (its ranks, and any child they forked), the local
-    cluster's nodes being this host."""
-    found = []
+def job_processes(job_id: str, wanted: Callable[[bytes], bool]) -> Iterator[Path]:
+    """/proc/<pid> of each process of job ``job_id`` whose command line (NUL-separated) is ``wanted``,
+    the local cluster's nodes being this host."""
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if b"trainer.train" not in (proc / "cmdline").read_bytes().split(b"\0"):
-                continue
-            if f"SLURM_JOB_ID={job_id}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
+            if wanted((proc / "cmdline").read_bytes()) and \
+                    f"SLURM_JOB_ID={job_id}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                yield proc
         except OSError:  # gone meanwhile, or not ours to read
             continue
-    return found
+
+
+def rank_processes(job_id: str) -> list[int]:
+    """The training processes of job ``job_id``: its ranks, and any child they forked."""
+    return [int(proc.name) for proc in job_processes(job_id, lambda cmd: b"trainer.train" in cmd.split(b"\0"))]
 
 
 def preempted_at(job_id: str) -> str | None:
@@ -210,14 +213,10 @@ def batch_shell_traps(job_id: str, signum: int) -> bool:
     first lines do): its SigCgt mask in /proc, the local cluster's nodes being this host. Until then
     the shell is still being started by slurmstepd, where the signal's default action ends the job:
     no file can trap a signal before its first line."""
-    for proc in Path("/proc").glob("[0-9]*"):
+    for proc in job_processes(job_id, lambda cmd: cmd.endswith(b"/slurm_script\0")):
         try:
-            if not (proc / "cmdline").read_bytes().endswith(b"/slurm_script\0"):
-                continue
-            if f"SLURM_JOB_ID={job_id}".encode() not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
             caught = re.search(r"^SigCgt:\s*([0-9a-f]+)$", (proc / "status").read_text(), re.M)
-        except OSError:  # gone meanwhile, or not ours to read
+        except OSError:  # gone meanwhile
             continue
         return caught is not None and bool(int(caught.group(1), 16) >> (signum - 1) & 1)
     return False

@@ -77,7 +77,8 @@ Simulator = Callable[..., SimResult]
 
 
 def draw(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel, seed: int) -> CostTable:
-    """Seed ``seed``'s op costs for ``spec``'s shape: what :func:`run_once` simulates and :func:`bound_of` bounds."""
+    """Seed ``seed``'s op costs for ``spec``'s shape: what :func:`run_once` simulates (and
+    :func:`~trainer.schedule.bound.order_free_bound` bounds)."""
     return costs.draw(PipelineShape(num_stages, num_microbatches, spec.num_chunks), np.random.default_rng(seed))
 
 
@@ -89,12 +90,6 @@ def run_once(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: 
     if table is None:
         table = draw(spec, num_stages, num_microbatches, costs, seed)
     return simulator(shape, policies, table, record=record)
-
-
-def bound_of(spec: ScheduleSpec, num_stages: int, num_microbatches: int, costs: CostModel,
-             seed: int) -> OrderFreeBound:
-    """The order-free bound of the draw :func:`run_once` simulates for ``spec`` and ``seed``."""
-    return order_free_bound(draw(spec, num_stages, num_microbatches, costs, seed))
 
 
 def describe_caps(policies: list[Policy]) -> str:
